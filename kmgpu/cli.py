@@ -1,0 +1,29 @@
+"""The ``kmgpu`` command: ``kmgpu demo``, ``kmgpu bench``, ``kmgpu launch``.
+
+Each subcommand lives in its own module with a ``main(argv)`` function; this file
+only dispatches, so ``kmgpu --help`` imports no backend.
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("kmgpu.demo", "the sine-wave LSTM on 1 device vs N devices: table + PNG"),
+    "bench": ("kmgpu.bench", "throughput and scaling benchmarks, per backend"),
+    "launch": ("kmgpu.launch", "run a script on several processes or hosts"),
+}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<7} {text}" for name, (_, text) in COMMANDS.items()]
+        print("usage: kmgpu {demo,bench,launch} [options]   (kmgpu COMMAND --help)\n"
+              + "\n".join(lines))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The one interface every engine implements, and the in-process engine shared by
+TensorFlow and JAX.
+
+An engine answers *how replicas are made and synchronised* on one backend. It
+never decides batch sizes or learning rates (that is ``plan.py``) and never
+starts processes by itself unless its backend needs them (torch).
+
+The contract every engine keeps: ``fit`` / ``evaluate`` / ``predict`` run on
+``num_replicas`` devices with Keras's own trainer, take the user's ``template``
+model as the source of truth for weights and compile settings before each call,
+and after ``fit`` -- also when it is interrupted -- leave the trained weights
+and the optimizer state in ``template``.
+"""
+
+import abc
+import contextlib
+
+from kmgpu import replicas
+
+
+class Engine(abc.ABC):
+    """Base class: one per backend.
+
+    Args:
+        device_ids: indices into ``available`` of the devices to use, main first.
+        available: list of (kind, index) pairs from ``devices.physical_devices``.
+        options: the ``kmgpu.plan.Options`` of the ParallelModel.
+    """
+
+    #: what does the work, in words, for describe()
+    name = "?"
+
+    def __init__(self, device_ids, available, options):
+        self.device_ids = list(device_ids)
+        self.device_names = [f"{available[i][0]}:{available[i][1]}" for i in device_ids]
+        self.options = options
+
+    @property
+    def num_replicas(self):
+        return len(self.device_ids)
+
+    @abc.abstractmethod
+    def run(self, method, template, kwargs):
+        """Run ``template.<method>(**kwargs)`` on the replicas.
+
+        Args:
+            method: "fit", "evaluate" or "predict".
+            template: the user's own built (and, for fit/evaluate, compiled) model.
+            kwargs: Keras keyword arguments, batch sizes already global.
+
+        Returns:
+            What Keras returns: a History, a loss/metrics list or dict, or predictions.
+        """
+
+    def batchnorm_mode(self):
+        """How BatchNormalization statistics are computed, for describe()."""
+        if self.num_replicas == 1:
+            return "one device"
+        return "global batch (synchronised)" if self.options.sync_batchnorm else "per replica"
+
+    def close(self):
+        """Free what the engine holds (processes, device memory)."""
+
+
+class InProcessEngine(Engine):
+    """Replicas inside this process, under a backend scope (TF strategy, JAX distribution).
+
+    Keeps one replica model, created inside ``scope()`` from the template's config
+    (a variable's placement is fixed when it is created), and copies weights and
+    optimizer state template -> replica before each call and back after fit.
+    The replica and its optimizer live across calls so optimizer state carries over.
+    """
+
+    def __init__(self, device_ids, available, options):
+        super().__init__(device_ids, available, options)
+        self.replica = None
+        self._built_from = None  # (config json, id of the template's optimizer)
+
+    @abc.abstractmethod
+    def scope(self):
+        """Context manager under which the replica is created, compiled and run."""
+
+    def call_context(self, method):
+        """Extra context around a fit/evaluate/predict call (default: none)."""
+        return contextlib.nullcontext()
+
+    def prepare_replica(self, replica, template):
+        """Hook: adjust a freshly cloned replica (sync BatchNorm, custom steps)."""
+
+    def _ensure_replica(self, template):
+        key = replicas.identity(template)
+        if self.replica is None or key != self._built_from:
+            with self.scope():
+                replica = replicas.clone(template)
+                self.prepare_replica(replica, template)
+                if template.compiled:
+                    replica.compile(**replicas.compile_args(template))
+            self.replica, self._built_from = replica, key
+        return self.replica
+
+    def run(self, method, template, kwargs):
+        replica = self._ensure_replica(template)
+        with self.scope():
+            replicas.copy_state(template, replica)
+        try:
+            with self.scope(), self.call_context(method):
+                result = getattr(replica, method)(**kwargs)
+        finally:
+            if method == "fit":
+                replicas.copy_state(replica, template)
+        if method == "fit":
+            template.history = result
+        return result
