@@ -1,0 +1,11 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with kmgpu and all three
+# backends. The pinned CPU build of torch goes first: an unpinned torch pulls CUDA.
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv || exit 1
+fi
+. .venv/bin/activate
+if ! python -c "import kmgpu, keras, tensorflow, jax, torch, pytest, nbclient" 2>/dev/null; then
+  python -m pip install -q torch==2.13.0 || exit 1
+  python -m pip install -q -e ".[all,test]" || exit 1
+fi
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}

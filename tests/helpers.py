@@ -1,0 +1,70 @@
+"""Small models and data shared by the tests, and the parity measure."""
+
+import numpy as np
+
+
+def rel_diff(a_weights, b_weights):
+    """Largest relative difference between two weight lists: per tensor max|a-b| / max|a|.
+
+    The denominator is floored at 1e-3 so that tensors which stay at float noise
+    (a conv bias under BatchNorm gets no real gradient: |a| ~ 1e-10) do not turn
+    rounding into a 100% "difference".
+    """
+    assert len(a_weights) == len(b_weights)
+    worst = 0.0
+    for a, b in zip(a_weights, b_weights):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        assert a.shape == b.shape
+        worst = max(worst, float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-3)))
+    return worst
+
+
+def mlp(seed=1, features=5):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+
+
+def conv_bn(seed=1):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)  # BN cancels a bias: its gradient is float noise that Adam amplifies
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    outputs = keras.layers.Dense(3)(h)
+    return keras.Model(inputs, outputs)
+
+
+def lstm(seed=1):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6, 3)), keras.layers.LSTM(8), keras.layers.Dense(1)])
+
+
+def data(kind, n, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        x = rng.normal(size=(n, 5))
+        y = x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(n, 1))
+    elif kind == "conv_bn":
+        x = rng.normal(size=(n, 8, 8, 3))
+        y = rng.normal(size=(n, 3))
+    elif kind == "lstm":
+        x = rng.normal(size=(n, 6, 3))
+        y = x.sum(axis=(1, 2))[:, None] / 6
+    else:
+        raise ValueError(kind)
+    return x.astype("float32"), y.astype("float32")
+
+
+MODELS = {"mlp": mlp, "conv_bn": conv_bn, "lstm": lstm}
+
