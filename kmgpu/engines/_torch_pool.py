@@ -379,25 +379,26 @@ class WorkerPool:
                 raise WorkerError(f"kmgpu: torch worker rank {rank} did not start within "
                                   f"{timeout} s.\n{self._tail(rank)}")
 
-    def call(self, payloads):
+    def call(self, payloads, on_event=None):
         """Send one payload per rank; return the ranks' results (list).
 
-        Raises the worker's own exception (chained to a WorkerError holding its
-        traceback) or WorkerError if a worker died; the pool is dead afterwards.
-        KeyboardInterrupt kills the pool and propagates.
+        ``on_event(*event)`` answers rank 0's callback events while the call runs
+        (it must not raise). Raises the worker's own exception (chained to a
+        WorkerError holding its traceback) or WorkerError if a worker died; the
+        pool is dead afterwards. KeyboardInterrupt kills the pool and propagates.
         """
         marks = [m + 1 for m in self._marks]
         try:
             for conn, payload in zip(self.conns, payloads):
                 conn.send(("call", payload))
-            results = self.gather(["ok"] * self.world)
+            results = self.gather(["ok"] * self.world, on_event=on_event)
         except BaseException:
             self.kill()
             raise
         self._wait_output(marks)
         return results
 
-    def gather(self, kinds, timeout=None):
+    def gather(self, kinds, timeout=None, on_event=None):
         from multiprocessing.connection import wait
 
         results, failures = {}, {}
@@ -420,6 +421,9 @@ class WorkerPool:
                         proc.join(1)
                         msg = ("died", proc.exitcode)
                 if msg is None:
+                    continue
+                if msg[0] == "event" and on_event is not None:
+                    conn.send(("reply", on_event(*msg[1])))
                     continue
                 pending.discard(r)
                 if msg[0] == kinds[r]:
@@ -476,7 +480,7 @@ class WorkerPool:
                 parts.append(f"rank {rank} sent {msg[0]!r}")
         error = WorkerError("kmgpu: torch worker failure; all workers were stopped.\n\n"
                             + "\n\n".join(parts))
-        if isinstance(original, Exception):
+        if isinstance(original, BaseException):
             original.__cause__ = error
             return original
         return error

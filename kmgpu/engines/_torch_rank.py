@@ -469,45 +469,104 @@ def _sync_moments(layer, ctx):
 
 
 # -- callbacks ------------------------------------------------------------------------
-class SyncCallback(keras.callbacks.Callback):
-    """Last callback on every rank: rank 0's decisions (stop, learning rate) reach all.
+TRAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+               "on_train_batch_begin", "on_train_batch_end")
+TEST_HOOKS = ("on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end")
+PREDICT_HOOKS = ("on_predict_begin", "on_predict_end", "on_predict_batch_begin",
+                 "on_predict_batch_end")
+_ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
 
-    Callbacks run on rank 0 only; one of them may stop training or change the
-    learning rate. After each batch and epoch rank 0 broadcasts both; before each
-    epoch the learning rate. On rank 0, ``on_epoch_end`` also hands the replica to
-    ``snapshot`` (the pool saves the last consistent weights there).
+
+def implemented_hooks(callbacks):
+    """The hooks the user's callbacks implement (Keras's own ``is_default`` test)."""
+    from keras.src import utils
+
+    out = set()
+    for cb in callbacks or []:
+        for hook in TRAIN_HOOKS + TEST_HOOKS + PREDICT_HOOKS + tuple(_ALIASES):
+            method = getattr(cb, hook, None)
+            if method is not None and not utils.is_default(method):
+                out.add(_ALIASES.get(hook, hook))
+    return out
+
+
+class Abort(Exception):
+    """A user callback raised (in the parent, or on rank 0 under torchrun): every rank
+    leaves the call at the same point, so the pool stays usable."""
+
+
+def plain_logs(logs):
+    from keras.src.utils.python_utils import pythonify_logs
+
+    if not logs:
+        return logs
+    return tree.map_structure(
+        lambda v: keras.ops.convert_to_numpy(v) if hasattr(v, "shape") and v.shape else v,
+        pythonify_logs(logs),
+    )
+
+
+class SyncCallback(keras.callbacks.Callback):
+    """The one callback every rank runs: the user's callbacks run elsewhere, once.
+
+    The user's callbacks run with the user's own model (in the parent process in
+    pool mode, next to rank 0 under torchrun), driven by ``relay``: at each hook
+    they implement, rank 0 sends the hook and its logs and gets back whether to
+    stop training, the learning rate and whether a callback raised; rank 0 then
+    broadcasts that to every rank, which apply it at the same point. Only those
+    hooks cost a collective. On rank 0, ``snapshot`` saves the replica's state at
+    every epoch end and at the end of training, before the hook is relayed, so
+    the user's model holds the current weights when its callbacks look at it.
     """
 
-    def __init__(self, ctx, snapshot=None):
+    def __init__(self, ctx, relayed=(), relay=None, snapshot=None):
         super().__init__()
-        self.ctx, self.snapshot = ctx, snapshot
+        self.ctx, self.relayed, self.relay, self.snapshot = ctx, set(relayed), relay, snapshot
+        hooks = set(self.relayed)
+        if snapshot is not None:
+            hooks |= {"on_epoch_end", "on_train_end"}
+        for hook in hooks:
+            setattr(self, hook, self._bind(hook))
+
+    def _bind(self, hook):
+        def call(*args, **kwargs):
+            self._event(hook, *args, **kwargs)
+
+        return call
 
     def _lr(self):
         opt = getattr(self.model, "optimizer", None)
         lr = getattr(opt, "_learning_rate", None)
         return lr if isinstance(lr, keras.Variable) else None
 
-    def _sync(self, stop):
-        lr = self._lr()
-        values = [float(bool(self.model.stop_training)) if stop else 0.0,
-                  float(lr.numpy()) if lr is not None else 0.0]
-        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
+    def _event(self, hook, *args, **kwargs):
+        indexed = "batch" in hook or "epoch" in hook
+        index = args[0] if indexed and args else None
+        rest = args[1:] if indexed else args
+        logs = rest[0] if rest else kwargs.get("logs")
+        ctx = self.ctx
+        if self.snapshot is not None and ctx.rank == 0 and hook in ("on_epoch_end",
+                                                                    "on_train_end"):
+            self.snapshot(self.model, index if hook == "on_epoch_end" else -1)
+        if hook not in self.relayed:
+            return
+        values = [0.0, 0.0, 0.0, 0.0]  # stop, has lr, lr, abort
+        if ctx.rank == 0:
+            reply = self.relay(hook, index, plain_logs(logs), dict(self.params or {}))
+            values[0] = float(bool(reply.get("stop")))
+            if reply.get("lr") is not None:
+                values[1], values[2] = 1.0, float(reply["lr"])
+            values[3] = float(bool(reply.get("abort")))
+        t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
         dist.broadcast(t, 0)
-        if stop:
-            self.model.stop_training = bool(t[0].item())
-        if lr is not None and self.ctx.rank != 0:
-            lr.assign(t[1].item())
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._sync(stop=False)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._sync(stop=True)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._sync(stop=True)
-        if self.snapshot is not None and self.ctx.rank == 0:
-            self.snapshot(self.model, epoch)
+        stop, has_lr, lr_value, abort = t.tolist()
+        if abort:
+            raise Abort(hook)
+        if hook in TRAIN_HOOKS:
+            self.model.stop_training = bool(stop)
+        lr = self._lr()
+        if has_lr and lr is not None:
+            lr.assign(lr_value)
 
 
 # -- one call -------------------------------------------------------------------------
@@ -517,51 +576,58 @@ def _source(x, y=None, sample_weight=None):
     return ArraySource(x, y, sample_weight)
 
 
-def run(replica, ctx, method, kwargs, *, callbacks=None, seed=0, snapshot=None):
+def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None):
     """Run ``replica.<method>`` on this rank's share of the data.
 
     Args:
         replica: a model made by ``prepare``, with rank 0's state already broadcast.
         ctx: this rank's RankContext.
         method: "fit", "evaluate" or "predict".
-        kwargs: Keras's keyword arguments with full (global) data and batch sizes.
-        callbacks: the user's callbacks (default: ``kwargs["callbacks"]``); only
-            rank 0 runs them.
+        kwargs: Keras's keyword arguments with full (global) data and batch sizes,
+            without ``callbacks`` (those run where ``relay`` sends the hooks).
         seed: the shuffling seed, the same on every rank.
-        snapshot: on rank 0, called with (replica, epoch) at every epoch end.
+        hooks: the hooks the user's callbacks implement (the same on every rank).
+        relay: on rank 0, ``relay(hook, index, logs, params) -> reply`` runs them.
+        snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
+            with epoch -1 at the end of training.
 
     Returns:
-        fit: {"history", "params", "epoch"} on rank 0, None elsewhere; evaluate:
-        Keras's return value (metrics summed over ranks); predict: this rank's
-        (positions, predictions) with stand-in rows dropped.
+        {"aborted": True} if a user callback raised; else fit: {"history",
+        "params", "epoch"} on rank 0, None elsewhere; evaluate: Keras's return
+        value (metrics summed over ranks); predict: this rank's (positions,
+        predictions) with stand-in rows dropped.
     """
     kwargs = dict(kwargs)
-    verbose = kwargs.pop("verbose", "auto")
-    callbacks = kwargs.pop("callbacks", None) if callbacks is None else callbacks
-    if ctx.rank != 0:
-        verbose, callbacks = 0, None
-    cbs = list(callbacks or [])
+    kwargs.pop("callbacks", None)
+    verbose = kwargs.pop("verbose", "auto") if ctx.rank == 0 else 0
+    kwargs.pop("verbose", None)
     replica.stop_training = False
-    if method == "fit":
-        return _fit(replica, ctx, kwargs, verbose, cbs, seed, snapshot)
-    if method == "evaluate":
-        data = RankSlices(_source(kwargs.pop("x"), kwargs.pop("y", None),
-                                  kwargs.pop("sample_weight", None)),
-                          kwargs.pop("batch_size"), ctx)
-        return replica.evaluate(x=data, verbose=verbose, callbacks=cbs or None, **kwargs)
-    if method == "predict":
-        x = kwargs.pop("x")
-        batch_size = kwargs.pop("batch_size")
-        data = RankSlices(_source(x), batch_size, ctx)
-        steps = kwargs.get("steps") or len(data)
-        steps = min(steps, len(data))
-        out = replica.predict(x=data, verbose=verbose, callbacks=cbs or None, **kwargs)
-        if isinstance(x, keras.utils.PyDataset):
-            return _dataset_positions(data, steps, out)
-        keep, where = predict_positions(_rows(x), batch_size, ctx.world, ctx.rank, steps)
-        out = tree.map_structure(lambda a: np.asarray(a)[keep], out)
-        return where, out
+    sync = SyncCallback(ctx, hooks, relay, snapshot if method == "fit" else None)
+    try:
+        if method == "fit":
+            return _fit(replica, ctx, kwargs, verbose, sync, seed)
+        if method == "evaluate":
+            data = RankSlices(_source(kwargs.pop("x"), kwargs.pop("y", None),
+                                      kwargs.pop("sample_weight", None)),
+                              kwargs.pop("batch_size"), ctx)
+            return replica.evaluate(x=data, verbose=verbose, callbacks=[sync], **kwargs)
+        if method == "predict":
+            return _predict(replica, ctx, kwargs, verbose, sync)
+    except Abort:
+        return {"aborted": True}
     raise ValueError(method)
+
+
+def _predict(replica, ctx, kwargs, verbose, sync):
+    x = kwargs.pop("x")
+    batch_size = kwargs.pop("batch_size")
+    data = RankSlices(_source(x), batch_size, ctx)
+    steps = min(kwargs.get("steps") or len(data), len(data))
+    out = replica.predict(x=data, verbose=verbose, callbacks=[sync], **kwargs)
+    if isinstance(x, keras.utils.PyDataset):
+        return _dataset_positions(data, steps, out)
+    keep, where = predict_positions(_rows(x), batch_size, ctx.world, ctx.rank, steps)
+    return where, tree.map_structure(lambda a: np.asarray(a)[keep], out)
 
 
 def _dataset_positions(data, steps, out):
@@ -579,7 +645,7 @@ def _dataset_positions(data, steps, out):
     return where, tree.map_structure(lambda a: np.asarray(a)[keep], out)
 
 
-def _fit(replica, ctx, kwargs, verbose, cbs, seed, snapshot):
+def _fit(replica, ctx, kwargs, verbose, sync, seed):
     x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
     batch_size = kwargs.pop("batch_size")
     validation_data = kwargs.pop("validation_data", None)
@@ -601,11 +667,10 @@ def _fit(replica, ctx, kwargs, verbose, cbs, seed, snapshot):
         else:
             vsource = ArraySource(*data_adapter_utils.unpack_x_y_sample_weight(validation_data))
         val = RankSlices(vsource, validation_batch_size, ctx)
-    cbs = cbs + [SyncCallback(ctx, snapshot)]
     ctx.train, ctx.collective = train, True
     try:
         history = replica.fit(
-            x=train, validation_data=val, shuffle=False, verbose=verbose, callbacks=cbs,
+            x=train, validation_data=val, shuffle=False, verbose=verbose, callbacks=[sync],
             **kwargs,
         )
     finally:

@@ -1,0 +1,148 @@
+"""``kmgpu demo``: the sine-wave LSTM on one device, on N devices through kmgpu, and
+the naive "batch x N" run that shows the trap multi_gpu_model users fell into.
+
+Prints a table (devices, global batch, steps/epoch, train/test RMSE, seconds) and
+saves a PNG of the series and the three predictions.
+"""
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def _gpu_count():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="kmgpu demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default=None,
+                   help="tensorflow, jax, torch or all (default: KERAS_BACKEND, else tensorflow)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices for the parallel runs (default: every GPU, else 4 simulated)")
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--out", default="kmgpu-demo", help="folder for the PNG (default: ./kmgpu-demo)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    backend = args.backend or os.environ.get("KERAS_BACKEND") or "tensorflow"
+    if backend == "all":
+        status = 0
+        for b in BACKENDS:
+            cmd = [sys.executable, "-m", "kmgpu.cli", "demo", "--backend", b,
+                   "--epochs", str(args.epochs), "--out", args.out]
+            if args.devices:
+                cmd += ["--devices", str(args.devices)]
+            status |= subprocess.call(cmd, env={**os.environ, "KERAS_BACKEND": b})
+        return status
+    if backend not in BACKENDS:
+        print(f"kmgpu demo: --backend must be one of {', '.join(BACKENDS)} or all", file=sys.stderr)
+        return 2
+    if "keras" in sys.modules and sys.modules["keras"].config.backend() != backend:
+        print("kmgpu demo: keras is already imported with another backend", file=sys.stderr)
+        return 2
+    os.environ["KERAS_BACKEND"] = backend
+    return run(backend, args.devices, args.epochs, args.out)
+
+
+def run(backend, n, epochs, out):
+    import kmgpu
+
+    gpus = _gpu_count()
+    if gpus == 0:
+        n = n or 4
+        kmgpu.simulate_devices(n)
+        where = f"{n} simulated CPU devices"
+    else:
+        n = min(n or gpus, gpus)
+        where = f"{n} GPU(s)"
+    import keras
+    import numpy as np
+
+    from kmgpu import sine
+
+    (x_tr, y_tr), (x_te, y_te), scale = sine.data()
+    print(f"kmgpu demo - backend {backend}, {where}; sine LSTM, {len(x_tr)} train / "
+          f"{len(x_te)} test samples, {epochs} epochs")
+    rows, predictions = [], {}
+    runs = [
+        ("1 device", 1, "global", sine.BATCH),
+        (f"kmgpu, {n} devices", n, "global", sine.BATCH),
+        (f"naive batch x {n}", n, "per_replica", sine.BATCH),
+    ]
+    for label, devices, policy, batch in runs:
+        model = sine.model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-device note and the trap warning
+            parallel = kmgpu.parallelize(model, gpus=devices, batch=policy, scale_lr=False)
+        parallel.compile(optimizer="adam", loss="mse")
+        start = time.perf_counter()
+        parallel.fit(x_tr, y_tr, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+        seconds = time.perf_counter() - start
+        global_batch = batch * devices if policy == "per_replica" else batch
+        # predict with the user's own model: it holds the trained weights
+        rows.append((label, devices, global_batch, math.ceil(len(x_tr) / global_batch),
+                     sine.rmse(model, x_tr, y_tr, scale), sine.rmse(model, x_te, y_te, scale),
+                     seconds))
+        lo, hi = scale
+        predictions[label] = model.predict(np.concatenate([x_tr, x_te]), verbose=0)[:, 0] * (hi - lo) + lo
+        parallel.close()
+    header = ("run", "devices", "global batch", "steps/epoch", "train RMSE", "test RMSE", "seconds")
+    print(_table(header, [(r[0], r[1], r[2], r[3], f"{r[4]:.2f}", f"{r[5]:.2f}", f"{r[6]:.1f}")
+                          for r in rows]))
+    path = _plot(backend, predictions, out)
+    if path:
+        print(f"plot: {path}")
+    return 0
+
+
+def _table(header, rows):
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [line(r) for r in cells[1:]])
+
+
+def _plot(backend, predictions, out):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return None
+    import numpy as np
+
+    series = 60 * np.sin(0.1 * np.arange(160))
+    os.makedirs(out, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(series, color="black", lw=2, label="series 60 sin(0.1 i)")
+    for label, pred in predictions.items():
+        ax.plot(np.arange(1, len(pred) + 1), pred, lw=1.2, label=label)
+    ax.axvline(int(160 * 0.67), color="grey", ls=":", lw=1)
+    ax.set_title(f"kmgpu demo ({backend}): next-value predictions; test starts at the dotted line")
+    ax.legend(loc="lower left", fontsize=8)
+    path = os.path.join(out, f"demo-{backend}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,249 @@
+"""A worker process of kmgpu's torch pool: one rank, one device, many calls.
+
+``main`` is the process's target. It sends its stdout/stderr into a pipe the
+parent reads, ignores SIGINT (the parent decides), leaves when the parent goes,
+joins the process group (rank 0 hosts a TCPStore on a free loopback port), then
+answers calls until told to exit, which it does with ``barrier()``,
+``destroy_process_group()`` and ``os._exit(0)`` (no gloo/NCCL abort at exit).
+"""
+
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+
+
+def _redirect(out_conn):
+    fd = out_conn.fileno()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    out_conn.close()
+    # New objects: the inherited sys.stdout may be a capture object or a Jupyter
+    # stream (and its lock may have been held by another thread at fork).
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="replace", write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="replace", write_through=True)
+
+
+def _watch_parent(parent):
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="kmgpu-parent-watch").start()
+
+
+def _end_call():
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        from kmgpu.engines._torch_pool import END_MARK
+
+        os.write(1, END_MARK)
+
+
+def _is_collective_failure(exc):
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection closed", "Connection reset", "gloo",
+                                   "NCCL", "ProcessGroup", "Broken pipe"))
+
+
+def main(rank, world, device, conn, out_conn, settings):
+    _redirect(out_conn)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(settings["parent"])
+    try:
+        for key, value in settings.get("env", {}).items():
+            os.environ.setdefault(key, value)
+        import torch
+
+        torch.set_num_threads(settings["threads"])
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        import keras
+
+        for name, value in settings.get("keras_config", {}).items():
+            getattr(keras.config, f"set_{name}")(value)
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=settings.get("timeout", 1800))
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True,
+                                  wait_for_workers=False, timeout=timeout)
+            conn.send(("port", store.port))
+        else:
+            kind, port = conn.recv()
+            store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
+                                  timeout=timeout)
+        kwargs = {}
+        if device.startswith("cuda"):
+            kwargs["device_id"] = torch.device(device)
+        dist.init_process_group(settings["backend"], store=store, rank=rank,
+                                world_size=world, timeout=timeout, **kwargs)
+        worker = Worker(rank, world, device, settings, conn)
+        conn.send(("ready", os.getpid()))
+    except BaseException as e:
+        _send_error(conn, e)
+        os._exit(1)
+
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            os._exit(2)
+        if kind == "exit":
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+        try:
+            result = worker.handle(payload)
+        except BaseException as e:
+            _end_call()
+            _send_error(conn, e)
+            os._exit(1)
+        _end_call()
+        conn.send(("ok", result))
+
+
+def _send_error(conn, exc):
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    try:
+        collective = _is_collective_failure(exc)
+    except Exception:
+        collective = False
+    try:
+        conn.send(("error", blob, tb, collective))
+    except Exception:
+        pass
+    try:
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+class Worker:
+    """This rank's replica (kept between calls) and what a call does with it."""
+
+    def __init__(self, rank, world, device, settings, conn):
+        import torch
+
+        from kmgpu.engines import _torch_rank
+
+        self.rank, self.world = rank, world
+        self.device = torch.device(device)
+        self.settings = settings
+        self.ctx = _torch_rank.RankContext(self.device, settings["sync_batchnorm"])
+        self.replica, self.key = None, None
+        self.seq = 0
+        self.conn = conn
+
+    def relay(self, hook, index, logs, params):
+        """Rank 0: run the user's callbacks in the parent; wait for its answer."""
+        self.conn.send(("event", (hook, index, logs, params)))
+        kind, reply = self.conn.recv()
+        if kind != "reply":
+            raise RuntimeError(f"kmgpu: expected the parent's reply, got {kind!r}")
+        return reply
+
+    def _replica(self, payload):
+        import keras
+
+        from kmgpu.engines import _torch_rank
+
+        if payload["key"] == self.key and self.replica is not None:
+            return self.replica
+        spec = payload["model"]
+        if spec is None:
+            raise RuntimeError("kmgpu: the worker has no model for this call")
+        custom = pickle.loads(spec["custom_objects"]) if spec["custom_objects"] else {}
+        self.replica, self.key = None, None
+        self.ctx.sync_batchnorm = payload["sync_batchnorm"]
+        with keras.saving.custom_object_scope(custom):
+            replica = keras.saving.deserialize_keras_object(spec["model"])
+            if not replica.built and spec.get("build_config"):
+                replica.build_from_config(spec["build_config"])
+            if spec["compile"] is not None:
+                replica.compile_from_config(spec["compile"])
+        _torch_rank.prepare(replica, self.ctx)
+        self.replica, self.key = replica, payload["key"]
+        return replica
+
+    def handle(self, payload):
+        from kmgpu.engines import _torch_pool
+        from kmgpu.engines import _torch_rank
+
+        method = payload["method"]
+        if method == "weights":  # for tests: this rank's replica state
+            return None if self.replica is None else self.replica.get_weights()
+        replica = self._replica(payload)
+        state = _torch_pool.StateFile(payload["state"]["path"], payload["state"]["layout"])
+        try:
+            if self.rank == 0:
+                _load_state(replica, state.read(0), payload["state"])
+            _torch_rank.broadcast_state(replica, self.ctx)
+            kwargs = _torch_pool.resolve(payload["kwargs"])
+            for key in ("x", "validation_data"):
+                if isinstance(kwargs.get(key), bytes):
+                    kwargs[key] = pickle.loads(kwargs[key])
+            snapshot = None
+            if method == "fit" and self.rank == 0:
+                def snapshot(model, epoch):
+                    self.seq += 1
+                    state.write(1 + self.seq % 2, _state_arrays(model, payload["state"]),
+                                seq=self.seq, epoch=epoch)
+            return _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
+                                   hooks=payload["hooks"], relay=self.relay, snapshot=snapshot)
+        finally:
+            state.close()
+
+
+def _load_state(replica, arrays, info):
+    from kmgpu import replicas
+
+    nw, no = info["n_weights"], info["n_optimizer"]
+    replica.set_weights(arrays[:nw])
+    opt = getattr(replica, "optimizer", None)
+    if no and opt is not None:
+        if not opt.built:
+            opt.build(replica.trainable_variables)
+        variables = replicas.optimizer_state(opt)
+        if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
+            for v, a in zip(variables, arrays[nw:nw + no]):
+                v.assign(a)
+    if info["has_lr"] and opt is not None:
+        opt._learning_rate.assign(arrays[-1])
+
+
+def _state_arrays(model, info):
+    from kmgpu import replicas
+
+    arrays = model.get_weights()
+    if info["n_optimizer"]:
+        arrays += [v.numpy() for v in replicas.optimizer_state(model.optimizer)]
+    if info["has_lr"]:
+        arrays.append(model.optimizer._learning_rate.numpy())
+    return arrays

@@ -1,0 +1,549 @@
+"""Torch engine: ``DistributedDataParallel`` inside Keras's own ``fit``.
+
+Keras 3.15 has no DDP in its torch trainer, so every rank runs Keras's ``fit`` /
+``evaluate`` / ``predict`` on a replica whose ``train_step`` (the documented
+extension point) runs the forward pass through DDP and weights the loss by the
+rank's share of the global batch; ``_torch_rank`` holds that part.
+
+The process model is chosen automatically:
+
+- **in-process**: this process is already one rank of a distributed job
+  (``torch.distributed`` is initialised, or torchrun's environment is set). DDP
+  runs here; every process passes the same full data; kmgpu takes each rank's
+  share, runs the user's callbacks on rank 0 only and returns the same History,
+  metrics and predictions on every rank.
+- **pool** (everything else): one worker process per device (gloo on CPU /
+  simulated devices, NCCL on GPUs), started once and reused between calls
+  (``_torch_pool``). The model travels as config + weights, the data once as
+  memory-mapped files; rank 0's progress bar streams to this process's stdout;
+  the trained weights and optimizer state land in the user's model.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from kmgpu import replicas
+from kmgpu.engines.base import Engine
+
+_SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
+
+
+def in_distributed_job():
+    """True when this process is one rank of a job (torch.distributed or torchrun env)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    env = os.environ
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class TorchEngine(Engine):
+    name = "torch DistributedDataParallel"
+
+    def __init__(self, device_ids, available, options):
+        super().__init__(device_ids, available, options)
+        self._pool = None
+        self._replica, self._built_key = None, None
+        self._owns_group = False
+        self.in_process = in_distributed_job()
+        if self.in_process:
+            self._init_in_process(available)
+        else:
+            kinds = [available[i] for i in self.device_ids]
+            gpu = kinds[0][0] == "gpu"
+            self.torch_devices = [f"cuda:{i}" if gpu else "cpu" for _, i in kinds]
+            self.backend = "nccl" if gpu else "gloo"
+            self.name = (f"torch DistributedDataParallel ({self.backend}, "
+                         f"{self.num_replicas} worker process(es), reused between calls)")
+
+    # -- the Engine interface ---------------------------------------------------------
+    def run(self, method, template, kwargs):
+        if self.in_process:
+            return self._run_here(method, template, kwargs)
+        return self._run_pool(method, template, kwargs)
+
+    def batchnorm_mode(self):
+        if self.num_replicas == 1:
+            return "one device"
+        if self.options.sync_batchnorm:
+            return "global batch (sums all-reduced in the forward pass, with autograd)"
+        return ("per replica; moving statistics averaged over replicas (weighted by "
+                "batch share) after every step")
+
+    def close(self):
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            key = (tuple(self.torch_devices), self.backend)
+            if _SHARED_POOLS.get(key) is pool:
+                del _SHARED_POOLS[key]
+            pool.close()
+        if self._owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+            self._owns_group = False
+
+    # -- for tests and describe() ---------------------------------------------------
+    def worker_pids(self):
+        """The pool's worker process ids (empty in-process or before the first call)."""
+        return [] if self._pool is None or self._pool.closed else self._pool.pids
+
+    def rank_weights(self):
+        """Every rank's replica weights (trainable and non-trainable), rank order."""
+        if self.in_process:
+            import torch.distributed as dist
+
+            out = [None] * self.num_replicas
+            dist.all_gather_object(out, self._replica.get_weights())
+            return out
+        return self._pool.call([{"method": "weights"}] * self.num_replicas)
+
+    # -- pool mode ------------------------------------------------------------------
+    def _ensure_pool(self):
+        from kmgpu.engines import _torch_pool
+
+        key = (tuple(self.torch_devices), self.backend)
+        pool = _SHARED_POOLS.get(key)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.kill()
+            pool = _torch_pool.WorkerPool(self.torch_devices, self.backend,
+                                          _worker_settings(self.backend)).start()
+            _SHARED_POOLS[key] = pool
+        self._pool = pool
+        return pool
+
+    def _run_pool(self, method, template, kwargs):
+        from kmgpu.engines import _torch_pool
+
+        kwargs = dict(kwargs)
+        callbacks = kwargs.pop("callbacks", None)
+        pool = self._ensure_pool()
+        files = _torch_pool.CallFiles(_nbytes(kwargs))
+        state = None
+        try:
+            shipped = _ship(kwargs, files)
+            info, arrays = _template_state(template, with_optimizer=(method == "fit"))
+            state = _torch_pool.StateFile(os.path.join(files.path, "state.bin"),
+                                          info["layout"], create=True)
+            state.write(0, arrays)
+            driver = CallbackDriver(callbacks, template, method,
+                                    load_state=lambda: _restore(template, state, info))
+            key = _model_key(template, self.options.sync_batchnorm)
+            payload = {
+                "method": method,
+                "key": key,
+                "model": None if pool.model_key == key else _model_spec(template),
+                "kwargs": shipped,
+                "state": dict(info, path=state.path),
+                "seed": int(np.random.randint(0, 2**31 - 1)),
+                "sync_batchnorm": self.options.sync_batchnorm,
+                "hooks": sorted(driver.hooks),
+            }
+            try:
+                results = pool.call([payload] * pool.world, on_event=driver)
+            except BaseException:
+                pool.model_key = None
+                if method == "fit":
+                    _restore(template, state, info)
+                raise
+            pool.model_key = key
+            return self._finish(method, template, results, driver,
+                                lambda: _restore(template, state, info))
+        finally:
+            if state is not None:
+                state.close()
+            files.close()
+
+    def _finish(self, method, template, results, driver, load_final):
+        """The call's return value, once every rank has answered."""
+        if driver.error is not None or any(isinstance(r, dict) and r.get("aborted")
+                                           for r in results[:1]):
+            if method == "fit":
+                load_final()  # the last consistent state (epoch snapshot)
+            if driver.error is not None:
+                raise driver.error
+            raise RuntimeError("kmgpu: the call was aborted")
+        if method == "fit":
+            if not driver.final_loaded:
+                load_final()
+            return _history(template, results[0])
+        if method == "predict":
+            return _assemble(results)
+        return results[0]
+
+    # -- in-process mode ------------------------------------------------------------
+    def _init_in_process(self, available):
+        import torch
+        import torch.distributed as dist
+
+        from kmgpu import hardware
+
+        gpu = torch.cuda.is_available() and not hardware.simulated_count()
+        if gpu:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if gpu else "gloo", init_method="env://")
+            self._owns_group = True
+        self.backend = dist.get_backend()
+        world = dist.get_world_size()
+        kind = "gpu" if gpu else "cpu"
+        self.device_ids = list(range(world))
+        self.device_names = [f"{kind}:{r}" for r in range(world)]
+        self.torch_devices = None
+        self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
+                     f"{dist.get_rank()} of {world})")
+        from kmgpu.engines import _torch_rank
+
+        device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+        self._ctx = _torch_rank.RankContext(device, self.options.sync_batchnorm)
+
+    def _run_here(self, method, template, kwargs):
+        import torch.distributed as dist
+
+        from kmgpu.engines import _torch_rank
+
+        ctx = self._ctx
+        kwargs = dict(kwargs)
+        callbacks = kwargs.pop("callbacks", None)
+        key = _model_key(template, self.options.sync_batchnorm)
+        if self._replica is None or key != self._built_key:
+            replica = replicas.clone(template)
+            if template.compiled:
+                replica.compile(**replicas.compile_args(template))
+            self._replica, self._built_key = _torch_rank.prepare(replica, ctx), key
+        replica = self._replica
+        replicas.copy_state(template, replica)
+        _copy_lr(template, replica)
+        _torch_rank.broadcast_state(replica, ctx)
+
+        def load_state():
+            replicas.copy_state(replica, template)
+            _copy_lr(replica, template)
+
+        # Rank 0 runs the user's callbacks, with the user's model; the others
+        # learn which hooks that takes (and the shuffling seed) from it.
+        driver = CallbackDriver(callbacks if ctx.rank == 0 else None, template, method,
+                                load_state=load_state)
+        shared = [sorted(driver.hooks), int(np.random.randint(0, 2**31 - 1))]
+        dist.broadcast_object_list(shared, 0)
+        kwargs = {k: (_local(v) if k in ("x", "y", "sample_weight", "validation_data") else v)
+                  for k, v in kwargs.items()}
+        try:
+            result = _torch_rank.run(replica, ctx, method, kwargs, seed=shared[1],
+                                     hooks=shared[0], relay=driver if ctx.rank == 0 else None)
+        except BaseException:
+            if method == "fit":
+                load_state()
+            raise
+        aborted = [bool(isinstance(result, dict) and result.get("aborted"))]
+        if method == "fit":
+            box = [result]
+            dist.broadcast_object_list(box, 0)
+            result = box[0]
+        if method == "predict" and not aborted[0]:
+            pieces = [None] * ctx.world
+            dist.all_gather_object(pieces, result)
+            result = pieces
+        else:
+            result = [result]
+        return self._finish(method, template, result, driver, load_state)
+
+
+class CallbackDriver:
+    """Runs the user's callbacks once, with the user's own model, as rank 0 relays hooks.
+
+    Called as ``driver(hook, index, logs, params)``; answers {"stop", "lr"} or
+    {"abort": True} once a callback has raised (the exception is kept in
+    ``error`` and raised by the engine after every rank has left the call).
+    Before ``on_epoch_end`` and ``on_train_end`` it loads rank 0's latest state
+    into the model, so a checkpoint or early-stopping callback sees current weights.
+    """
+
+    def __init__(self, callbacks, template, method, load_state):
+        import keras
+
+        from kmgpu.engines import _torch_rank
+
+        self.template, self.load_state = template, load_state
+        self.error, self.final_loaded, self._params = None, False, None
+        callbacks = list(callbacks or [])
+        hooks = _torch_rank.implemented_hooks(callbacks)
+        family = {"fit": _torch_rank.TRAIN_HOOKS, "evaluate": _torch_rank.TEST_HOOKS,
+                  "predict": _torch_rank.PREDICT_HOOKS}[method]
+        if method == "fit":  # fit's validation runs the test hooks too
+            family = family + _torch_rank.TEST_HOOKS
+        hooks &= set(family)
+        # A begin hook and its end hook travel together (Keras's CallbackList counts them).
+        for prefix, hooks_of in (("on_train", _torch_rank.TRAIN_HOOKS),
+                                 ("on_test", _torch_rank.TEST_HOOKS),
+                                 ("on_predict", _torch_rank.PREDICT_HOOKS)):
+            if hooks & set(hooks_of):
+                hooks |= {prefix + "_begin", prefix + "_end"}
+        self.hooks = hooks
+        self.callbacks = None
+        if callbacks:
+            self.callbacks = keras.callbacks.CallbackList(callbacks, model=template)
+            # hooks arrive one by one from rank 0: no asynchronous dispatch here
+            self.callbacks._async_train = self.callbacks._async_test = False
+            self.callbacks._async_predict = False
+
+    def __call__(self, hook, index, logs, params):
+        import keras
+
+        if self.error is not None:
+            return {"abort": True}
+        try:
+            if params and params != self._params:
+                self.callbacks.set_params(params)
+                self._params = params
+            if hook in ("on_epoch_end", "on_train_end"):
+                self.load_state()
+                self.final_loaded = hook == "on_train_end"
+            if hook == "on_train_begin":
+                self.template.stop_training = False
+            fn = getattr(self.callbacks, hook)
+            fn(logs) if index is None else fn(index, logs)
+        except BaseException as e:  # KeyboardInterrupt from a callback too
+            self.error = e
+            return {"abort": True}
+        lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
+        return {"stop": bool(getattr(self.template, "stop_training", False)),
+                "lr": float(lr.numpy()) if isinstance(lr, keras.Variable) else None}
+
+
+# -- helpers ------------------------------------------------------------------------
+def _worker_settings(backend):
+    import keras
+
+    from kmgpu import hardware
+
+    env = {"KERAS_BACKEND": "torch"}
+    if backend == "gloo":
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if hardware.simulated_count():
+        env[hardware.SIMULATE_ENV] = str(hardware.simulated_count())
+    config = {
+        "floatx": keras.config.floatx(),
+        "epsilon": keras.config.epsilon(),
+        "image_data_format": keras.config.image_data_format(),
+        "dtype_policy": keras.config.dtype_policy().name,
+    }
+    return {"env": env, "keras_config": config, "sync_batchnorm": False}
+
+
+def _is_array_like(x):
+    if x is None or isinstance(x, np.ndarray) or hasattr(x, "__array__"):
+        return True
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        return True
+    if isinstance(x, (list, tuple, dict)):
+        import keras
+
+        return all(_is_array_like(leaf) or np.isscalar(leaf) for leaf in keras.tree.flatten(x))
+    return False
+
+
+def _check_data(name, x):
+    import keras
+
+    if isinstance(x, keras.utils.PyDataset) or _is_array_like(x):
+        return
+    raise TypeError(
+        f"kmgpu (torch): {name} is a {type(x).__name__}. kmgpu's torch workers take NumPy "
+        "arrays (or torch tensors, lists/dicts of them) or a keras.utils.PyDataset, which "
+        "each worker slices batch by batch. Convert the data to arrays, wrap it in a "
+        "PyDataset, or run the script under torchrun (each process then passes its data)."
+    )
+
+
+def _ship(kwargs, files):
+    import keras
+
+    from kmgpu.engines import _torch_pool
+
+    out = dict(kwargs)
+    for key in ("x", "y", "sample_weight", "validation_data"):
+        value = kwargs.get(key)
+        if value is None:
+            continue
+        _check_data(key, value)
+        if isinstance(value, keras.utils.PyDataset):
+            out[key] = _torch_pool.dumps(value)
+        else:
+            out[key] = files.put(tuple(value) if key == "validation_data" else value)
+    return out
+
+
+def _local(value):
+    """In-process: torch tensors / array-likes as NumPy (PyDatasets untouched)."""
+    import keras
+
+    from kmgpu.engines._torch_pool import _as_array
+
+    if value is None or isinstance(value, keras.utils.PyDataset):
+        return value
+    _check_data("data", value)
+    return keras.tree.map_structure(_as_array, value)
+
+
+def _nbytes(kwargs):
+    import keras
+
+    total = 0
+    for key in ("x", "y", "sample_weight", "validation_data"):
+        value = kwargs.get(key)
+        if value is None or isinstance(value, (bytes, keras.utils.PyDataset)):
+            continue
+        try:
+            for leaf in keras.tree.flatten(value):
+                total += int(getattr(leaf, "nbytes", 0) or 0)
+        except Exception:
+            pass
+    return total
+
+
+def _template_state(template, with_optimizer):
+    import keras
+
+    arrays = list(template.get_weights())
+    n_weights = len(arrays)
+    n_opt, has_lr = 0, False
+    opt = getattr(template, "optimizer", None)
+    if with_optimizer and opt is not None:
+        if not opt.built:
+            opt.build(template.trainable_variables)
+        ostate = [v.numpy() for v in replicas.optimizer_state(opt)]
+        arrays += ostate
+        n_opt = len(ostate)
+        lr = getattr(opt, "_learning_rate", None)
+        if isinstance(lr, keras.Variable):
+            arrays.append(np.asarray(lr.numpy()))
+            has_lr = True
+    arrays = [np.asarray(a) for a in arrays]
+    info = {"layout": [(a.shape, a.dtype.str) for a in arrays], "n_weights": n_weights,
+            "n_optimizer": n_opt, "has_lr": has_lr}
+    return info, arrays
+
+
+def _restore(template, state, info):
+    """The newest complete snapshot rank 0 wrote (final weights, or the last epoch's)."""
+    latest = state.latest()
+    if latest is None:
+        return False
+    arrays, _ = latest
+    nw, no = info["n_weights"], info["n_optimizer"]
+    template.set_weights(arrays[:nw])
+    opt = getattr(template, "optimizer", None)
+    if no and opt is not None:
+        for v, a in zip(replicas.optimizer_state(opt), arrays[nw:nw + no]):
+            v.assign(a)
+    if info["has_lr"] and opt is not None:
+        opt._learning_rate.assign(arrays[-1])
+    return True
+
+
+def _copy_lr(src, dst):
+    import keras
+
+    a = getattr(getattr(src, "optimizer", None), "_learning_rate", None)
+    b = getattr(getattr(dst, "optimizer", None), "_learning_rate", None)
+    if isinstance(a, keras.Variable) and isinstance(b, keras.Variable) and a is not b:
+        b.assign(a.numpy())
+
+
+def _history(template, result):
+    import keras
+
+    history = keras.callbacks.History()
+    history.set_model(template)
+    history.history = result["history"]
+    history.params = result["params"]
+    history.epoch = result["epoch"]
+    template.history = history
+    return history
+
+
+def _assemble(pieces):
+    """Predictions in input order from every rank's (positions, predictions)."""
+    import keras
+
+    n = sum(len(where) for where, _ in pieces)
+    first = pieces[0][1]
+    flats = [keras.tree.flatten(out) for _, out in pieces]
+    outputs = []
+    for j, leaf in enumerate(flats[0]):
+        leaf = np.asarray(leaf)
+        full = np.empty((n,) + leaf.shape[1:], leaf.dtype)
+        for (where, _), flat in zip(pieces, flats):
+            full[where] = flat[j]
+        outputs.append(full)
+    return keras.tree.pack_sequence_as(first, outputs)
+
+
+def _model_key(template, sync_batchnorm):
+    config = json.dumps(template.get_config(), sort_keys=True, default=repr)
+    compile_config = json.dumps(template.get_compile_config(), sort_keys=True, default=repr) \
+        if template.compiled else "null"
+    return f"{type(template).__module__}.{type(template).__qualname__}|{config}|" \
+           f"{compile_config}|sync_bn={sync_batchnorm}"
+
+
+def _custom_objects(template):
+    """Classes and functions the model and its compile() use that Keras does not own."""
+    import keras
+
+    custom = dict(keras.saving.get_custom_objects())
+
+    def add(obj):
+        cls = obj if isinstance(obj, type) else type(obj)
+        if callable(obj) and not isinstance(obj, type) and hasattr(obj, "__module__") \
+                and not hasattr(obj, "get_config"):
+            cls = obj  # a plain function
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("keras") or module in ("builtins",):
+            return
+        try:
+            name = keras.saving.get_registered_name(cls)
+        except Exception:
+            name = getattr(cls, "__name__", None)
+        if name:
+            custom[name] = cls
+            custom.setdefault(getattr(cls, "__name__", name), cls)
+
+    for layer in template._flatten_layers(include_self=True):
+        add(layer)
+    if template.compiled:
+        config = template._compile_config.config
+        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
+            value = config.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            import keras as k
+
+            for leaf in k.tree.flatten(value):
+                if leaf is not None and not isinstance(leaf, (str, int, float)):
+                    add(leaf)
+    return custom
+
+
+def _model_spec(template):
+    import keras
+
+    from kmgpu.engines import _torch_pool
+
+    serialized = keras.saving.serialize_keras_object(template)
+    serialized.pop("compile_config", None)
+    return {
+        "model": serialized,
+        "build_config": template.get_build_config(),
+        "compile": template.get_compile_config() if template.compiled else None,
+        "custom_objects": _torch_pool.dumps(_custom_objects(template)),
+    }
+
