@@ -298,7 +298,7 @@ def prepare(replica, ctx):
         ddp = DistributedDataParallel(
             replica,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            broadcast_buffers=False,
+            **_no_buffer_sync(),
         )
         ddp.register_comm_hook(None, _sum_hook)
         replica.train_step = _make_train_step(replica, ddp, ctx, averaged)
@@ -309,6 +309,21 @@ def prepare(replica, ctx):
     replica._get_metrics_result_or_logs = _make_metric_reduction(replica, ctx)
     replica.evaluate = _make_evaluate(replica, ctx)
     return replica
+
+
+def _no_buffer_sync():
+    """Keras keeps no torch buffers; the argument's name changed in torch 2.13."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _average_statistics(variables, share, ctx):
@@ -438,10 +453,29 @@ def _make_evaluate(replica, ctx):
     return evaluate_
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """``dist.all_reduce`` (sum) with its gradient: the upstream gradients summed too.
+
+    (``torch.distributed.nn.functional.all_reduce`` is this, deprecated in torch 2.13
+    in favour of a private module.)
+    """
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad)
+        return grad
+
+
 def _sync_moments(layer, ctx):
     """BatchNormalization moments over the global batch (sums all-reduced with autograd)."""
-    from torch.distributed.nn.functional import all_reduce
-
+    all_reduce = _SumOverRanks.apply
     local = layer._moments
 
     def moments(inputs, mask):
