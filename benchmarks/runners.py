@@ -158,8 +158,9 @@ def _torch_ddp(workload, n, init):
         else:
             import torch.multiprocessing as mp
 
-            # The guide forks; a parent that has started CUDA must spawn instead.
-            method = "spawn" if (cuda and torch.cuda.is_initialized()) else "fork"
+            # The guide forks; forking a process that has already run CUDA or torch's
+            # OpenMP threads (as this one has: it built the model) hangs, so spawn.
+            method = "spawn"
             mp.start_processes(_ddp_process, args=(n, workload, init, cuda, port, out),
                                nprocs=n, join=True, start_method=method)
         saved = np.load(out, allow_pickle=False)

@@ -4,7 +4,7 @@ import inspect
 import warnings
 
 from kmgpu import hardware
-from kmgpu import plan
+from kmgpu import lr, plan
 from kmgpu.engines import engine_class
 
 
@@ -57,7 +57,7 @@ class ParallelModel:
 
     def __init__(self, model, engine, options, backend):
         self.__dict__.update(model=model, _engine=engine, _options=options, _backend=backend,
-                             _last_fit=None)
+                             _last_fit=None, _lr_scale=(1.0, 0), _warned=False)
 
     # -- the contract -------------------------------------------------------------
     @property
@@ -72,21 +72,41 @@ class ParallelModel:
         """``keras.Model.fit``; ``batch_size`` follows the batch policy."""
         call = self._bind("fit", args, kwargs)
         self._require_compiled("fit")
+        user_batch = call.get("batch_size")
         call = self._globalise(call, ("batch_size", "validation_batch_size"))
         samples = _num_samples(call.get("x"))
-        self.__dict__["_last_fit"] = (samples, call.get("batch_size"))
-        return self._engine.run("fit", self.model, call)
+        steps = call.get("steps_per_epoch") or _steps(call.get("x"), samples, call.get("batch_size"))
+        self.__dict__["_last_fit"] = (samples, user_batch)
+        self._warn_about_traps(steps)
+        factor = plan.lr_factor(self._options, self.num_replicas)
+        optimizer = self.model.optimizer
+        if lr.is_schedule(optimizer):
+            warmup = self._options.warmup_epochs
+            if warmup and not steps:
+                raise ValueError(
+                    "warmup_epochs with a LearningRateSchedule ramps per step and needs the "
+                    "steps per epoch: pass steps_per_epoch=... to fit (your data has no length)."
+                )
+            self.__dict__["_lr_scale"] = (factor, warmup * (steps or 0))
+        else:
+            scaling = lr.LRScaling(optimizer, factor, self._options.warmup_epochs)
+            call["callbacks"] = scaling.wrap(call.get("callbacks"))
+        if call.get("verbose") not in (0, "0"):
+            print(self.describe(), flush=True)
+        return self._engine.run("fit", self.model, call, self._lr_scale)
 
     def evaluate(self, *args, **kwargs):
         """``keras.Model.evaluate``: every sample exactly once."""
         call = self._bind("evaluate", args, kwargs)
         self._require_compiled("evaluate")
-        return self._engine.run("evaluate", self.model, self._globalise(call, ("batch_size",)))
+        return self._engine.run("evaluate", self.model, self._globalise(call, ("batch_size",)),
+                                self._lr_scale)
 
     def predict(self, *args, **kwargs):
         """``keras.Model.predict``: every sample exactly once, in order."""
         call = self._bind("predict", args, kwargs)
-        return self._engine.run("predict", self.model, self._globalise(call, ("batch_size",)))
+        return self._engine.run("predict", self.model, self._globalise(call, ("batch_size",)),
+                                self._lr_scale)
 
     def save(self, filepath, *args, **kwargs):
         """Save the user's model: a plain Keras file, loadable without kmgpu."""
@@ -130,6 +150,25 @@ class ParallelModel:
         call.update(call.pop("kwargs", {}))
         return call
 
+    def _warn_about_traps(self, steps):
+        """Say once when the plan looks like the batch-scaling trap."""
+        if self._warned:
+            return
+        o, n = self._options, self.num_replicas
+        text = None
+        if o.batch == "per_replica" and not o.scale_lr and n > 1:
+            text = (f"batch='per_replica' with scale_lr=False: the global batch is {n}x larger "
+                    f"and each epoch takes {n}x fewer steps at the same learning rate, which "
+                    "is what made multi_gpu_model models train worse. Use batch='global' "
+                    "(the default), or keep per_replica with scale_lr=True (and warmup_epochs).")
+        elif steps is not None and steps < 10:
+            text = (f"only {steps} step(s) per epoch: with so few updates per epoch the model "
+                    "may need more epochs than on one device. A smaller batch_size (it is the "
+                    "global batch) gives more steps.")
+        if text:
+            warnings.warn(f"kmgpu: {text}", stacklevel=3)
+            self.__dict__["_warned"] = True
+
     def _require_compiled(self, method):
         if not self.model.compiled:
             raise ValueError(
@@ -148,6 +187,21 @@ class ParallelModel:
                     continue  # the dataset brings its own batches
                 call[key] = plan.global_batch(self._options, size, self.num_replicas)
         return call
+
+
+def _steps(x, samples, global_batch):
+    """Steps per epoch of a fit call, or None when the data has no known length."""
+    import math
+
+    if samples is not None and global_batch:
+        return math.ceil(samples / global_batch)
+    try:
+        n = len(x)
+    except TypeError:
+        n = None
+    if n is None and hasattr(x, "cardinality"):
+        n = int(x.cardinality())
+    return n if n is not None and n > 0 else None
 
 
 def _is_dataset(x):

@@ -296,11 +296,14 @@ def reset_peak_memory():
 
 
 class EpochTimer(keras.callbacks.Callback):
-    """Adds each epoch's wall time, samples/s and peak memory to the logs.
+    """Each epoch's wall time, samples/s and peak memory, in the logs and on the callback.
 
     Logs: ``epoch_seconds``; ``samples_per_s`` when ``samples`` is given; and the
     peak memory so far in bytes (see ``peak_memory()``): ``peak_gpu_memory`` where
     the backend reports its GPU allocator's peak, else ``peak_rss`` (the process).
+    The same figures stay on the callback (``epoch_seconds``, ``peak_memory``,
+    ``memory_kind``), also when an engine runs ``fit`` in worker processes and the
+    callback in this one.
 
     Args:
         samples: samples per epoch, for ``samples_per_s``.
@@ -309,6 +312,8 @@ class EpochTimer(keras.callbacks.Callback):
     def __init__(self, samples=None):
         super().__init__()
         self.samples = samples
+        self.epoch_seconds = []
+        self.peak_memory, self.memory_kind = 0, None
         self._start = None
 
     def __getstate__(self):
@@ -316,15 +321,19 @@ class EpochTimer(keras.callbacks.Callback):
         state.pop("_model", None)
         return state
 
+    def on_train_begin(self, logs=None):
+        self.epoch_seconds = []
+
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
+        self.epoch_seconds.append(seconds)
+        self.peak_memory, self.memory_kind = peak_memory()
         if logs is None:
             return
         logs["epoch_seconds"] = seconds
         if self.samples:
             logs["samples_per_s"] = self.samples / seconds
-        peak, kind = peak_memory()
-        logs["peak_gpu_memory" if kind == "gpu" else "peak_rss"] = peak
+        logs["peak_gpu_memory" if self.memory_kind == "gpu" else "peak_rss"] = self.peak_memory

@@ -53,16 +53,27 @@ def clone(template):
     return replica
 
 
-def compile_args(template):
+def compile_args(template, lr_scale=(1.0, 0)):
     """The template's compile() arguments, with fresh optimizer and metric objects.
 
     An optimizer or metric instance belongs to one model, so the replica gets copies
-    made from their configs; losses are stateless and shared.
+    made from their configs; losses are stateless and shared. A learning-rate
+    schedule is wrapped in ``lr.ScaledSchedule`` when ``lr_scale`` = (factor,
+    warmup_steps) asks for scaling (a float rate is scaled by ``lr.LRScaling``).
     """
+    from kmgpu import lr
+
     args = dict(template._compile_config.config)
     optimizer = args.get("optimizer")
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        args["optimizer"] = optimizer.__class__.from_config(optimizer.get_config())
+        optimizer = optimizer.__class__.from_config(optimizer.get_config())
+        factor, warmup_steps = lr_scale
+        if lr.is_schedule(optimizer) and (factor != 1.0 or warmup_steps):
+            optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
+                                                        warmup_steps)
+        args["optimizer"] = optimizer
     for key in ("metrics", "weighted_metrics"):
         if args.get(key) is not None:
             args[key] = keras.tree.map_structure(_fresh_metric, args[key])

@@ -25,7 +25,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import weakref
 
@@ -236,6 +235,13 @@ class _Main:
 class WorkerPool:
     """One worker process per device, in one torch.distributed group.
 
+    The workers' stdout/stderr come through one pipe each. The calling thread
+    reads them while it waits for a call (no reader threads), so rank 0's
+    progress bar is written to ``sys.stdout`` from the thread that runs the call:
+    in Jupyter it lands in the cell that is running, even when the pool was
+    started by an earlier cell. The other ranks' output is kept (the last 8 KiB)
+    for error messages.
+
     Args:
         devices: torch device strings, one per rank: "cpu" or "cuda:<i>".
         backend: "gloo" or "nccl".
@@ -245,12 +251,14 @@ class WorkerPool:
     def __init__(self, devices, backend, settings):
         self.devices, self.backend, self.settings = list(devices), backend, dict(settings)
         self.world = len(self.devices)
-        self.procs, self.conns, self.readers, self._pids = [], [], [], []
+        self.procs, self.conns, self.outs, self._pids = [], [], [], []
         self.model_key = None
         self.closed = False
         self._marks = [0] * self.world
         self._tails = [bytearray() for _ in range(self.world)]
-        self._cv = threading.Condition()
+        self._pending = [b""] * self.world
+        self._decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace")
+                          for _ in range(self.world)]
         self.method = None
 
     # -- start ---------------------------------------------------------------------
@@ -285,10 +293,7 @@ class WorkerPool:
                 self.procs.append(proc)
                 self._pids.append(proc.pid)
                 self.conns.append(parent_end)
-                reader = threading.Thread(target=self._pump, args=(rank, out_r),
-                                          name=f"kmgpu-torch-out{rank}", daemon=True)
-                reader.start()
-                self.readers.append((reader, out_r))
+                self.outs.append(out_r)
             # rendezvous: rank 0 hosts the TCPStore on a free loopback port
             port = self._collect_one(0, "port", timeout)
             for conn in self.conns[1:]:
@@ -307,58 +312,66 @@ class WorkerPool:
         return not self.closed and all(p.is_alive() for p in self.procs)
 
     # -- output ----------------------------------------------------------------------
-    def _pump(self, rank, conn):
-        fd = conn.fileno()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            pending += chunk
-            while END_MARK in pending:
-                before, pending = pending.split(END_MARK, 1)
-                self._emit(rank, decoder, before)
-                with self._cv:
-                    self._marks[rank] += 1
-                    self._cv.notify_all()
-            keep = 0
-            for k in range(min(len(END_MARK) - 1, len(pending)), 0, -1):
-                if END_MARK.startswith(pending[-k:]):
-                    keep = k
-                    break
-            self._emit(rank, decoder, pending[: len(pending) - keep])
-            pending = pending[len(pending) - keep:]
-        self._emit(rank, decoder, pending, final=True)
-        with self._cv:
+    def _read(self, rank):
+        """Read what rank ``rank`` wrote (its pipe is readable); False at end of file."""
+        out = self.outs[rank]
+        try:
+            chunk = os.read(out.fileno(), 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
             self._marks[rank] += 1 << 30  # closed: nothing more will come
-            self._cv.notify_all()
+            self._emit(rank, self._pending[rank], final=True)
+            self._pending[rank] = b""
+            return False
+        data = self._pending[rank] + chunk
+        while END_MARK in data:
+            before, data = data.split(END_MARK, 1)
+            self._emit(rank, before)
+            self._marks[rank] += 1
+        keep = 0  # a marker may be split across reads
+        for k in range(min(len(END_MARK) - 1, len(data)), 0, -1):
+            if END_MARK.startswith(data[-k:]):
+                keep = k
+                break
+        self._emit(rank, data[: len(data) - keep])
+        self._pending[rank] = data[len(data) - keep:]
+        return True
 
-    def _emit(self, rank, decoder, data, final=False):
+    def _emit(self, rank, data, final=False):
         if not data and not final:
             return
         tail = self._tails[rank]
         tail += data
         del tail[:-_TAIL]
-        text = decoder.decode(data, final=final)
+        text = self._decoders[rank].decode(data, final=final)
         if rank == 0 and text:
             try:
                 sys.stdout.write(text)
                 sys.stdout.flush()
-            except Exception:  # a closed or odd stdout must not kill the reader
+            except Exception:  # a closed or odd stdout must not end the call
                 pass
 
+    def _open_outs(self):
+        return {out: r for r, out in enumerate(self.outs) if self._marks[r] < (1 << 30)}
+
+    def _drain(self, ready):
+        outs = self._open_outs()
+        for obj in ready:
+            if obj in outs:
+                self._read(outs[obj])
+
     def _wait_output(self, marks, timeout=5.0):
+        """Read output until every rank has written its end-of-call marker."""
+        from multiprocessing.connection import wait
+
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while any(m < want for m, want in zip(self._marks, marks)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cv.wait(left)
+        while any(m < want for m, want in zip(self._marks, marks)):
+            left = deadline - time.monotonic()
+            outs = self._open_outs()
+            if left <= 0 or not outs:
+                return
+            self._drain(wait(list(outs), timeout=min(left, 0.25)))
 
     # -- calls -----------------------------------------------------------------------
     def _collect_one(self, rank, kind, timeout):
@@ -367,7 +380,8 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         conn, proc = self.conns[rank], self.procs[rank]
         while True:
-            ready = wait([conn, proc.sentinel], timeout=0.5)
+            ready = wait([conn, proc.sentinel] + list(self._open_outs()), timeout=0.5)
+            self._drain(ready)
             if conn in ready or conn.poll():
                 msg = conn.recv()
                 if msg[0] == kind:
@@ -382,10 +396,10 @@ class WorkerPool:
     def call(self, payloads, on_event=None):
         """Send one payload per rank; return the ranks' results (list).
 
-        ``on_event(*event)`` answers rank 0's callback events while the call runs
-        (it must not raise). Raises the worker's own exception (chained to a
-        WorkerError holding its traceback) or WorkerError if a worker died; the
-        pool is dead afterwards. KeyboardInterrupt kills the pool and propagates.
+        ``on_event(*event)`` answers rank 0's callback events while the call runs.
+        Raises the worker's own exception (chained to a WorkerError holding its
+        traceback) or WorkerError if a worker died; the pool is dead afterwards.
+        KeyboardInterrupt (also from ``on_event``) kills the pool and propagates.
         """
         marks = [m + 1 for m in self._marks]
         try:
@@ -399,6 +413,7 @@ class WorkerPool:
         return results
 
     def gather(self, kinds, timeout=None, on_event=None):
+        """One message of the expected kind from every rank, watching liveness."""
         from multiprocessing.connection import wait
 
         results, failures = {}, {}
@@ -406,8 +421,10 @@ class WorkerPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         grace = None
         while pending:
-            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            waitables = ([self.conns[r] for r in pending]
+                         + [self.procs[r].sentinel for r in pending] + list(self._open_outs()))
             ready = set(wait(waitables, timeout=0.25))
+            self._drain(ready)
             for r in sorted(pending):
                 conn, proc = self.conns[r], self.procs[r]
                 msg = None
@@ -439,6 +456,7 @@ class WorkerPool:
                 failures.update({r: ("timeout", None) for r in pending})
                 break
         if failures:
+            self._wait_output([m + 1 for m in self._marks], timeout=0.5)
             raise self._error(failures)
         return [results[r] for r in range(self.world)]
 
@@ -501,7 +519,9 @@ class WorkerPool:
         self.kill()
 
     def kill(self):
-        """Stop every worker now (SIGTERM, then SIGKILL) and free pipes and threads."""
+        """Stop every worker now (SIGTERM, then SIGKILL); free pipes and process handles."""
+        if self.closed:
+            return
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
@@ -511,18 +531,18 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        for conn in self.conns:
+        try:
+            self._wait_output([1 << 30] * self.world, timeout=0.5)
+        except Exception:
+            pass
+        for conn in self.conns + self.outs:
             conn.close()
-        for reader, out in self.readers:
-            reader.join(2)
-            if not reader.is_alive():
-                out.close()
         for proc in self.procs:
             try:
                 proc.close()
             except ValueError:
                 pass
-        self.conns, self.readers = [], []
+        self.conns, self.outs = [], []
         self.closed = True
         _POOLS.discard(self)
 

@@ -117,6 +117,27 @@ class DatasetSource:
         )
 
 
+class StoredBatches(keras.utils.PyDataset):
+    """A user's PyDataset the parent read once and stored as arrays and batch bounds
+    (for datasets that cannot be pickled to the workers)."""
+
+    def __init__(self, parts, bounds):
+        super().__init__()
+        self.parts, self.bounds = parts, list(bounds)
+        self._loaded = False
+
+    def __len__(self):
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i):
+        if not self._loaded:
+            from kmgpu.engines._torch_pool import resolve
+
+            self.parts, self._loaded = resolve(self.parts), True
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        return tree.map_structure(lambda a: None if a is None else a[lo:hi], self.parts)
+
+
 class RankSlices(keras.utils.PyDataset):
     """This rank's contiguous slice of every global batch, as a Keras PyDataset.
 
@@ -292,6 +313,8 @@ def prepare(replica, ctx):
         averaged = [v for l in bn_layers for v in l.non_trainable_weights
                     if "float" in str(v.dtype)]
 
+    _offset_seeds(replica, ctx)
+    replica.jit_compile = False  # the step holds collectives; torch.compile stays out
     custom_step = type(replica).train_step is not TorchTrainer.train_step
     ddp = None
     if not custom_step and replica.trainable_weights:
@@ -309,6 +332,17 @@ def prepare(replica, ctx):
     replica._get_metrics_result_or_logs = _make_metric_reduction(replica, ctx)
     replica.evaluate = _make_evaluate(replica, ctx)
     return replica
+
+
+def _offset_seeds(replica, ctx):
+    """Per-rank random streams (dropout etc.): each rank's SeedGenerators start apart."""
+    if ctx.rank == 0:
+        return
+    for layer in replica._flatten_layers():
+        for generator in getattr(layer, "_seed_generators", []) or []:
+            state = np.asarray(generator.state.numpy()).astype(np.int64)
+            state[0] = (state[0] + 1_000_003 * ctx.rank) % 2**32
+            generator.state.assign(state.astype(generator.state.dtype))
 
 
 def _no_buffer_sync():

@@ -187,7 +187,7 @@ class Worker:
             if not replica.built and spec.get("build_config"):
                 replica.build_from_config(spec["build_config"])
             if spec["compile"] is not None:
-                replica.compile_from_config(spec["compile"])
+                _compile(replica, spec["compile"], payload.get("lr_scale", (1.0, 0)))
         _torch_rank.prepare(replica, self.ctx)
         self.replica, self.key = replica, payload["key"]
         return replica
@@ -219,6 +219,27 @@ class Worker:
                                    hooks=payload["hooks"], relay=self.relay, snapshot=snapshot)
         finally:
             state.close()
+
+
+def _compile(replica, compile_config, lr_scale):
+    """``compile_from_config``, with a LearningRateSchedule scaled as kmgpu.lr says."""
+    import keras
+    from keras.src.saving import serialization_lib
+
+    config = serialization_lib.deserialize_keras_object(compile_config)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    factor, warmup_steps = lr_scale
+    if (factor != 1.0 or warmup_steps) and isinstance(
+            getattr(optimizer, "_learning_rate", None),
+            keras.optimizers.schedules.LearningRateSchedule):
+        from kmgpu import lr
+
+        optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
+                                                    warmup_steps)
+    config["optimizer"] = optimizer
+    replica.compile(**config)
 
 
 def _load_state(replica, arrays, info):

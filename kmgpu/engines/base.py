@@ -40,13 +40,16 @@ class Engine(abc.ABC):
         return len(self.device_ids)
 
     @abc.abstractmethod
-    def run(self, method, template, kwargs):
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         """Run ``template.<method>(**kwargs)`` on the replicas.
 
         Args:
             method: "fit", "evaluate" or "predict".
             template: the user's own built (and, for fit/evaluate, compiled) model.
-            kwargs: Keras keyword arguments, batch sizes already global.
+            kwargs: Keras keyword arguments, batch sizes already global; for fit,
+                ``callbacks`` already holds kmgpu's learning-rate callbacks.
+            lr_scale: (factor, warmup_steps) for a LearningRateSchedule optimizer:
+                pass it to ``replicas.compile_args``.
 
         Returns:
             What Keras returns: a History, a loss/metrics list or dict, or predictions.
@@ -87,19 +90,19 @@ class InProcessEngine(Engine):
     def prepare_replica(self, replica, template):
         """Hook: adjust a freshly cloned replica (sync BatchNorm, custom steps)."""
 
-    def _ensure_replica(self, template):
-        key = replicas.identity(template)
+    def _ensure_replica(self, template, lr_scale):
+        key = (replicas.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             with self.scope():
                 replica = replicas.clone(template)
                 self.prepare_replica(replica, template)
                 if template.compiled:
-                    replica.compile(**replicas.compile_args(template))
+                    replica.compile(**replicas.compile_args(template, lr_scale))
             self.replica, self._built_from = replica, key
         return self.replica
 
-    def run(self, method, template, kwargs):
-        replica = self._ensure_replica(template)
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        replica = self._ensure_replica(template, lr_scale)
         with self.scope():
             replicas.copy_state(template, replica)
         try:

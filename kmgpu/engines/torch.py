@@ -28,6 +28,7 @@ from kmgpu import replicas
 from kmgpu.engines.base import Engine
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
+MAX_POOLS = 2  # live pools kept; the least recently used beyond that is closed
 
 
 def in_distributed_job():
@@ -60,10 +61,11 @@ class TorchEngine(Engine):
                          f"{self.num_replicas} worker process(es), reused between calls)")
 
     # -- the Engine interface ---------------------------------------------------------
-    def run(self, method, template, kwargs):
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if self.in_process:
-            return self._run_here(method, template, kwargs)
-        return self._run_pool(method, template, kwargs)
+            return self._run_here(method, template, kwargs, lr_scale)
+        return self._run_pool(method, template, kwargs, lr_scale)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -108,17 +110,19 @@ class TorchEngine(Engine):
         from kmgpu.engines import _torch_pool
 
         key = (tuple(self.torch_devices), self.backend)
-        pool = _SHARED_POOLS.get(key)
+        pool = _SHARED_POOLS.pop(key, None)
         if pool is None or not pool.alive():
             if pool is not None:
                 pool.kill()
+            while len(_SHARED_POOLS) >= MAX_POOLS:
+                _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
             pool = _torch_pool.WorkerPool(self.torch_devices, self.backend,
                                           _worker_settings(self.backend)).start()
-            _SHARED_POOLS[key] = pool
+        _SHARED_POOLS[key] = pool  # most recently used last
         self._pool = pool
         return pool
 
-    def _run_pool(self, method, template, kwargs):
+    def _run_pool(self, method, template, kwargs, lr_scale):
         from kmgpu.engines import _torch_pool
 
         kwargs = dict(kwargs)
@@ -134,7 +138,7 @@ class TorchEngine(Engine):
             state.write(0, arrays)
             driver = CallbackDriver(callbacks, template, method,
                                     load_state=lambda: _restore(template, state, info))
-            key = _model_key(template, self.options.sync_batchnorm)
+            key = _model_key(template, self.options.sync_batchnorm, lr_scale)
             payload = {
                 "method": method,
                 "key": key,
@@ -143,6 +147,7 @@ class TorchEngine(Engine):
                 "state": dict(info, path=state.path),
                 "seed": int(np.random.randint(0, 2**31 - 1)),
                 "sync_batchnorm": self.options.sync_batchnorm,
+                "lr_scale": lr_scale,
                 "hooks": sorted(driver.hooks),
             }
             try:
@@ -204,7 +209,7 @@ class TorchEngine(Engine):
         device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         self._ctx = _torch_rank.RankContext(device, self.options.sync_batchnorm)
 
-    def _run_here(self, method, template, kwargs):
+    def _run_here(self, method, template, kwargs, lr_scale):
         import torch.distributed as dist
 
         from kmgpu.engines import _torch_rank
@@ -212,11 +217,13 @@ class TorchEngine(Engine):
         ctx = self._ctx
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
-        key = _model_key(template, self.options.sync_batchnorm)
+        key = _model_key(template, self.options.sync_batchnorm, lr_scale)
         if self._replica is None or key != self._built_key:
             replica = replicas.clone(template)
             if template.compiled:
-                replica.compile(**replicas.compile_args(template))
+                args = (replicas.compile_args(template) if lr_scale == (1.0, 0)
+                        else replicas.compile_args(template, lr_scale))
+                replica.compile(**args)
             self._replica, self._built_key = _torch_rank.prepare(replica, ctx), key
         replica = self._replica
         replicas.copy_state(template, replica)
@@ -261,7 +268,9 @@ class CallbackDriver:
 
     Called as ``driver(hook, index, logs, params)``; answers {"stop", "lr"} or
     {"abort": True} once a callback has raised (the exception is kept in
-    ``error`` and raised by the engine after every rank has left the call).
+    ``error`` and raised by the engine after every rank has left the call, so
+    the worker pool stays usable). KeyboardInterrupt propagates: the engine then
+    kills the workers, like a Ctrl-C anywhere else in the call.
     Before ``on_epoch_end`` and ``on_train_end`` it loads rank 0's latest state
     into the model, so a checkpoint or early-stopping callback sees current weights.
     """
@@ -310,8 +319,10 @@ class CallbackDriver:
                 self.template.stop_training = False
             fn = getattr(self.callbacks, hook)
             fn(logs) if index is None else fn(index, logs)
-        except BaseException as e:  # KeyboardInterrupt from a callback too
-            self.error = e
+        except KeyboardInterrupt:
+            raise  # Ctrl-C: the engine stops every worker now
+        except BaseException as e:
+            self.error = e  # the workers leave the call together; the engine raises it
             return {"abort": True}
         lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
         return {"stop": bool(getattr(self.template, "stop_training", False)),
@@ -319,6 +330,12 @@ class CallbackDriver:
 
 
 # -- helpers ------------------------------------------------------------------------
+def close_pools():
+    """Close every worker pool (engines start a new one when next needed)."""
+    while _SHARED_POOLS:
+        _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
+
+
 def _worker_settings(backend):
     import keras
 
@@ -375,10 +392,42 @@ def _ship(kwargs, files):
             continue
         _check_data(key, value)
         if isinstance(value, keras.utils.PyDataset):
-            out[key] = _torch_pool.dumps(value)
+            out[key] = _ship_dataset(value, files)
         else:
             out[key] = files.put(tuple(value) if key == "validation_data" else value)
     return out
+
+
+PICKLE_LIMIT = 16 << 20
+
+
+def _ship_dataset(dataset, files):
+    """A PyDataset for the workers: pickled (by reference, or by value with
+    cloudpickle) when that works and is small; else read here once and stored as
+    memory-mapped arrays (``_torch_rank.StoredBatches``)."""
+    import pickle
+
+    import keras
+
+    from kmgpu.engines import _torch_pool, _torch_rank
+
+    try:
+        blob = _torch_pool.dumps(dataset)
+        if len(blob) <= PICKLE_LIMIT:
+            return blob
+    except Exception:
+        pass
+    batches = []
+    for i in range(len(dataset)):
+        batch = dataset[i]
+        batches.append(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
+    bounds = [0]
+    for batch in batches:
+        bounds.append(bounds[-1] + int(keras.tree.flatten(batch[0])[0].shape[0]))
+    parts = keras.tree.map_structure(
+        lambda *leaves: None if leaves[0] is None else np.concatenate(
+            [_torch_pool._as_array(leaf) for leaf in leaves]), *batches)
+    return pickle.dumps(_torch_rank.StoredBatches(files.put(parts), bounds))
 
 
 def _local(value):
@@ -487,12 +536,12 @@ def _assemble(pieces):
     return keras.tree.pack_sequence_as(first, outputs)
 
 
-def _model_key(template, sync_batchnorm):
+def _model_key(template, sync_batchnorm, lr_scale=(1.0, 0)):
     config = json.dumps(template.get_config(), sort_keys=True, default=repr)
     compile_config = json.dumps(template.get_compile_config(), sort_keys=True, default=repr) \
         if template.compiled else "null"
     return f"{type(template).__module__}.{type(template).__qualname__}|{config}|" \
-           f"{compile_config}|sync_bn={sync_batchnorm}"
+           f"{compile_config}|sync_bn={sync_batchnorm}|lr_scale={lr_scale}"
 
 
 def _custom_objects(template):

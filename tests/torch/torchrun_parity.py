@@ -1,0 +1,65 @@
+"""kmgpu's in-process mode, run by tests/torch/test_torch_engine.py:
+
+    torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 tests/torch/torchrun_parity.py
+
+Every process runs this same script with the same data (the multi-process contract):
+kmgpu sees torchrun's environment, makes this process one gloo rank, and trains
+with DDP in-process. Rank 1 starts from other weights: kmgpu broadcasts rank 0's.
+Each rank writes its results to ``$KMGPU_TEST_OUT/rank<r>.json``.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+import kmgpu  # noqa: E402
+from tests.helpers import MODELS, data, rel_diff  # noqa: E402
+
+
+def main():
+    import keras
+    import torch.distributed as dist
+
+    kind = os.environ.get("KMGPU_TEST_KIND", "mlp")
+    x, y = data(kind, 97)
+    ref = MODELS[kind]()
+    ref.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    ref_hist = ref.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+
+    model = MODELS[kind]()
+    rank = int(os.environ["RANK"])
+    if rank != 0:  # a different start: kmgpu must broadcast rank 0's weights
+        model.set_weights([w + 0.5 for w in model.get_weights()])
+    seen = []
+    callback = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(e))
+    parallel = kmgpu.parallelize(model, sync_batchnorm=True)
+    parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    hist = parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[callback])
+    pred = parallel.predict(x, batch_size=20, verbose=0)
+    got = parallel.evaluate(x, y, batch_size=20, verbose=0, return_dict=True)
+    want = ref.evaluate(x, y, batch_size=20, verbose=0, return_dict=True)
+    result = {
+        "rank": dist.get_rank(),
+        "replicas": parallel.num_replicas,
+        "engine": parallel._engine.name,
+        "rel_diff": rel_diff(ref.get_weights(), model.get_weights()),
+        "loss": hist.history["loss"],
+        "ref_loss": ref_hist.history["loss"],
+        "pred_rows": int(pred.shape[0]),
+        "pred_err": float(np.max(np.abs(pred - ref.predict(x, batch_size=20, verbose=0)))),
+        "eval": got,
+        "ref_eval": want,
+        "callback_epochs": seen,
+    }
+    with open(os.path.join(os.environ["KMGPU_TEST_OUT"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    parallel.close()  # barrier + destroy_process_group: no gloo abort at exit
+
+
+if __name__ == "__main__":
+    main()
