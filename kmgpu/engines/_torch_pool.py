@@ -3,8 +3,8 @@
 Launching is kept apart from what a rank does (``_torch_rank``), as Lightning
 Fabric keeps launchers apart from strategies. This module is the parent's side:
 
-- ``WorkerPool`` starts the workers with ``torch.multiprocessing`` (fork while
-  CUDA is not initialised in this process, spawn otherwise), streams rank 0's
+- ``WorkerPool`` starts the workers with ``torch.multiprocessing`` (fork for CPU
+  workers and while CUDA is not initialised here, spawn otherwise), streams rank 0's
   output to ``sys.stdout`` (a Jupyter cell too), sends each call, and waits for
   the answers in a loop that also watches every worker's liveness: a worker that
   dies or raises ends the call within a second, with its traceback, and the whole
@@ -193,10 +193,17 @@ _LIVE_DIRS = set()
 _POOLS = weakref.WeakSet()
 
 
-def start_method():
-    """fork while CUDA is not initialised in this process (fast; notebook-defined
-    classes are inherited), spawn otherwise. KMGPU_TORCH_START overrides."""
+def start_method(cuda_workers):
+    """How to start workers: fork where safe, spawn otherwise. KMGPU_TORCH_START overrides.
+
+    Fork is fast (no second ``import keras``) and keeps classes defined in a
+    notebook. It is safe for CPU workers, and for GPU workers only while this
+    process has not initialised the CUDA driver: importing Keras calls
+    ``torch.cuda.is_available()``, which runs ``cuInit`` unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` was set first.
+    """
     import multiprocessing
+
     import torch
 
     choice = os.environ.get("KMGPU_TORCH_START", "").strip().lower()
@@ -204,7 +211,8 @@ def start_method():
         return choice
     if "fork" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    if torch.cuda.is_initialized():
+    if cuda_workers and (torch.cuda.is_initialized()
+                         or os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1"):
         return "spawn"
     return "fork"
 
@@ -267,7 +275,7 @@ class WorkerPool:
 
         from kmgpu.engines import _torch_worker
 
-        self.method = start_method()
+        self.method = start_method(self.devices[0].startswith("cuda"))
         ctx = tmp.get_context(self.method)
         threads = 1  # libgomp's pool does not survive fork: one intra-op thread
         if self.method != "fork" and not self.devices[0].startswith("cuda"):

@@ -76,6 +76,9 @@ def main(rank, world, device, conn, out_conn, settings):
 
         for name, value in settings.get("keras_config", {}).items():
             getattr(keras.config, f"set_{name}")(value)
+        # Keras's torch default device was fixed when the parent imported it: this
+        # worker's device holds everything it creates, for the life of the process.
+        keras.device(device).__enter__()
         import datetime
 
         import torch.distributed as dist

@@ -19,6 +19,7 @@ The process model is chosen automatically:
   the trained weights and optimizer state land in the user's model.
 """
 
+import atexit
 import json
 import os
 
@@ -82,13 +83,17 @@ class TorchEngine(Engine):
             if _SHARED_POOLS.get(key) is pool:
                 del _SHARED_POOLS[key]
             pool.close()
+        self._end_group()
+
+    def _end_group(self):
+        """The group kmgpu started under torchrun: leave it together (barrier, destroy)."""
         if self._owns_group:
             import torch.distributed as dist
 
+            self._owns_group = False
             if dist.is_initialized():
                 dist.barrier()
                 dist.destroy_process_group()
-            self._owns_group = False
 
     # -- for tests and describe() ---------------------------------------------------
     def worker_pids(self):
@@ -196,6 +201,7 @@ class TorchEngine(Engine):
         if not dist.is_initialized():
             dist.init_process_group("nccl" if gpu else "gloo", init_method="env://")
             self._owns_group = True
+            atexit.register(self._end_group)  # no gloo/NCCL abort at exit
         self.backend = dist.get_backend()
         world = dist.get_world_size()
         kind = "gpu" if gpu else "cpu"
