@@ -15,6 +15,7 @@ data in the same order (``shuffle=False``) at the same global batch, and records
 epoch's wall time, peak memory, the last loss and the final weights.
 """
 
+import json
 import os
 import sys
 import tempfile
@@ -33,8 +34,9 @@ def run(runner, workload, n):
     """Train ``workload`` on ``n`` devices with ``runner``.
 
     Returns:
-        dict(epoch_seconds=[...], peak_memory=bytes, memory_kind="gpu"|"rss",
-        loss=float, weights=[np.ndarray, ...]).
+        dict(epoch_seconds=[...], peak_memory=bytes, memory_kind="nvml"|"gpu"|"rss",
+        allocator_peak=bytes (where known), gpu_util=% (with NVML), loss=float,
+        weights=[np.ndarray, ...]).
     """
     init = workload.build().get_weights()  # outside any scope: the same in every process
     if runner == "plain":
@@ -54,23 +56,32 @@ def run(runner, workload, n):
 
 # -- Keras fit based ---------------------------------------------------------------
 def _fit(fit, x, y, workload):
-    from kmgpu.callbacks import EpochTimer, reset_peak_memory
+    from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     reset_peak_memory()
+    timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
     history = fit(x, y, batch_size=workload.batch, epochs=workload.epochs, shuffle=False,
-                  verbose=0, callbacks=[EpochTimer(len(x))])
-    return _from_history(history.history)
+                  verbose=0, callbacks=[timer, monitor])
+    # Read the callbacks themselves: an engine that trains in worker processes runs
+    # them here but need not copy what they add to the logs into its History.
+    return _collect(timer.epoch_seconds, timer.peak_memory, timer.memory_kind, monitor,
+                    float(history.history["loss"][-1]))
 
 
-def _from_history(h):
-    kind = "gpu" if "peak_gpu_memory" in h else "rss"
-    peaks = h.get("peak_gpu_memory") or h.get("peak_rss") or [0]
-    return {
-        "epoch_seconds": [float(s) for s in h["epoch_seconds"]],
-        "peak_memory": int(max(peaks)),
-        "memory_kind": kind,
-        "loss": float(h["loss"][-1]),
-    }
+def _collect(epoch_seconds, peak, kind, monitor, loss):
+    """Peak memory: the GPU's memory in use as nvidia-smi shows it (NVML, sampled every
+    0.2 s; the most loaded GPU), where there is one; else ``peak`` (the allocator's or
+    the process's RSS). The allocator's own peak is kept as ``allocator_peak``."""
+    result = {"epoch_seconds": [float(s) for s in epoch_seconds], "loss": loss,
+              "peak_memory": int(peak), "memory_kind": kind or "rss"}
+    if kind == "gpu":
+        result["allocator_peak"] = int(peak)
+    if monitor is not None and monitor.per_gpu:
+        gpus = list(monitor.per_gpu.values())
+        result["peak_memory"] = int(max(g["mem_peak_mib"] for g in gpus) * 2**20)
+        result["memory_kind"] = "nvml"
+        result["gpu_util"] = sum(g["util_mean"] for g in gpus) / len(gpus)
+    return result
 
 
 def _plain(workload, init):
@@ -164,14 +175,9 @@ def _torch_ddp(workload, n, init):
             mp.start_processes(_ddp_process, args=(n, workload, init, cuda, port, out),
                                nprocs=n, join=True, start_method=method)
         saved = np.load(out, allow_pickle=False)
-        count = int(saved["count"])
-        return {
-            "epoch_seconds": saved["epoch_seconds"].tolist(),
-            "peak_memory": int(saved["peak_memory"]),
-            "memory_kind": str(saved["memory_kind"]),
-            "loss": float(saved["loss"]),
-            "weights": [saved[f"w{i}"] for i in range(count)],
-        }
+        result = json.loads(str(saved["summary"]))
+        result["weights"] = [saved[f"w{i}"] for i in range(int(saved["count"]))]
+        return result
 
 
 def _free_port():
@@ -213,6 +219,8 @@ def _ddp_train(rank, world, workload, init, cuda, out):
     x, y = workload.data()
     dataset = TensorDataset(torch.from_numpy(x),
                             torch.from_numpy(y.astype("int64") if y.dtype.kind == "i" else y))
+    from kmgpu.callbacks import GPUMonitor
+
     per_device = workload.batch // world
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(dataset, sampler=sampler, batch_size=per_device, shuffle=False)
@@ -229,8 +237,13 @@ def _ddp_train(rank, world, workload, init, cuda, out):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
+    monitor = GPUMonitor(interval=0.2, verbose=0) if (rank == 0 and cuda) else None
+    if monitor:
+        monitor.on_train_begin()
     epoch_seconds, loss_value = [], float("nan")
-    for _ in range(workload.epochs):
+    for epoch in range(workload.epochs):
+        if monitor:
+            monitor.on_epoch_begin(epoch)
         start = time.perf_counter()
         running, count = 0.0, 0
         for inputs, targets in loader:
@@ -245,9 +258,13 @@ def _ddp_train(rank, world, workload, init, cuda, out):
             count += 1
         loss_value = running / max(count, 1)
         epoch_seconds.append(time.perf_counter() - start)
+        if monitor:
+            monitor.on_epoch_end(epoch, {})
     if rank == 0:
+        if monitor:
+            monitor.on_train_end()
         peak, kind = peak_memory()
+        summary = _collect(epoch_seconds, peak, kind, monitor, loss_value)
         weights = model.get_weights()
-        np.savez(out, count=len(weights), epoch_seconds=np.array(epoch_seconds),
-                 peak_memory=peak, memory_kind=kind, loss=loss_value,
+        np.savez(out, count=len(weights), summary=json.dumps(summary),
                  **{f"w{i}": w for i, w in enumerate(weights)})

@@ -71,6 +71,8 @@ def measure(spec_run, quick, weights_dir):
         "wall_s": wall,
         "peak_memory": result["peak_memory"],
         "memory_kind": result["memory_kind"],
+        "allocator_peak": result.get("allocator_peak"),
+        "gpu_util": result.get("gpu_util"),
         "loss": result["loss"],
     }
     weights = result["weights"]

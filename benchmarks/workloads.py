@@ -95,7 +95,7 @@ def get(name, quick=False):
 
     if name == "cnn32":
         if quick:
-            return Workload("cnn32", True, batch=64, epochs=3, samples=256,
+            return Workload("cnn32", True, batch=64, epochs=4, samples=256,
                             loss="sparse_ce_logits", width=8,
                             description="cnn32 at 1/8 width (8/16/32 filters), 256 samples")
         return Workload("cnn32", False, batch=256, epochs=6, samples=256 * 100,
@@ -103,7 +103,7 @@ def get(name, quick=False):
                         description="Conv 64/128/256 x2 + BN, 25600 samples")
     if name == "lstm":
         if quick:
-            return Workload("lstm", True, batch=64, epochs=3, samples=256, loss="mse",
+            return Workload("lstm", True, batch=64, epochs=4, samples=256, loss="mse",
                             width=32, steps=16,
                             description="LSTM 32 x2 over 16 steps, 256 samples")
         return Workload("lstm", False, batch=256, epochs=6, samples=256 * 50, loss="mse",
@@ -111,8 +111,8 @@ def get(name, quick=False):
     if name == "sine":
         (x, _), _, _ = sine.data()
         n = len(x)
-        return Workload("sine", quick, batch=sine.BATCH, epochs=3 if quick else sine.EPOCHS,
+        return Workload("sine", quick, batch=sine.BATCH, epochs=5 if quick else sine.EPOCHS,
                         samples=n, loss="mse", width=4,
-                        description=("the sine scenario, 3 epochs" if quick
+                        description=("the sine scenario, 5 epochs" if quick
                                      else "the sine scenario: LSTM(4), batch 8, 100 epochs"))
     raise ValueError(f"unknown workload {name!r}: choose from {', '.join(NAMES)}")

@@ -100,8 +100,6 @@ class _Head(keras.callbacks.Callback):
         self.model.optimizer.learning_rate = self.state.base
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self.state.factor != 1.0:  # record the rate it trained with
-            logs["learning_rate"] = self.state.scaled
         self.model.optimizer.learning_rate = self.state.base
 
 
@@ -120,3 +118,5 @@ class _Tail(keras.callbacks.Callback):
         s = self.state
         s.base = _rate(self.model.optimizer)  # ReduceLROnPlateau may have lowered it
         s.user_optimizer.learning_rate = s.base
+        if logs is not None and s.factor != 1.0:  # the rate this epoch trained with
+            logs["learning_rate"] = s.scaled
