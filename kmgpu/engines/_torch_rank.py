@@ -657,7 +657,7 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
         hooks: the hooks the user's callbacks implement (the same on every rank).
         relay: on rank 0, ``relay(hook, index, logs, params) -> reply`` runs them.
         snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
-            with epoch -1 at the end of training.
+            with epoch -1 at the end of training (it decides whether to save).
 
     Returns:
         {"aborted": True} if a user callback raised; else fit: {"history",

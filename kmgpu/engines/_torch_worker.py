@@ -202,26 +202,75 @@ class Worker:
         method = payload["method"]
         if method == "weights":  # for tests: this rank's replica state
             return None if self.replica is None else self.replica.get_weights()
+        clock = _Clock(self.rank == 0 and os.environ.get("KMGPU_TORCH_TIMING"))
         replica = self._replica(payload)
+        clock("replica")
         state = _torch_pool.StateFile(payload["state"]["path"], payload["state"]["layout"])
         try:
             if self.rank == 0:
                 _load_state(replica, state.read(0), payload["state"])
             _torch_rank.broadcast_state(replica, self.ctx)
+            clock("state in")
             kwargs = _torch_pool.resolve(payload["kwargs"])
             for key in ("x", "validation_data"):
                 if isinstance(kwargs.get(key), bytes):
                     kwargs[key] = pickle.loads(kwargs[key])
             snapshot = None
             if method == "fit" and self.rank == 0:
-                def snapshot(model, epoch):
-                    self.seq += 1
-                    state.write(1 + self.seq % 2, _state_arrays(model, payload["state"]),
-                                seq=self.seq, epoch=epoch)
-            return _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
-                                   hooks=payload["hooks"], relay=self.relay, snapshot=snapshot)
+                snapshot = _Snapshots(state, payload["state"], payload["epoch_weights"], clock)
+            result = _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
+                                     hooks=payload["hooks"], relay=self.relay,
+                                     snapshot=snapshot)
+            clock(method)
+            clock.report()
+            return result
         finally:
             state.close()
+
+
+class _Clock:
+    """KMGPU_TORCH_TIMING=1: rank 0 prints where a call's time went."""
+
+    def __init__(self, on):
+        self.on, self.t, self.parts = bool(on), time.perf_counter(), {}
+
+    def __call__(self, name, since=None):
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - (since or self.t)
+        if since is None:
+            self.t = now
+
+    def report(self):
+        if self.on:
+            print("kmgpu worker timing: " + ", ".join(f"{k} {v:.3f}s"
+                                                     for k, v in self.parts.items()),
+                  flush=True)
+
+
+class _Snapshots:
+    """Rank 0's state into the state file's snapshot slots, when it is worth it.
+
+    Always at the end of training and when the parent's callbacks will look at
+    the weights after this epoch; otherwise at an epoch end only once the time
+    since the last snapshot is 20x what one costs (so at most ~5% of the time),
+    which still leaves an interrupted fit the state of a recent epoch end.
+    """
+
+    def __init__(self, state, info, every_epoch, clock):
+        self.state, self.info, self.every_epoch, self.clock = state, info, every_epoch, clock
+        self.seq, self.cost, self.last = 0, 0.0, None
+
+    def __call__(self, model, epoch):
+        now = time.perf_counter()
+        if (epoch != -1 and not self.every_epoch and self.last is not None
+                and now - self.last < 20 * self.cost):
+            return
+        self.seq += 1
+        self.state.write(1 + self.seq % 2, _state_arrays(model, self.info), seq=self.seq,
+                         epoch=epoch)
+        self.last = time.perf_counter()
+        self.cost = self.last - now
+        self.clock("snapshots", since=now)
 
 
 def _compile(replica, compile_config, lr_scale):

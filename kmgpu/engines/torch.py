@@ -132,15 +132,19 @@ class TorchEngine(Engine):
 
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
+        timing = _Timing()
         pool = self._ensure_pool()
+        timing("pool")
         files = _torch_pool.CallFiles(_nbytes(kwargs))
         state = None
         try:
             shipped = _ship(kwargs, files)
+            timing("data out")
             info, arrays = _template_state(template, with_optimizer=(method == "fit"))
             state = _torch_pool.StateFile(os.path.join(files.path, "state.bin"),
                                           info["layout"], create=True)
             state.write(0, arrays)
+            timing("state out")
             driver = CallbackDriver(callbacks, template, method,
                                     load_state=lambda: _restore(template, state, info))
             key = _model_key(template, self.options.sync_batchnorm, lr_scale)
@@ -154,6 +158,7 @@ class TorchEngine(Engine):
                 "sync_batchnorm": self.options.sync_batchnorm,
                 "lr_scale": lr_scale,
                 "hooks": sorted(driver.hooks),
+                "epoch_weights": driver.needs_weights,
             }
             try:
                 results = pool.call([payload] * pool.world, on_event=driver)
@@ -163,8 +168,12 @@ class TorchEngine(Engine):
                     _restore(template, state, info)
                 raise
             pool.model_key = key
-            return self._finish(method, template, results, driver,
-                                lambda: _restore(template, state, info))
+            timing("call")
+            out = self._finish(method, template, results, driver,
+                               lambda: _restore(template, state, info))
+            timing("state back")
+            timing.report()
+            return out
         finally:
             if state is not None:
                 state.close()
@@ -269,6 +278,27 @@ class TorchEngine(Engine):
         return self._finish(method, template, result, driver, load_state)
 
 
+class _Timing:
+    """KMGPU_TORCH_TIMING=1: print where a pool call's time went, in this process."""
+
+    def __init__(self):
+        import time
+
+        self.on = bool(os.environ.get("KMGPU_TORCH_TIMING"))
+        self.clock = time.perf_counter
+        self.t, self.parts = self.clock(), []
+
+    def __call__(self, name):
+        now = self.clock()
+        self.parts.append((name, now - self.t))
+        self.t = now
+
+    def report(self):
+        if self.on:
+            print("kmgpu parent timing: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.parts),
+                  flush=True)
+
+
 class CallbackDriver:
     """Runs the user's callbacks once, with the user's own model, as rank 0 relays hooks.
 
@@ -277,8 +307,10 @@ class CallbackDriver:
     ``error`` and raised by the engine after every rank has left the call, so
     the worker pool stays usable). KeyboardInterrupt propagates: the engine then
     kills the workers, like a Ctrl-C anywhere else in the call.
-    Before ``on_epoch_end`` and ``on_train_end`` it loads rank 0's latest state
-    into the model, so a checkpoint or early-stopping callback sees current weights.
+    Before ``on_train_end``, and before ``on_epoch_end`` unless every callback is
+    known to leave the weights alone (``_weight_free``), it loads rank 0's latest
+    state into the model, so a checkpoint or early-stopping callback sees current
+    weights.
     """
 
     def __init__(self, callbacks, template, method, load_state):
@@ -302,6 +334,10 @@ class CallbackDriver:
             if hooks & set(hooks_of):
                 hooks |= {prefix + "_begin", prefix + "_end"}
         self.hooks = hooks
+        # Rank 0 saves a snapshot and this side loads it at every epoch end only
+        # when a callback there may look at the weights.
+        self.needs_weights = "on_epoch_end" in hooks and not all(
+            _weight_free(cb) for cb in callbacks)
         self.callbacks = None
         if callbacks:
             self.callbacks = keras.callbacks.CallbackList(callbacks, model=template)
@@ -318,7 +354,7 @@ class CallbackDriver:
             if params and params != self._params:
                 self.callbacks.set_params(params)
                 self._params = params
-            if hook in ("on_epoch_end", "on_train_end"):
+            if hook == "on_train_end" or (hook == "on_epoch_end" and self.needs_weights):
                 self.load_state()
                 self.final_loaded = hook == "on_train_end"
             if hook == "on_train_begin":
@@ -336,6 +372,20 @@ class CallbackDriver:
 
 
 # -- helpers ------------------------------------------------------------------------
+def _weight_free(callback):
+    """Callbacks known to read only logs and the learning rate, never the weights."""
+    import keras
+
+    cbs = keras.callbacks
+    if isinstance(callback, cbs.EarlyStopping):
+        return not callback.restore_best_weights
+    if isinstance(callback, (cbs.History, cbs.ProgbarLogger, cbs.CSVLogger,
+                             cbs.LearningRateScheduler, cbs.ReduceLROnPlateau,
+                             cbs.TerminateOnNaN, cbs.RemoteMonitor)):
+        return True
+    return type(callback).__module__ == "kmgpu.lr"  # kmgpu's learning-rate scaling
+
+
 def close_pools():
     """Close every worker pool (engines start a new one when next needed)."""
     while _SHARED_POOLS:

@@ -76,7 +76,31 @@ def main(out_path=None):
     report["kmgpu_samples_per_s"] = timed(
         lambda e: parallel.fit(x, y, batch_size=batch, epochs=e, verbose=0))
     report["kmgpu/plain"] = report["kmgpu_samples_per_s"] / report["plain_samples_per_s"]
+    report["plain_no_shuffle_samples_per_s"] = timed(
+        lambda e: plain.fit(x, y, batch_size=batch, epochs=e, shuffle=False, verbose=0))
+    report["kmgpu_no_shuffle_samples_per_s"] = timed(
+        lambda e: parallel.fit(x, y, batch_size=batch, epochs=e, shuffle=False, verbose=0))
     parallel.close()
+
+    # where the difference goes: the rank's own path in this process (NCCL, world 1)
+    import torch.distributed as dist
+
+    from kmgpu.engines import _torch_rank
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
+                          wait_for_workers=False)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    ctx = _torch_rank.RankContext("cuda:0", False)
+    rank_model = build()
+    rank_model.compile(optimizer="adam", loss="mse")
+    _torch_rank.prepare(rank_model, ctx)
+    report["rank_path_samples_per_s"] = timed(lambda e: _torch_rank.run(
+        rank_model, ctx, "fit", dict(x=x, y=y, batch_size=batch, epochs=e, verbose=0)))
+    data = _torch_rank.RankSlices(_torch_rank.ArraySource(x, y), batch, ctx, shuffle=True)
+    report["plain_on_rank_slices_samples_per_s"] = timed(
+        lambda e: plain.fit(data, epochs=e, shuffle=False, verbose=0))
+    dist.destroy_process_group()
     text = json.dumps(report, indent=1)
     print(text, flush=True)
     if out_path:
