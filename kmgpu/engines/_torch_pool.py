@@ -78,12 +78,12 @@ def _as_array(leaf):
 
 
 class CallFiles:
-    """A temporary directory for one call: data arrays and the state file."""
+    """A temporary directory for one call's data arrays (removed after the call)."""
 
     def __init__(self, nbytes_hint=0):
         self.path = tempfile.mkdtemp(prefix=f"kmgpu-{os.getpid()}-", dir=_shm_root(nbytes_hint))
         self._count = itertools.count()
-        _LIVE_DIRS.add(self.path)
+        _LIVE_PATHS.add(self.path)
 
     def put(self, structure):
         """Write every array leaf of ``structure`` to a file; return it with Leafs."""
@@ -103,8 +103,18 @@ class CallFiles:
         return keras.tree.map_structure(put_leaf, structure)
 
     def close(self):
-        shutil.rmtree(self.path, ignore_errors=True)
-        _LIVE_DIRS.discard(self.path)
+        _remove(self.path)
+
+
+def _remove(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    _LIVE_PATHS.discard(path)
 
 
 def resolve(structure):
@@ -131,6 +141,16 @@ class StateFile:
 
     HEADER = 64
 
+    @classmethod
+    def make(cls, layout):
+        """A new state file in /dev/shm (or the temp dir when it is short of room)."""
+        probe = cls(None, layout)
+        fd, path = tempfile.mkstemp(prefix=f"kmgpu-{os.getpid()}-", suffix=".state",
+                                    dir=_shm_root(3 * probe.slot_size))
+        os.close(fd)
+        _LIVE_PATHS.add(path)
+        return cls(path, layout, create=True)
+
     def __init__(self, path, layout, create=False):
         self.path = path
         self.layout = [(tuple(s), np.dtype(d).str) for s, d in layout]
@@ -139,8 +159,15 @@ class StateFile:
             self.offsets.append(size)
             size += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 64) * 64
         self.slot_size = size
-        mode = "w+" if create else "r+"
-        self.mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(3 * size,))
+        self.mm = None
+        if path is not None:
+            mode = "w+" if create else "r+"
+            self.mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(3 * size,))
+
+    def reset(self):
+        """Mark the snapshot slots empty (a new call begins)."""
+        for slot in (1, 2):
+            self._header(slot)[:] = 0
 
     def _header(self, slot):
         return self.mm[slot * self.slot_size: slot * self.slot_size + 24].view(np.int64)
@@ -189,7 +216,7 @@ class StateFile:
 
 
 # -- the pool -----------------------------------------------------------------------
-_LIVE_DIRS = set()
+_LIVE_PATHS = set()  # files and folders kmgpu made; removed at the latest at exit
 _POOLS = weakref.WeakSet()
 
 
@@ -262,6 +289,7 @@ class WorkerPool:
         self.procs, self.conns, self.outs, self._pids = [], [], [], []
         self.model_key = None
         self.closed = False
+        self._state = None  # kept between calls: its pages are mapped already
         self._marks = [0] * self.world
         self._tails = [bytearray() for _ in range(self.world)]
         self._pending = [b""] * self.world
@@ -315,6 +343,20 @@ class WorkerPool:
     @property
     def pids(self):
         return list(self._pids)
+
+    def state_file(self, layout):
+        """The pool's StateFile for this layout (made anew when the layout changes)."""
+        wanted = [(tuple(s), np.dtype(d).str) for s, d in layout]
+        if self._state is None or self._state.layout != wanted:
+            self._drop_state()
+            self._state = StateFile.make(layout)
+        self._state.reset()
+        return self._state
+
+    def _drop_state(self):
+        if self._state is not None:
+            path, self._state = self._state.path, None
+            _remove(path)
 
     def alive(self):
         return not self.closed and all(p.is_alive() for p in self.procs)
@@ -551,6 +593,7 @@ class WorkerPool:
             except ValueError:
                 pass
         self.conns, self.outs = [], []
+        self._drop_state()
         self.closed = True
         _POOLS.discard(self)
 
@@ -562,5 +605,5 @@ def _close_all():
             pool.close(timeout=5.0)
         except Exception:
             pass
-    for path in list(_LIVE_DIRS):
-        shutil.rmtree(path, ignore_errors=True)
+    for path in list(_LIVE_PATHS):
+        _remove(path)

@@ -321,6 +321,7 @@ def prepare(replica, ctx):
         ddp = DistributedDataParallel(
             replica,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copies
             **_no_buffer_sync(),
         )
         ddp.register_comm_hook(None, _sum_hook)
@@ -362,7 +363,7 @@ def _no_buffer_sync():
 
 def _average_statistics(variables, share, ctx):
     """Non-sync BatchNorm: moving statistics averaged over ranks, weighted by batch share."""
-    if not variables:
+    if not variables or ctx.world == 1:
         return
     with torch.no_grad():
         sums = sum_tensors([v.value * share for v in variables], ctx)
@@ -625,6 +626,8 @@ class SyncCallback(keras.callbacks.Callback):
             if reply.get("lr") is not None:
                 values[1], values[2] = 1.0, float(reply["lr"])
             values[3] = float(bool(reply.get("abort")))
+            if isinstance(logs, dict) and isinstance(reply.get("logs"), dict):
+                logs.update(reply["logs"])  # what the callbacks added, for the progress bar
         t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
         dist.broadcast(t, 0)
         stop, has_lr, lr_value, abort = t.tolist()
@@ -660,8 +663,8 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
             with epoch -1 at the end of training (it decides whether to save).
 
     Returns:
-        {"aborted": True} if a user callback raised; else fit: {"history",
-        "params", "epoch"} on rank 0, None elsewhere; evaluate: Keras's return
+        {"aborted": True} if a user callback raised; else fit: None (the History
+        is kept where the user's callbacks run); evaluate: Keras's return
         value (metrics summed over ranks); predict: this rank's (positions,
         predictions) with stand-in rows dropped.
     """
@@ -737,12 +740,8 @@ def _fit(replica, ctx, kwargs, verbose, sync, seed):
         val = RankSlices(vsource, validation_batch_size, ctx)
     ctx.train, ctx.collective = train, True
     try:
-        history = replica.fit(
-            x=train, validation_data=val, shuffle=False, verbose=verbose, callbacks=[sync],
-            **kwargs,
-        )
+        replica.fit(x=train, validation_data=val, shuffle=False, verbose=verbose,
+                    callbacks=[sync], **kwargs)
     finally:
         ctx.train, ctx.collective = None, False
-    if ctx.rank != 0:
-        return None
-    return {"history": history.history, "params": history.params, "epoch": history.epoch}
+    return None  # the History is kept where the callbacks run

@@ -141,8 +141,7 @@ class TorchEngine(Engine):
             shipped = _ship(kwargs, files)
             timing("data out")
             info, arrays = _template_state(template, with_optimizer=(method == "fit"))
-            state = _torch_pool.StateFile(os.path.join(files.path, "state.bin"),
-                                          info["layout"], create=True)
+            state = pool.state_file(info["layout"])
             state.write(0, arrays)
             timing("state out")
             driver = CallbackDriver(callbacks, template, method,
@@ -175,8 +174,6 @@ class TorchEngine(Engine):
             timing.report()
             return out
         finally:
-            if state is not None:
-                state.close()
             files.close()
 
     def _finish(self, method, template, results, driver, load_final):
@@ -191,7 +188,8 @@ class TorchEngine(Engine):
         if method == "fit":
             if not driver.final_loaded:
                 load_final()
-            return _history(template, results[0])
+            template.history = driver.history
+            return driver.history
         if method == "predict":
             return _assemble(results)
         return results[0]
@@ -266,9 +264,14 @@ class TorchEngine(Engine):
             raise
         aborted = [bool(isinstance(result, dict) and result.get("aborted"))]
         if method == "fit":
-            box = [result]
+            box = [result, None]
+            if ctx.rank == 0 and driver.history is not None:
+                h = driver.history
+                box[1] = {"history": h.history, "params": h.params, "epoch": h.epoch}
             dist.broadcast_object_list(box, 0)
             result = box[0]
+            if ctx.rank != 0 and box[1] is not None and not result:
+                driver.history = _history(template, box[1])
         if method == "predict" and not aborted[0]:
             pieces = [None] * ctx.world
             dist.all_gather_object(pieces, result)
@@ -302,15 +305,18 @@ class _Timing:
 class CallbackDriver:
     """Runs the user's callbacks once, with the user's own model, as rank 0 relays hooks.
 
-    Called as ``driver(hook, index, logs, params)``; answers {"stop", "lr"} or
-    {"abort": True} once a callback has raised (the exception is kept in
-    ``error`` and raised by the engine after every rank has left the call, so
-    the worker pool stays usable). KeyboardInterrupt propagates: the engine then
-    kills the workers, like a Ctrl-C anywhere else in the call.
-    Before ``on_train_end``, and before ``on_epoch_end`` unless every callback is
-    known to leave the weights alone (``_weight_free``), it loads rank 0's latest
-    state into the model, so a checkpoint or early-stopping callback sees current
-    weights.
+    Called as ``driver(hook, index, logs, params)``. The callbacks get one logs
+    dict in turn, as in Keras's CallbackList; a fit's ``History`` comes last, so
+    it records what they added (a learning rate, say), and the reply carries the
+    logs back so rank 0's progress bar shows them too. The reply also carries
+    whether to stop and the learning rate, or {"abort": True} once a callback
+    has raised: the exception is kept in ``error`` and raised by the engine after
+    every rank has left the call, so the worker pool stays usable.
+    KeyboardInterrupt propagates: the engine then kills the workers, like a
+    Ctrl-C anywhere else in the call. Before ``on_train_end``, and before
+    ``on_epoch_end`` unless every callback is known to leave the weights alone
+    (``_weight_free``), it loads rank 0's latest state into the model, so a
+    checkpoint or early-stopping callback sees current weights.
     """
 
     def __init__(self, callbacks, template, method, load_state):
@@ -326,6 +332,7 @@ class CallbackDriver:
                   "predict": _torch_rank.PREDICT_HOOKS}[method]
         if method == "fit":  # fit's validation runs the test hooks too
             family = family + _torch_rank.TEST_HOOKS
+            hooks |= {"on_train_begin", "on_epoch_end"}  # the History lives here
         hooks &= set(family)
         # A begin hook and its end hook travel together (Keras's CallbackList counts them).
         for prefix, hooks_of in (("on_train", _torch_rank.TRAIN_HOOKS),
@@ -335,21 +342,20 @@ class CallbackDriver:
                 hooks |= {prefix + "_begin", prefix + "_end"}
         self.hooks = hooks
         # Rank 0 saves a snapshot and this side loads it at every epoch end only
-        # when a callback there may look at the weights.
-        self.needs_weights = "on_epoch_end" in hooks and not all(
-            _weight_free(cb) for cb in callbacks)
-        self.callbacks = None
-        if callbacks:
-            self.callbacks = keras.callbacks.CallbackList(callbacks, model=template)
-            # hooks arrive one by one from rank 0: no asynchronous dispatch here
-            self.callbacks._async_train = self.callbacks._async_test = False
-            self.callbacks._async_predict = False
+        # when a callback here may look at the weights.
+        self.needs_weights = any(
+            not _weight_free(cb) and "on_epoch_end" in _torch_rank.implemented_hooks([cb])
+            for cb in callbacks)
+        self.callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=(method == "fit"), model=template)
+        self.history = self.callbacks._history
 
     def __call__(self, hook, index, logs, params):
         import keras
 
         if self.error is not None:
             return {"abort": True}
+        logs = dict(logs) if isinstance(logs, dict) else logs
         try:
             if params and params != self._params:
                 self.callbacks.set_params(params)
@@ -359,8 +365,9 @@ class CallbackDriver:
                 self.final_loaded = hook == "on_train_end"
             if hook == "on_train_begin":
                 self.template.stop_training = False
-            fn = getattr(self.callbacks, hook)
-            fn(logs) if index is None else fn(index, logs)
+            for callback in self.callbacks.callbacks:
+                fn = getattr(callback, hook)
+                fn(logs) if index is None else fn(index, logs)
         except KeyboardInterrupt:
             raise  # Ctrl-C: the engine stops every worker now
         except BaseException as e:
@@ -368,7 +375,8 @@ class CallbackDriver:
             return {"abort": True}
         lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
         return {"stop": bool(getattr(self.template, "stop_training", False)),
-                "lr": float(lr.numpy()) if isinstance(lr, keras.Variable) else None}
+                "lr": float(lr.numpy()) if isinstance(lr, keras.Variable) else None,
+                "logs": logs}
 
 
 # -- helpers ------------------------------------------------------------------------
