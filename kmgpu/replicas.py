@@ -23,6 +23,14 @@ def check_model(model):
             "kmgpu.parallelize needs a built model: give it an Input(shape=...), or call "
             "model.build(input_shape) or model(x) once before wrapping it."
         )
+    stateful = [layer.name for layer in model._flatten_layers() if getattr(layer, "stateful", False)]
+    if stateful:
+        raise NotImplementedError(
+            f"{model.name} has stateful RNN layers ({', '.join(stateful)}). kmgpu does not yet "
+            "keep per-replica RNN state rows, and Keras 3.15.1 itself drops that state on JAX "
+            "and crashes on torch: train this model with plain Keras on the TensorFlow backend "
+            "for now, or use stateful=False."
+        )
     try:
         model.get_config()
     except NotImplementedError:
