@@ -136,8 +136,9 @@ def _plot(backend, predictions, out):
     os.makedirs(out, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(series, color="black", lw=2, label="series 60 sin(0.1 i)")
-    for label, pred in predictions.items():
-        ax.plot(np.arange(1, len(pred) + 1), pred, lw=1.2, label=label)
+    styles = [dict(lw=4, alpha=0.45), dict(lw=1.5, ls="--"), dict(lw=1.5)]  # 1 device under kmgpu
+    for (label, pred), style in zip(predictions.items(), styles):
+        ax.plot(np.arange(1, len(pred) + 1), pred, label=label, **style)
     ax.axvline(int(160 * 0.67), color="grey", ls=":", lw=1)
     ax.set_title(f"kmgpu demo ({backend}): next-value predictions; test starts at the dotted line")
     ax.legend(loc="lower left", fontsize=8)
