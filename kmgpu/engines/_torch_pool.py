@@ -44,6 +44,10 @@ def dumps(obj):
     return _pickler.dumps(obj)
 
 
+#: what forked workers inherit instead of receiving it pickled (custom objects)
+INHERITED = {"custom_objects": {}}
+
+
 class WorkerError(RuntimeError):
     """A torch worker failed; the message holds its traceback."""
 

@@ -414,7 +414,9 @@ def _hook_optimizer(replica, ctx, averaged):
 
     Exact for even splits; kmgpu cannot weight a custom step's loss by batch share.
     """
-    opt = replica.optimizer
+    opt = getattr(replica, "optimizer", None)
+    if opt is None:  # not compiled: predict only
+        return
     apply = opt.apply
 
     def apply_synced(grads, trainable_variables=None):

@@ -182,7 +182,12 @@ class Worker:
         spec = payload["model"]
         if spec is None:
             raise RuntimeError("kmgpu: the worker has no model for this call")
-        custom = pickle.loads(spec["custom_objects"]) if spec["custom_objects"] else {}
+        if spec["custom_objects"] is not None:
+            custom = pickle.loads(spec["custom_objects"])
+        else:  # they could not be pickled: this worker was forked after they existed
+            from kmgpu.engines import _torch_pool
+
+            custom = dict(_torch_pool.INHERITED["custom_objects"])
         self.replica, self.key = None, None
         self.ctx.sync_batchnorm = payload["sync_batchnorm"]
         with keras.saving.custom_object_scope(custom):

@@ -127,12 +127,34 @@ class TorchEngine(Engine):
         self._pool = pool
         return pool
 
+    def _fork_for(self, template):
+        """Custom objects that cannot be pickled reach workers forked after they exist."""
+        from kmgpu.engines import _torch_pool
+
+        devices = self.torch_devices
+        if _torch_pool.start_method(devices[0].startswith("cuda")) != "fork":
+            raise TypeError(
+                "kmgpu (torch): the model uses classes or functions that cannot be sent to "
+                "spawned worker processes (defined inside a function or in a notebook). "
+                "Move them to an importable module, or `pip install cloudpickle`.")
+        key = (tuple(devices), self.backend)
+        pool = _SHARED_POOLS.pop(key, None)
+        if pool is not None:
+            pool.close()  # the next pool is forked now, with the objects in memory
+
     def _run_pool(self, method, template, kwargs, lr_scale):
         from kmgpu.engines import _torch_pool
 
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
         timing = _Timing()
+        key = _model_key(template, self.options.sync_batchnorm, lr_scale)
+        pool = _SHARED_POOLS.get((tuple(self.torch_devices), self.backend))
+        spec = None
+        if pool is None or pool.closed or pool.model_key != key:
+            spec, inherit = _model_spec(template)
+            if inherit:
+                self._fork_for(template)
         pool = self._ensure_pool()
         timing("pool")
         files = _torch_pool.CallFiles(_nbytes(kwargs))
@@ -146,11 +168,10 @@ class TorchEngine(Engine):
             timing("state out")
             driver = CallbackDriver(callbacks, template, method,
                                     load_state=lambda: _restore(template, state, info))
-            key = _model_key(template, self.options.sync_batchnorm, lr_scale)
             payload = {
                 "method": method,
                 "key": key,
-                "model": None if pool.model_key == key else _model_spec(template),
+                "model": None if pool.model_key == key else spec,
                 "kwargs": shipped,
                 "state": dict(info, path=state.path),
                 "seed": int(np.random.randint(0, 2**31 - 1)),
@@ -406,8 +427,11 @@ def _worker_settings(backend):
     from kmgpu import hardware
 
     env = {"KERAS_BACKEND": "torch"}
+    # one host: the workers talk over loopback (the store listens on 127.0.0.1 too)
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    else:
+        env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
     if hardware.simulated_count():
         env[hardware.SIMULATE_ENV] = str(hardware.simulated_count())
     config = {
@@ -609,18 +633,18 @@ def _model_key(template, sync_batchnorm, lr_scale=(1.0, 0)):
 
 
 def _custom_objects(template):
-    """Classes and functions the model and its compile() use that Keras does not own."""
+    """The classes and functions outside Keras that the model's config and its
+    compile() need: its layer classes, the objects its compile arguments hold and
+    whatever registered objects its serialized configs name (schedules,
+    initializers, regularizers...)."""
     import keras
 
-    custom = dict(keras.saving.get_custom_objects())
+    custom = {}
 
     def add(obj):
-        cls = obj if isinstance(obj, type) else type(obj)
-        if callable(obj) and not isinstance(obj, type) and hasattr(obj, "__module__") \
-                and not hasattr(obj, "get_config"):
-            cls = obj  # a plain function
+        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
         module = getattr(cls, "__module__", "") or ""
-        if module.startswith("keras") or module in ("builtins",):
+        if module.startswith("keras") or module == "builtins" or not callable(cls):
             return
         try:
             name = keras.saving.get_registered_name(cls)
@@ -630,33 +654,61 @@ def _custom_objects(template):
             custom[name] = cls
             custom.setdefault(getattr(cls, "__name__", name), cls)
 
+    def walk(node):
+        if isinstance(node, dict):
+            module, name = node.get("module"), node.get("registered_name")
+            if isinstance(module, str) and isinstance(name, str) and \
+                    not module.startswith("keras") and name != "function":
+                obj = keras.saving.get_registered_object(name)
+                if obj is not None:
+                    add(obj)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
     for layer in template._flatten_layers(include_self=True):
         add(layer)
+    walk(keras.saving.serialize_keras_object(template))
     if template.compiled:
         config = template._compile_config.config
         for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
             value = config.get(key)
             if value is None or isinstance(value, str):
                 continue
-            import keras as k
-
-            for leaf in k.tree.flatten(value):
+            for leaf in keras.tree.flatten(value):
                 if leaf is not None and not isinstance(leaf, (str, int, float)):
                     add(leaf)
+        walk(template.get_compile_config())
     return custom
 
 
 def _model_spec(template):
+    """The model as config (+ compile config and custom objects), and whether the
+    custom objects could not be pickled (a class defined inside a function, or in
+    a notebook without cloudpickle): then forked workers must inherit them."""
+    import pickle
+
     import keras
 
     from kmgpu.engines import _torch_pool
 
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)
-    return {
+    custom = _custom_objects(template)
+    try:
+        blob = _torch_pool.dumps(custom)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    spec = {
         "model": serialized,
         "build_config": template.get_build_config(),
         "compile": template.get_compile_config() if template.compiled else None,
-        "custom_objects": _torch_pool.dumps(_custom_objects(template)),
+        "custom_objects": blob,
     }
+    if blob is None:
+        _torch_pool.INHERITED["custom_objects"] = custom
+    return spec, blob is None
 

@@ -131,6 +131,51 @@ def test_pydataset_input():
     np.testing.assert_allclose(pred, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def _custom_step_class():
+    import keras
+
+    @keras.saving.register_keras_serializable(package="kmgpu_tests")
+    class CustomStep(keras.Sequential):
+        """A model with its own train_step (Keras's torch step, written out)."""
+
+        def train_step(self, data):
+            import torch
+
+            x, y = data
+            y_pred = self(x, training=True)
+            self.zero_grad()
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+            self._loss_tracker.update_state(loss, sample_weight=x.shape[0])
+            return self.compute_metrics(x, y, y_pred)
+
+    return CustomStep
+
+
+def test_a_model_with_its_own_train_step_still_syncs_gradients():
+    import keras
+
+    cls = _custom_step_class()
+    x, y = data("mlp", 64)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return cls([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
+                    keras.layers.Dense(1)])
+
+    ref = build()
+    ref.compile(optimizer="adam", loss="mse")
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    parallel = kmgpu.parallelize(model, gpus=2)
+    parallel.compile(optimizer="adam", loss="mse")
+    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # even split
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+
+
 # -- callbacks: once, in this process, with the user's model --------------------------
 def test_callbacks_run_once_here_and_steer_every_rank(tmp_path):
     import keras
