@@ -9,11 +9,12 @@ Fabric keeps launchers apart from strategies. This module is the parent's side:
   the answers in a loop that also watches every worker's liveness: a worker that
   dies or raises ends the call within a second, with its traceback, and the whole
   pool is killed (the next call starts a fresh one). Ctrl-C kills the pool too.
-- ``CallFiles`` hands the data to the workers once, as memory-mapped ``.npy``
-  files in ``/dev/shm`` (every worker maps the same pages), and holds the
-  ``StateFile`` through which weights and optimizer state go in and come back
-  (rank 0 writes a snapshot at every epoch end, so an interrupted fit still
-  leaves the last consistent state).
+- ``CallFiles`` hands a call's data to the workers once, as memory-mapped
+  ``.npy`` files in ``/dev/shm`` (every worker maps the same pages; removed
+  after the call). The pool's ``StateFile`` (kept between calls) carries the
+  weights and optimizer state in and back: rank 0 writes snapshots at epoch
+  ends (always at the end, and whenever the user's callbacks need the weights),
+  so an interrupted fit still leaves the last consistent state.
 """
 
 import atexit

@@ -139,12 +139,7 @@ def _send_error(conn, exc):
         collective = False
     try:
         conn.send(("error", blob, tb, collective))
-    except Exception:
-        pass
-    try:
-        sys.stderr.write(tb)
-        sys.stderr.flush()
-    except Exception:
+    except Exception:  # the parent is gone or the pipe broke: it sees the exit code
         pass
 
 
