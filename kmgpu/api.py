@@ -109,7 +109,14 @@ class ParallelModel:
                                 self._lr_scale)
 
     def save(self, filepath, *args, **kwargs):
-        """Save the user's model: a plain Keras file, loadable without kmgpu."""
+        """Save the user's model: a plain Keras file, loadable without kmgpu.
+
+        In a multi-process job (torchrun) only process 0 writes.
+        """
+        import os
+
+        if os.environ.get("RANK", "0") != "0":
+            return None
         return self.model.save(filepath, *args, **kwargs)
 
     def describe(self, samples=None, batch_size=None):

@@ -4,7 +4,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv || exit 1
 fi
 . .venv/bin/activate
-if ! python -c "import kmgpu, keras, tensorflow, jax, torch, pytest, nbclient" 2>/dev/null; then
+if ! python -c "import kmgpu, keras, tensorflow, jax, torch, cloudpickle, pytest, nbclient, matplotlib, pynvml, hypothesis" 2>/dev/null; then
   python -m pip install -q torch==2.13.0 || exit 1
   python -m pip install -q -e ".[all,test]" || exit 1
 fi
