@@ -98,7 +98,9 @@ class GPUMonitor(keras.callbacks.Callback):
         verbose: 1 prints the summary line at the end of training (and the
             "no NVIDIA GPU" notice); 0 prints nothing.
 
-    After training, ``summary`` holds the summary line and ``per_gpu`` a dict per GPU.
+    After training, ``summary`` holds the summary line, ``per_gpu`` a dict per GPU and
+    ``history`` the per-epoch values by log key (also where an engine runs ``fit`` in
+    worker processes and this callback here).
     """
 
     def __init__(self, gpus=None, interval=0.5, verbose=1):
@@ -110,6 +112,7 @@ class GPUMonitor(keras.callbacks.Callback):
         self.verbose = verbose
         self.summary = None
         self.per_gpu = {}
+        self.history = {}
         self._reset_runtime()
 
     def _reset_runtime(self):
@@ -140,7 +143,7 @@ class GPUMonitor(keras.callbacks.Callback):
     # -- training events ----------------------------------------------------------
     def on_train_begin(self, logs=None):
         global _said_no_gpu
-        self.summary, self.per_gpu = None, {}
+        self.summary, self.per_gpu, self.history = None, {}, {}
         try:
             nvml = _nvml()
         except NvmlUnavailable as e:
@@ -185,9 +188,10 @@ class GPUMonitor(keras.callbacks.Callback):
             mem = max(s[1] for s in samples)
             self._history[i]["util"].append(util)
             self._history[i]["mem"].append(mem)
-            if logs is not None:
-                logs[f"gpu{i}_util"] = round(util, 1)
-                logs[f"gpu{i}_mem"] = round(mem, 1)
+            for key, value in ((f"gpu{i}_util", round(util, 1)), (f"gpu{i}_mem", round(mem, 1))):
+                self.history.setdefault(key, []).append(value)
+                if logs is not None:
+                    logs[key] = value
 
     def on_train_end(self, logs=None):
         if not self.active:
