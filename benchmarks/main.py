@@ -37,14 +37,20 @@ def parse(argv):
     p.add_argument("--simulate", type=int, default=None,
                    help="simulated devices on a CPU-only machine (default: 2 with --quick "
                         "and no GPU, else none)")
-    p.add_argument("--isolate", choices=("run", "backend"), default=None,
+    p.add_argument("--isolate", choices=("run", "workload", "backend"), default=None,
                    help="a fresh process for every run (default without --quick: fair "
-                        "first-epoch times, exact peak memory) or one per backend")
+                        "first-epoch times, exact peak memory), one per backend and workload "
+                        "(later runs find warm caches and memory already held), or one per "
+                        "backend (default with --quick)")
+    p.add_argument("--replay", dest="replay", action="store_true", default=None,
+                   help="run plain fit twice: the second run gives the run-to-run noise of "
+                        "the timings and of parity (default: on, off with --quick)")
+    p.add_argument("--no-replay", dest="replay", action="store_false")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for the results (%(default)s)")
     p.add_argument("--name", default=None,
                    help="file name stem for <name>.json/.md/.png (default: from the machine)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds before a worker process is stopped")
+                   help="seconds before a worker process is stopped (default: none)")
     return p.parse_args(argv)
 
 
@@ -56,7 +62,10 @@ def slug(text):
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
-def plan(backends, names, counts):
+def plan(backends, names, counts, replay=False):
+    """The runs, in order: per backend and workload, plain fit first (the reference for
+    parity), then kmgpu and the peer at each device count; the replay of plain fit
+    comes after the one-device runs."""
     runs = []
     for backend in backends:
         for name in names:
@@ -66,6 +75,9 @@ def plan(backends, names, counts):
                              "devices": n})
                 runs.append({"backend": backend, "workload": name, "runner": "peer",
                              "devices": n})
+                if n == 1 and replay:
+                    runs.append({"backend": backend, "workload": name, "runner": "replay",
+                                 "devices": 1})
     return runs
 
 
@@ -121,7 +133,8 @@ def _main(argv, child_env):
     name = args.name or ((slug(gpus[0]) + f"-x{len(gpus)}") if gpus else
                          f"cpu-sim{simulate}" if simulate else "cpu") + \
         ("-quick" if args.quick else "")
-    runs = plan(backends, names, counts)
+    replay = (not args.quick) if args.replay is None else args.replay
+    runs = plan(backends, names, counts, replay)
 
     import keras
 
@@ -132,6 +145,7 @@ def _main(argv, child_env):
     done, failures = [0], [0]
     results = {
         "name": name, "quick": args.quick, "isolate": isolate, "simulate": simulate,
+        "replay": replay,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["kmgpu", "bench"] + list(sys.argv[1:] if argv is None else argv),
         "machine": {"gpus": gpus, "cpu": platform.processor() or platform.machine(),
@@ -146,7 +160,12 @@ def _main(argv, child_env):
     with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, open(log_path, "w") as log:
         for backend in backends:
             mine = [r for r in runs if r["backend"] == backend]
-            batches = [mine] if isolate == "backend" else [[r] for r in mine]
+            if isolate == "backend":
+                batches = [mine]
+            elif isolate == "workload":
+                batches = [[r for r in mine if r["workload"] == w] for w in names]
+            else:
+                batches = [[r] for r in mine]
             env = dict(child_env, KERAS_BACKEND=backend)
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
             # JAX takes 75% of each GPU up front unless told not to; without that the
@@ -168,12 +187,16 @@ def _main(argv, child_env):
                     done[0] += 1
                     failures[0] += rec["status"] != "ok"
                     bar.update(done[0], values=[("failed", failures[0])])
-            for b in backends:
-                backends_info.setdefault(b, {"status": "failed", "reason": "no worker started"})
+                    _save_partial(results, args.out)
+        for b in backends:
+            backends_info.setdefault(b, {"status": "failed", "reason": "no worker started"})
         _derive(results)
         for r in results["runs"]:
             r.pop("weights_file", None)
     paths = report.write(results, args.out)
+    partial = os.path.join(args.out, results["name"] + ".partial.json")
+    if os.path.exists(partial):
+        os.remove(partial)
     print()
     print(report.comparison_table(results))
     failed = [r for r in results["runs"] if r["status"] != "ok"]
@@ -184,6 +207,14 @@ def _main(argv, child_env):
                   f"{r.get('error')}")
     print("\nwrote " + ", ".join(paths + [log_path]))
     return 0
+
+
+def _save_partial(results, folder):
+    """The JSON so far (without derived figures), in case the whole command is stopped."""
+    path = os.path.join(folder, results["name"] + ".partial.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _visible(env, count, visible_gpu_indices):

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-RUNNER_ORDER = {"plain": 0, "kmgpu": 1, "peer": 2}
+RUNNER_ORDER = {"plain": 0, "replay": 1, "kmgpu": 2, "peer": 3}
 BACKEND_ORDER = {"tensorflow": 0, "jax": 1, "torch": 2}
 # Targets of issue 6, on one device.
 OVERHEAD_TARGET = 0.01  # kmgpu's time per epoch at most 1% above plain model.fit
@@ -22,12 +22,6 @@ def load(path):
 
 def ok_runs(results):
     return [r for r in results["runs"] if r.get("status") == "ok"]
-
-
-def _sort_key(r):
-    workloads = list(results_workload_order(r))
-    return (workloads, BACKEND_ORDER.get(r["backend"], 9), r["devices"],
-            RUNNER_ORDER.get(r["runner"], 9))
 
 
 def results_workload_order(r):
@@ -56,7 +50,8 @@ def _mem(r):
 
 def runner_label(r, results=None):
     if r["runner"] != "peer":
-        return {"plain": "plain fit", "kmgpu": "kmgpu"}.get(r["runner"], r["runner"])
+        return {"plain": "plain fit", "replay": "plain fit, again", "kmgpu": "kmgpu"}.get(
+            r["runner"], r["runner"])
     return r.get("peer_name") or "peer"
 
 
@@ -89,11 +84,14 @@ def comparison_rows(results):
     for backend, workload, n in keys:
         k = runs.get((backend, workload, "kmgpu", n))
         plain = runs.get((backend, workload, "plain", 1))
+        replay = runs.get((backend, workload, "replay", 1))
         peer = runs.get((backend, workload, "peer", n))
         row = {"backend": backend, "workload": workload, "devices": n,
                "kmgpu": k and k["samples_per_s"], "plain": plain and plain["samples_per_s"],
                "peer": peer and peer["samples_per_s"], "peer_error": None,
-               "overhead": None, "vs_peer": None}
+               "overhead": None, "vs_peer": None, "noise": None}
+        if plain and replay and n == 1:
+            row["noise"] = plain["samples_per_s"] / replay["samples_per_s"] - 1
         if peer is None:
             failed = [r for r in results["runs"] if (r["backend"], r["workload"], r["runner"],
                                                      r["devices"]) == (backend, workload, "peer", n)]
@@ -108,8 +106,9 @@ def comparison_rows(results):
 
 def comparison_table(results):
     head = ("| workload | backend | N | kmgpu samples/s | plain fit (1 device) | peer | "
-            "kmgpu overhead vs plain fit (target <= 1%) | kmgpu / peer (target >= 1.0) |")
-    lines = [head, "|" + "---|" * 8]
+            "kmgpu overhead vs plain fit (target <= 1%) | plain vs plain again (noise) "
+            "| kmgpu / peer (target >= 1.0) |")
+    lines = [head, "|" + "---|" * 9]
     for row in comparison_rows(results):
         over = row["overhead"]
         over_text = "-" if over is None else (
@@ -119,10 +118,11 @@ def comparison_table(results):
                                                  else "**missed**")
         else:
             ratio = f"peer failed: {row['peer_error']}" if row["peer_error"] else "-"
+        noise = "-" if row["noise"] is None else f"{row['noise'] * 100:+.1f}%"
         lines.append(
             f"| {row['workload']} | {row['backend']} | {row['devices']} | "
             f"{_fmt(row['kmgpu'], ',.0f')} | {_fmt(row['plain'], ',.0f')} | "
-            f"{_fmt(row['peer'], ',.0f')} | {over_text} | {ratio} |")
+            f"{_fmt(row['peer'], ',.0f')} | {over_text} | {noise} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -134,12 +134,16 @@ def markdown(results):
         f"; {m.get('cpu_count', '?')} CPU cores; Python {m.get('python', '?')}"
     if results.get("simulate"):
         machine += f"; {results['simulate']} simulated devices"
+    isolate = {"run": "a fresh process for every run",
+               "workload": "one process per backend and workload (later runs find warm "
+                           "caches; memory figures accumulate)",
+               "backend": "one process per backend (later runs find warm caches; memory "
+                          "figures accumulate)"}.get(results.get("isolate"), "?")
     lines = [f"# kmgpu bench: {results.get('name', '')}", "",
              f"- machine: {machine}",
              f"- created: {results.get('created', '?')}; command: "
              f"`{' '.join(results.get('command', []))}`",
-             f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; "
-             f"each run in {results.get('isolate', '?')}-level processes"]
+             f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"]
     for name, b in sorted(results.get("backends", {}).items(),
                           key=lambda kv: BACKEND_ORDER.get(kv[0], 9)):
         if b.get("status") == "ok":
@@ -156,7 +160,12 @@ def markdown(results):
               "time (includes tracing/compilation); efficiency: samples/s(N) / (N x "
               "samples/s(1)) of the same runner; parity: largest relative weight "
               "difference after training against plain model.fit on one device from the "
-              "same initial weights.", "", "## kmgpu against plain fit and the peer", "",
+              "same initial weights (`plain fit, again` shows the floor where GPU kernels "
+              "are not deterministic); peak memory: the GPU's memory in use as nvidia-smi "
+              "shows it (NVML, sampled every 0.2 s; every process of the run, CUDA contexts "
+              "included; JAX without preallocation), or the process's peak RSS (marked) "
+              "where there is no GPU; overhead: plain fit's samples/s over kmgpu's, minus 1.",
+              "", "## kmgpu against plain fit and the peer", "",
               comparison_table(results), "", "## Every run", "", runs_table(results), ""]
     return "\n".join(lines)
 

@@ -1,6 +1,8 @@
 """The ways to train a workload that ``kmgpu bench`` compares, all measured alike.
 
     plain    ``model.fit`` on one device: what kmgpu's overhead is measured against.
+    replay   plain ``model.fit`` once more: how much two identical runs differ (timing
+             noise, and the parity floor where GPU kernels are not deterministic).
     kmgpu    ``kmgpu.parallelize(model, gpus=n)`` then ``fit``.
     peer     the framework's own data-parallel way, written by hand:
              tensorflow  ``tf.distribute.MirroredStrategy`` (model built and compiled
@@ -38,13 +40,14 @@ def run(runner, workload, n):
         allocator_peak=bytes (where known), gpu_util=% (with NVML), loss=float,
         weights=[np.ndarray, ...]).
     """
-    init = workload.build().get_weights()  # outside any scope: the same in every process
-    if runner == "plain":
+    model = workload.build()  # outside any scope: the same weights in every process
+    init = model.get_weights()
+    if runner in ("plain", "replay"):  # replay: plain fit again, for the noise floor
         if n != 1:
             raise ValueError("plain model.fit runs on one device")
-        return _plain(workload, init)
+        return _plain(workload, model)
     if runner == "kmgpu":
-        return _kmgpu(workload, n, init)
+        return _kmgpu(workload, n, model)
     if runner == "peer":
         import keras
 
@@ -84,9 +87,7 @@ def _collect(epoch_seconds, peak, kind, monitor, loss):
     return result
 
 
-def _plain(workload, init):
-    model = workload.build()
-    model.set_weights(init)
+def _plain(workload, model):
     model.compile(**workload.compile_args())
     x, y = workload.data()
     result = _fit(model.fit, x, y, workload)
@@ -94,13 +95,11 @@ def _plain(workload, init):
     return result
 
 
-def _kmgpu(workload, n, init):
+def _kmgpu(workload, n, model):
     import warnings
 
     import kmgpu
 
-    model = workload.build()
-    model.set_weights(init)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "one device - running as a single replica"
         parallel = kmgpu.parallelize(model, gpus=n)
@@ -109,9 +108,19 @@ def _kmgpu(workload, n, init):
     try:
         result = _fit(parallel.fit, x, y, workload)
     finally:
-        parallel.close()
+        if _has_gpu():
+            parallel.close()  # free the GPUs for the next run's memory figures
+        # else: the torch engine's worker pool stays for the next run on as many devices
+
     result["weights"] = model.get_weights()  # the user's model holds the trained weights
     return result
+
+
+def _has_gpu():
+    from kmgpu.callbacks import nvidia_gpus
+    from kmgpu import hardware
+
+    return bool(nvidia_gpus()) and not hardware.simulated_count()
 
 
 def _mirrored(workload, n, init):
@@ -170,8 +179,12 @@ def _torch_ddp(workload, n, init):
             import torch.multiprocessing as mp
 
             # The guide forks; forking a process that has already run CUDA or torch's
-            # OpenMP threads (as this one has: it built the model) hangs, so spawn.
-            method = "spawn"
+            # OpenMP threads (as this one has: it built the model) can hang. On CPUs a
+            # fork server that has only imported the libraries starts ranks fast and
+            # safely; with GPUs, spawn (a fresh interpreter per rank, CUDA untouched).
+            method = "spawn" if cuda else "forkserver"
+            if method == "forkserver":
+                mp.set_forkserver_preload(["torch", "keras", "benchmarks.runners"])
             mp.start_processes(_ddp_process, args=(n, workload, init, cuda, port, out),
                                nprocs=n, join=True, start_method=method)
         saved = np.load(out, allow_pickle=False)
@@ -216,6 +229,8 @@ def _ddp_train(rank, world, workload, init, cuda, out):
 
     from kmgpu.callbacks import peak_memory
 
+    if not cuda:  # ranks share the CPU cores (the guide is written for GPUs)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     x, y = workload.data()
     dataset = TensorDataset(torch.from_numpy(x),
                             torch.from_numpy(y.astype("int64") if y.dtype.kind == "i" else y))

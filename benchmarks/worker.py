@@ -90,6 +90,18 @@ def measure(spec_run, quick, weights_dir):
     return record
 
 
+def _release_memory():
+    """Between runs in one process: hand cached GPU memory back (torch), collect garbage."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
 def weights_name(spec_run):
     return "{workload}-{runner}-{devices}.npz".format(**spec_run)
 
@@ -115,6 +127,7 @@ def main(argv=None):
             record = {"kind": "run", **spec_run, "status": "error",
                       "error": f"{type(e).__name__}: {message}"[:300]}
         emit(record)
+        _release_memory()
     sys.stdout.flush()
     sys.stderr.flush()
     # torch gloo / TF threads can abort at interpreter exit; the results are out.

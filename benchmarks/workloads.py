@@ -98,21 +98,20 @@ def get(name, quick=False):
             return Workload("cnn32", True, batch=64, epochs=4, samples=256,
                             loss="sparse_ce_logits", width=8,
                             description="cnn32 at 1/8 width (8/16/32 filters), 256 samples")
-        return Workload("cnn32", False, batch=256, epochs=6, samples=256 * 100,
+        return Workload("cnn32", False, batch=256, epochs=6, samples=256 * 60,
                         loss="sparse_ce_logits", width=64,
-                        description="Conv 64/128/256 x2 + BN, 25600 samples")
+                        description="Conv 64/128/256 x2 + BN, 15360 samples")
     if name == "lstm":
         if quick:
             return Workload("lstm", True, batch=64, epochs=4, samples=256, loss="mse",
                             width=32, steps=16,
                             description="LSTM 32 x2 over 16 steps, 256 samples")
-        return Workload("lstm", False, batch=256, epochs=6, samples=256 * 50, loss="mse",
-                        width=256, steps=64, description="LSTM 256 x2 over 64x16, 12800 samples")
+        return Workload("lstm", False, batch=256, epochs=6, samples=256 * 40, loss="mse",
+                        width=256, steps=64, description="LSTM 256 x2 over 64x16, 10240 samples")
     if name == "sine":
         (x, _), _, _ = sine.data()
         n = len(x)
         return Workload("sine", quick, batch=sine.BATCH, epochs=5 if quick else sine.EPOCHS,
                         samples=n, loss="mse", width=4,
-                        description=("the sine scenario, 5 epochs" if quick
-                                     else "the sine scenario: LSTM(4), batch 8, 100 epochs"))
+                        description=f"kmgpu.sine: LSTM(4) + Dense(1), {n} samples, seed {SEED}")
     raise ValueError(f"unknown workload {name!r}: choose from {', '.join(NAMES)}")

@@ -36,8 +36,19 @@ def main(argv=None):
 
 
 def result_files(folder=RESULTS):
-    """The results JSON files in ``folder``, newest first."""
-    return sorted(glob.glob(os.path.join(folder, "*.json")), key=os.path.getmtime, reverse=True)
+    """The results JSON files in ``folder``, newest run first (by the "created" they hold)."""
+    import json
+
+    def created(path):
+        try:
+            with open(path) as f:
+                return json.load(f).get("created", "")
+        except (OSError, ValueError):
+            return ""
+
+    files = [f for f in glob.glob(os.path.join(folder, "*.json"))
+             if not f.endswith(".partial.json")]
+    return sorted(files, key=created, reverse=True)
 
 
 def load_results(path=None):
