@@ -58,18 +58,19 @@ def runner_label(r, results=None):
 def runs_table(results):
     """Every run: samples/s, first epoch, efficiency, parity, memory, loss/RMSE."""
     head = ("| workload | backend | runner | N | samples/s | 1st epoch (s) | efficiency "
-            "| parity vs 1 device | peak memory | loss | sine RMSE |")
-    lines = [head, "|" + "---|" * 11]
+            "| parity vs 1 device | peak memory | GPU util | loss | sine RMSE |")
+    lines = [head, "|" + "---|" * 12]
     for r in sorted_runs(results):
         if r.get("status") != "ok":
             lines.append(f"| {r['workload']} | {r['backend']} | {runner_label(r)} | "
-                         f"{r['devices']} | failed: {r.get('error', '?')} |  |  |  |  |  |  |")
+                         f"{r['devices']} | failed: {r.get('error', '?')} |  |  |  |  |  |  |  |")
             continue
         lines.append(
             f"| {r['workload']} | {r['backend']} | {runner_label(r)} | {r['devices']} | "
             f"{_fmt(r['samples_per_s'], ',.0f')} | {_fmt(r['first_epoch_s'], '.2f')} | "
             f"{_fmt(r.get('efficiency'), '.2f')} | {_fmt(r.get('parity'), '.1e')} | "
-            f"{_mem(r)} | {_fmt(r.get('loss'), '.4g')} | {_fmt(r.get('rmse'), '.3f')} |")
+            f"{_mem(r)} | {_fmt(r.get('gpu_util'), '.0f')}{'%' if r.get('gpu_util') is not None else ''} | "
+            f"{_fmt(r.get('loss'), '.4g')} | {_fmt(r.get('rmse'), '.3f')} |")
     return "\n".join(lines)
 
 
