@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import MODELS, conv_bn, data, mlp, rel_diff
+from tests.helpers import MODELS, check_pydataset_parity, conv_bn, data, mlp, rel_diff
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,27 +108,7 @@ def test_batchnorm_statistics_identical_on_every_rank(sync):
 
 
 def test_pydataset_input():
-    import keras
-
-    x, y = data("mlp", 45)
-
-    class Batches(keras.utils.PyDataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            return x[i * 12:(i + 1) * 12], y[i * 12:(i + 1) * 12]
-
-    ref = mlp()
-    ref.compile(optimizer="sgd", loss="mse")
-    ref.fit(Batches(), epochs=2, shuffle=False, verbose=0)
-    model = mlp()
-    parallel = kmgpu.parallelize(model, gpus=4)
-    parallel.compile(optimizer="sgd", loss="mse")
-    parallel.fit(Batches(), epochs=2, shuffle=False, verbose=0)
-    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    pred = parallel.predict(Batches(), verbose=0)
-    np.testing.assert_allclose(pred, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    check_pydataset_parity()
 
 
 def _custom_step_class():
