@@ -34,6 +34,33 @@ class TensorFlowEngine(InProcessEngine):
     def scope(self):
         return self.strategy.scope()
 
+    def replica_batch(self, global_batch):
+        return global_batch // self.num_replicas  # each replica runs the model on its rows
+
+    def read_states(self, replica):
+        import numpy as np
+
+        from kmgpu import stateful
+
+        return [np.concatenate([np.asarray(c) for c in
+                                self.strategy.experimental_local_results(v.value)])
+                for v in stateful.state_variables(replica)]
+
+    def write_states(self, replica, arrays):
+        import numpy as np
+
+        from kmgpu import stateful
+
+        for v, a in zip(stateful.state_variables(replica), arrays):
+            components = self.strategy.experimental_local_results(v.value)
+            for component, rows in zip(components, np.split(a, len(components))):
+                component.assign(rows)
+
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        if method == "fit":
+            kwargs = _repeating_datasets(kwargs)
+        return super().run(method, template, kwargs, lr_scale)
+
     def prepare_replica(self, replica, template):
         import keras
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
@@ -47,6 +74,48 @@ class TensorFlowEngine(InProcessEngine):
         if type(template).train_step is TensorFlowTrainer.train_step:
             replica.train_step = types.MethodType(_train_step, replica)
         replica._maybe_symbolic_build = types.MethodType(_symbolic_build, replica)
+
+
+def _repeating_datasets(kwargs):
+    """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
+
+    For arrays Keras makes a new distributed iterator every epoch, which costs
+    MirroredStrategy ~0.4 s per epoch on 4 devices. Given ``steps_per_epoch`` and
+    a repeating dataset, Keras keeps one iterator for the whole fit. The dataset
+    is Keras's own (``ArrayDataAdapter``): the same batches, the same per-epoch
+    shuffling, class weights and partial last batch; each epoch reads exactly
+    one pass. Validation arrays get the same treatment with ``validation_steps``.
+    """
+    from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    def arrays(*data):
+        return array_data_adapter.can_convert_arrays(data) and data[0] is not None
+
+    kw = dict(kwargs)
+    x, y, weights = kw.get("x"), kw.get("y"), kw.get("sample_weight")
+    if kw.get("steps_per_epoch") is not None or not arrays(x, y, weights):
+        return kwargs
+    if kw.get("validation_split") and kw.get("validation_data") is None:
+        (x, y, weights), kw["validation_data"] = array_slicing.train_validation_split(
+            (x, y, weights), validation_split=kw["validation_split"])
+    kw["validation_split"] = 0.0
+    batch_size = kw.get("batch_size") or 32
+    train = array_data_adapter.ArrayDataAdapter(
+        x, y, sample_weight=weights, batch_size=batch_size,
+        shuffle=kw.get("shuffle", True), class_weight=kw.get("class_weight"))
+    kw.update(x=train.get_tf_dataset().repeat(), y=None, sample_weight=None, shuffle=False,
+              class_weight=None, batch_size=None, steps_per_epoch=train.num_batches)
+    validation = kw.get("validation_data")
+    if validation is not None and kw.get("validation_steps") is None:
+        vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
+        if arrays(vx, vy, vw):
+            val = array_data_adapter.ArrayDataAdapter(
+                vx, vy, sample_weight=vw,
+                batch_size=kw.get("validation_batch_size") or batch_size)
+            kw.update(validation_data=val.get_tf_dataset().repeat(),
+                      validation_steps=val.num_batches, validation_batch_size=None)
+    return kw
 
 
 def _symbolic_build(self, iterator=None, data_batch=None):

@@ -45,8 +45,9 @@ def _text(cell):
 
 def execute(path, timeout=240):
     """Run a notebook in a fresh python3 kernel; return (notebook, seconds)."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient
+    import nbformat
+
     notebook = nbformat.read(path, as_version=4)
     env = {k: v for k, v in os.environ.items() if k not in LEAKY}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -75,10 +76,21 @@ def test_notebooks_are_stored_without_outputs():
             or source.index("KERAS_BACKEND") < source.index("import keras")), path
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+def _this_session(paths):
+    from kmgpu import hardware
+
+    return [p for p in paths if _backend_of(p) == hardware.backend_name()]
+
+
+def test_every_notebook_belongs_to_one_backend_session():
+    sessions = {_backend_of(p) for p in NOTEBOOKS}
+    assert NOTEBOOKS and sessions <= {"tensorflow", "jax", "torch"}, sessions
+
+
+@pytest.mark.parametrize("path", _this_session(NOTEBOOKS),
+                         ids=[os.path.basename(p) for p in _this_session(NOTEBOOKS)])
 def test_notebook_runs(path):
-    if _backend_of(path) != _session_backend():
-        pytest.skip(f"runs in the {_backend_of(path)} session")
+    assert _backend_of(path) == _session_backend()
     notebook, seconds = execute(path)
     sys.stderr.write(f"\n{os.path.basename(path)}: {seconds:.1f} s\n")
     outputs = "\n".join(_text(c) for c in notebook.cells if c.cell_type == "code")

@@ -350,9 +350,8 @@ def test_torchrun_in_process_parity(tmp_path):
 
 
 def test_progress_bar_shows_in_a_jupyter_cell(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
+    import nbclient
+    import nbformat
     setup = (f"import os, sys\nos.environ['KERAS_BACKEND'] = 'torch'\n"
              f"sys.path.insert(0, {ROOT!r})\nimport kmgpu\nkmgpu.simulate_devices(2)\n"
              "from tests.helpers import data, mlp\nx, y = data('mlp', 48)\n"
