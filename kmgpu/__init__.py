@@ -9,9 +9,10 @@ Importing kmgpu imports no backend.
 """
 
 from kmgpu.hardware import devices, simulate_devices
+from kmgpu.stateful import rebatch
 
 __version__ = "0.1.0"
-__all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel"]
+__all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebatch"]
 
 
 def __getattr__(name):

@@ -18,9 +18,12 @@ class Options:
     scale_lr: bool = False
     warmup_epochs: int = 0
     sync_batchnorm: bool = False
+    reset_states: str = "epoch"
+    drop_remainder: bool = False
 
     @classmethod
-    def make(cls, batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False):
+    def make(cls, batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
+             reset_states="epoch", drop_remainder=False):
         """Validate the user's choices; raise ValueError/TypeError saying what to pass."""
         if batch not in BATCH_POLICIES:
             raise ValueError(
@@ -44,7 +47,14 @@ class Options:
             )
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}.")
-        return cls(batch, scale_lr, warmup_epochs, sync_batchnorm)
+        if reset_states not in ("epoch", None):
+            raise ValueError(f"reset_states={reset_states!r}: pass 'epoch' (zero stateful RNN "
+                             "states at each epoch and each evaluate/predict) or None (never; "
+                             "call parallel.reset_states() yourself).")
+        if not isinstance(drop_remainder, bool):
+            raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
+        return cls(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
+                   drop_remainder)
 
 
 def global_batch(options, batch_size, num_replicas):

@@ -23,14 +23,6 @@ def check_model(model):
             "kmgpu.parallelize needs a built model: give it an Input(shape=...), or call "
             "model.build(input_shape) or model(x) once before wrapping it."
         )
-    stateful = [layer.name for layer in model._flatten_layers() if getattr(layer, "stateful", False)]
-    if stateful:
-        raise NotImplementedError(
-            f"{model.name} has stateful RNN layers ({', '.join(stateful)}). kmgpu does not yet "
-            "keep per-replica RNN state rows, and Keras 3.15.1 itself drops that state on JAX "
-            "and crashes on torch: train this model with plain Keras on the TensorFlow backend "
-            "for now, or use stateful=False."
-        )
     try:
         model.get_config()
     except NotImplementedError:
@@ -100,9 +92,21 @@ def optimizer_state(optimizer):
     return [v for v in optimizer.variables if v is not lr]
 
 
+def weights(model):
+    """``model.weights`` without stateful RNN states (an engine may track those)."""
+    from kmgpu import stateful
+
+    states = {id(v) for v in stateful.state_variables(model)}
+    return [v for v in model.weights if id(v) not in states]
+
+
 def copy_state(src, dst):
     """Copy weights, and optimizer state where ``src``'s optimizer has any, src -> dst."""
-    dst.set_weights(src.get_weights())
+    src_w, dst_w = weights(src), weights(dst)
+    if [tuple(v.shape) for v in src_w] != [tuple(v.shape) for v in dst_w]:
+        raise ValueError(f"{dst.name}'s weights no longer match {src.name}'s.")
+    for s, d in zip(src_w, dst_w):
+        d.assign(keras.ops.convert_to_numpy(s.value))
     src_opt = getattr(src, "optimizer", None)
     dst_opt = getattr(dst, "optimizer", None)
     if src_opt is None or dst_opt is None or not src_opt.built:

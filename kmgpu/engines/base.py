@@ -15,7 +15,7 @@ and the optimizer state in ``template``.
 import abc
 import contextlib
 
-from kmgpu import replicas
+from kmgpu import replicas, stateful
 
 
 class Engine(abc.ABC):
@@ -29,6 +29,8 @@ class Engine(abc.ABC):
 
     #: what does the work, in words, for describe()
     name = "?"
+    #: whether stateful RNN models train with per-replica state rows here
+    supports_stateful = False
 
     def __init__(self, device_ids, available, options):
         self.device_ids = list(device_ids)
@@ -72,7 +74,13 @@ class InProcessEngine(Engine):
     (a variable's placement is fixed when it is created), and copies weights and
     optimizer state template -> replica before each call and back after fit.
     The replica and its optimizer live across calls so optimizer state carries over.
+
+    Stateful RNN states travel the same way, before and after every call: the
+    template holds all B rows; ``read_states`` / ``write_states`` map them to
+    where the backend keeps each replica's rows.
     """
+
+    supports_stateful = True
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
@@ -90,11 +98,28 @@ class InProcessEngine(Engine):
     def prepare_replica(self, replica, template):
         """Hook: adjust a freshly cloned replica (sync BatchNorm, custom steps)."""
 
+    def replica_batch(self, global_batch):
+        """The batch a stateful replica model is built for (default: the global batch)."""
+        return global_batch
+
+    def read_states(self, replica):
+        """The replica's stateful RNN states as arrays of all B rows, replica 0's first."""
+        import keras
+
+        return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(replica)]
+
+    def write_states(self, replica, arrays):
+        """Set the replica's stateful RNN states from arrays of all B rows."""
+        for v, a in zip(stateful.state_variables(replica), arrays):
+            v.assign(a)
+
     def _ensure_replica(self, template, lr_scale):
         key = (replicas.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             with self.scope():
-                replica = replicas.clone(template)
+                fixed = stateful.fixed_batch(template)
+                replica = (replicas.clone(template) if fixed is None
+                           else stateful.clone_at(template, self.replica_batch(fixed)))
                 self.prepare_replica(replica, template)
                 if template.compiled:
                     replica.compile(**replicas.compile_args(template, lr_scale))
@@ -102,15 +127,27 @@ class InProcessEngine(Engine):
         return self.replica
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        import keras
+
         replica = self._ensure_replica(template, lr_scale)
+        states = stateful.state_variables(template)
+        if states and self.options.reset_states == "epoch":
+            stateful.reset(template)
+            if method == "fit":
+                kwargs = dict(kwargs, callbacks=[stateful.reset_callback(replica)]
+                              + list(kwargs.get("callbacks") or []))
         with self.scope():
             replicas.copy_state(template, replica)
+            if states:
+                self.write_states(replica, [keras.ops.convert_to_numpy(v.value) for v in states])
         try:
             with self.scope(), self.call_context(method):
                 result = getattr(replica, method)(**kwargs)
         finally:
             if method == "fit":
                 replicas.copy_state(replica, template)
+            for v, a in zip(states, self.read_states(replica) if states else ()):
+                v.assign(a)
         if method == "fit":
             template.history = result
         return result

@@ -27,9 +27,43 @@ class JaxEngine(InProcessEngine):
         self.distribution = keras.distribution.DataParallel(
             devices=[devices[i] for i in device_ids]
         )
+        from kmgpu.engines import _multiworker
+
+        self.multiprocess = _multiworker.jax_multiprocess()  # kmgpu launch: jax.distributed
+        if self.multiprocess:  # every process passes the same data; kmgpu places it
+            self.distribution.auto_shard_dataset = False
+            self.name += f", {jax.process_count()} processes (jax.distributed)"
 
     def scope(self):
         return self.distribution.scope()
+
+    def prepare_replica(self, replica, template):
+        """Stateful RNN states join the model's non-trainable variables, sharded by rows.
+
+        Keras's JAX trainer carries only tracked variables through its jitted
+        steps (an untracked state would be a constant: no state carried). Tracked,
+        they travel with the BatchNorm statistics; laid out along the batch axis,
+        device r keeps rows r*B/N ... (r+1)*B/N - 1, as its data shard.
+        """
+        import keras
+
+        from kmgpu import stateful
+
+        d = self.distribution
+        for layer in stateful.layers(replica):
+            locked = layer._tracker.locked
+            layer._tracker.unlock()
+            for v in keras.tree.flatten(layer.states):
+                layer._track_variable(v)
+                v._layout = keras.distribution.TensorLayout(
+                    [d.batch_dim_name] + [None] * (len(v.shape) - 1), d.device_mesh)
+                v.assign(v.value)
+            if locked:
+                layer._tracker.lock()
+        if self.multiprocess:
+            from kmgpu.engines import _multiworker
+
+            _multiworker.jax_replicated_predictions(replica, d.device_mesh.backend_mesh)
 
     def call_context(self, method):
         return _replicate_indivisible(self.distribution)
@@ -57,6 +91,10 @@ def _replicate_indivisible(distribution):
     replicated = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec())
 
     def distribute(data, layouts=None):
+        if jax.process_count() > 1:  # each process holds the whole batch (kmgpu launch)
+            from kmgpu.engines import _multiworker
+
+            return _multiworker.jax_put_global(data, replicated.mesh, distribution.batch_dim_name)
         flat = [d for d in tree.flatten(data) if d is not None]
         if all(d.shape and d.shape[0] % n == 0 for d in flat):
             return original(data, layouts)

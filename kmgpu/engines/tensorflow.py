@@ -23,7 +23,14 @@ class TensorFlowEngine(InProcessEngine):
         kind = available[device_ids[0]][0].upper()
         logical = tf.config.list_logical_devices(kind)
         names = [logical[i].name for i in device_ids]
-        if len(names) == 1:
+        from kmgpu.engines import _multiworker
+
+        multi = _multiworker.tf_strategy()  # several processes (kmgpu launch)
+        if multi is not None:  # every device of every worker
+            self.strategy, self.name = multi, "tf.distribute.MultiWorkerMirroredStrategy"
+            n = multi.num_replicas_in_sync
+            self.device_ids, self.device_names = list(range(n)), [f"replica:{i}" for i in range(n)]
+        elif len(names) == 1:
             self.strategy = tf.distribute.OneDeviceStrategy(names[0])
             self.name = "tf.distribute.OneDeviceStrategy"
         else:
@@ -33,6 +40,11 @@ class TensorFlowEngine(InProcessEngine):
 
     def scope(self):
         return self.strategy.scope()
+
+    def call_context(self, method):
+        from kmgpu.engines import _multiworker
+
+        return _multiworker.tf_reduce_fix(self.strategy)
 
     def replica_batch(self, global_batch):
         return global_batch // self.num_replicas  # each replica runs the model on its rows

@@ -1,0 +1,190 @@
+"""Stateful RNNs through kmgpu: state carries batch to batch, row to row, on 1 and 4
+devices; training equals one device; a task only state can solve is learned; rebatch.
+
+The data of a stateful model is laid out as Keras expects it: batch k holds chunk k
+of the same B sequences, so row i of batch k continues in row i of batch k+1.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import kmgpu
+from kmgpu import stateful
+from tests.helpers import rel_diff
+
+B, CHUNK, CHUNKS, FEATURES = 8, 3, 4, 2
+
+
+def make(cell="LSTM", batch=B, steps=CHUNK, is_stateful=True, seed=1, units=5):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layer = getattr(keras.layers, cell)(units, stateful=is_stateful)
+    inputs = keras.Input(batch_shape=(batch, steps, FEATURES))
+    if cell == "GRU":  # functional as well as Sequential
+        return keras.Model(inputs, keras.layers.Dense(1)(layer(inputs)))
+    return keras.Sequential([inputs, layer, keras.layers.Dense(1)])
+
+
+def chunked(sequences, chunk=CHUNK):
+    """(B, T, F) sequences -> (T/chunk * B, chunk, F): batch k = chunk k of every sequence."""
+    t = sequences.shape[1]
+    return np.concatenate([sequences[:, k:k + chunk] for k in range(0, t, chunk)])
+
+
+def sequences(n=B, steps=CHUNK * CHUNKS, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, steps, FEATURES)).astype("float32")
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_state_carries_from_chunk_to_chunk(cell, gpus):
+    seqs = sequences()
+    whole = make(cell, batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
+    model = make(cell)
+    model.set_weights(whole.get_weights())
+    parallel = kmgpu.parallelize(model, gpus=gpus)
+    out = parallel.predict(chunked(seqs), batch_size=B, verbose=0)
+    ref = whole.predict(seqs, verbose=0)
+    assert out.shape == (B * CHUNKS, 1)
+    carried = np.abs(out[-B:] - ref).max()
+    print(f"{cell} on {gpus}: last chunk vs stateless over 12 steps: {carried:.2e}")
+    assert carried <= 1e-5
+    assert np.abs(out[:B] - ref).max() > 1e-2  # the first chunk alone is not the answer
+    # the user's model holds the state rows afterwards, replica by replica
+    import keras
+
+    state = keras.ops.convert_to_numpy(stateful.state_variables(model)[0].value)
+    direct = make(cell)
+    direct.set_weights(whole.get_weights())
+    for k in range(CHUNKS):
+        direct(chunked(seqs)[k * B:(k + 1) * B])
+    expect = keras.ops.convert_to_numpy(stateful.state_variables(direct)[0].value)
+    np.testing.assert_allclose(state, expect, atol=1e-5)
+
+
+def _fit(gpus, optimizer, epochs=3, **options):
+    import keras
+
+    seqs = sequences(n=B * 2, seed=3)  # two groups of 8 sequences: 8 batches per epoch
+    x = np.concatenate([chunked(seqs[:B]), chunked(seqs[B:])])
+    y = np.tanh(x.sum(axis=(1, 2)))[:, None].astype("float32")
+    model = make("LSTM", seed=5)
+    before = [w.copy() for w in model.get_weights()]
+    parallel = kmgpu.parallelize(model, gpus=gpus, **options)
+    rate = {"SGD": 0.05, "Adam": 0.01}[optimizer]
+    parallel.compile(optimizer=getattr(keras.optimizers, optimizer)(rate), loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = parallel.fit(x, y, batch_size=B, epochs=epochs, verbose=0)
+    return model, before, history
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_training_on_four_devices_equals_one_device(optimizer):
+    one, before, h1 = _fit(1, optimizer)
+    four, _, h4 = _fit(4, optimizer)
+    moved = max(rel_diff(a, b) for a, b in zip(one.get_weights(), before))
+    worst = max(rel_diff(a, b) for a, b in zip(four.get_weights(), one.get_weights()))
+    print(f"stateful LSTM {optimizer}, 3 epochs: moved {moved:.3f}, 4 vs 1 device {worst:.2e}")
+    assert moved > 1e-2
+    assert worst <= 1e-5
+    np.testing.assert_allclose(h4.history["loss"], h1.history["loss"], rtol=1e-5)
+
+
+def test_a_task_only_state_can_solve_is_learned_with_state_only():
+    """Each sequence is two chunks of one step: a value, then a blank; the target of both
+    chunks is the value, so at chunk 2 only the state can know it."""
+    import keras
+
+    b, groups = 32, 6
+    rng = np.random.default_rng(0)
+    first = rng.uniform(-1, 1, size=(groups, b, 1, 1)).astype("float32")
+    second = np.zeros((groups, b, 1, 1), "float32")
+    x = np.concatenate([np.concatenate([f, s]) for f, s in zip(first, second)])
+    y = np.concatenate([np.concatenate([f[:, 0], f[:, 0]]) for f in first])
+    recall = np.concatenate([np.arange(b, 2 * b) + 2 * b * g for g in range(groups)])
+
+    losses = {}
+    for is_stateful in (True, False):
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input(batch_shape=(b, 1, 1)),
+                                  keras.layers.LSTM(8, stateful=is_stateful),
+                                  keras.layers.Dense(1)])
+        parallel = kmgpu.parallelize(model, gpus=4)
+        parallel.compile(optimizer=keras.optimizers.Adam(0.03), loss="mse")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parallel.fit(x, y, batch_size=b, epochs=40, verbose=0)
+        pred = parallel.predict(x, batch_size=b, verbose=0)
+        losses[is_stateful] = float(np.mean((pred[recall] - y[recall]) ** 2))
+    ratio = losses[False] / losses[True]
+    print(f"recall chunk 1 at chunk 2: mse with state {losses[True]:.4f}, without "
+          f"{losses[False]:.4f}, ratio {ratio:.1f}")
+    assert losses[False] > 0.2  # var(U(-1, 1)) = 1/3: nothing learned without state
+    assert ratio > 5
+
+
+def test_rebatch_to_one_keeps_the_weights_and_predicts_step_by_step():
+    seqs = sequences()
+    model, _, _ = _fit(4, "Adam", epochs=1)
+    batched = kmgpu.parallelize(model, gpus=4).predict(chunked(seqs), batch_size=B, verbose=0)
+    single = kmgpu.rebatch(model, 1)
+    assert stateful.fixed_batch(single) == 1 and single.compiled
+    for a, b in zip(single.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    step = kmgpu.parallelize(single, gpus=1, reset_states=None)
+    row = 5  # sequence 5, one chunk per call: the state carries between calls
+    outs = [step.predict(seqs[row:row + 1, k:k + CHUNK], verbose=0) for k in range(0, 12, CHUNK)]
+    np.testing.assert_allclose(np.concatenate(outs)[:, 0], batched[row::B, 0], atol=1e-5)
+    step.reset_states()
+    again = step.predict(seqs[row:row + 1, :CHUNK], verbose=0)
+    np.testing.assert_allclose(again, outs[0], atol=1e-6)
+
+
+def test_states_reset_each_epoch_or_never_and_are_not_saved(tmp_path):
+    import keras
+
+    x = chunked(sequences())
+    model = make()
+    parallel = kmgpu.parallelize(model, gpus=4)
+    first = parallel.predict(x, batch_size=B, verbose=0)
+    np.testing.assert_allclose(parallel.predict(x, batch_size=B, verbose=0), first, atol=1e-6)
+    keep = kmgpu.parallelize(model, gpus=4, reset_states=None)
+    keep.reset_states()
+    np.testing.assert_allclose(keep.predict(x, batch_size=B, verbose=0), first, atol=1e-6)
+    carried = keep.predict(x, batch_size=B, verbose=0)  # starts from the last call's state
+    assert np.abs(carried - first).max() > 1e-3
+    path = tmp_path / "stateful.keras"
+    keep.save(path)
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.weights) == len(model.weights)  # states are not weights
+    assert np.abs(keras.ops.convert_to_numpy(stateful.state_variables(loaded)[0].value)).max() == 0
+
+
+def test_sizes_that_do_not_fit_say_what_would():
+    x = chunked(sequences())
+    y = np.zeros((len(x), 1), "float32")
+    six = make(batch=6)
+    weights = [w.copy() for w in six.get_weights()]
+    parallel = kmgpu.parallelize(six, gpus=4)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"does not split over 4 replicas.*gpus=3"):
+        parallel.fit(x[:24], y[:24], batch_size=6, verbose=0)
+    model = make()
+    parallel = kmgpu.parallelize(model, gpus=4)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"fixed batch of 8.*batch_size=8.*rebatch"):
+        parallel.fit(x, y, batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"30 samples, not a multiple.*first 24.*drop_remainder"):
+        parallel.fit(x[:30], y[:30], batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="validation_data"):
+        parallel.fit(x, y, batch_size=8, validation_split=0.25, verbose=0)
+    for a, b in zip(six.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(UserWarning, match="shuffle=False"):
+        parallel.fit(x, y, verbose=0)  # batch_size from the model, shuffle turned off
+    tail = kmgpu.parallelize(model, gpus=4, drop_remainder=True)
+    assert tail.predict(x[:30], verbose=0).shape == (24, 1)
