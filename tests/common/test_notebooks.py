@@ -110,6 +110,11 @@ def test_notebook_runs(path):
         assert re.search(r"\| train RMSE \| test RMSE", outputs)
         assert any("image/png" in o.get("data", {}) for c in notebook.cells
                    for o in c.get("outputs", [])), "no plot"
+    if "stateful" in name:
+        ratio = re.search(r"state makes the error (\d+)x smaller", outputs)
+        assert ratio and int(ratio.group(1)) >= 5, outputs[-2000:]
+        assert "| stateful=True" in outputs and "replica r keeps rows" in outputs
+        assert "step by step equals batched: True" in outputs
     if "comparison" in name:
         assert "kmgpu against plain fit and the peer" in outputs
         assert any("image/png" in o.get("data", {}) for c in notebook.cells
