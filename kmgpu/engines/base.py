@@ -41,6 +41,12 @@ class Engine(abc.ABC):
     def num_replicas(self):
         return len(self.device_ids)
 
+    @classmethod
+    def plain_fit_serves(cls, model, device_ids):
+        """True when the user's own ``model.fit`` on the default device is exactly what
+        this engine would do with these devices (one device, nothing to add)."""
+        return False
+
     @abc.abstractmethod
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         """Run ``template.<method>(**kwargs)`` on the replicas.

@@ -34,6 +34,16 @@ class JaxEngine(InProcessEngine):
             self.distribution.auto_shard_dataset = False
             self.name += f", {jax.process_count()} processes (jax.distributed)"
 
+    @classmethod
+    def plain_fit_serves(cls, model, device_ids):
+        # Keras's own JAX fit drops stateful RNN states: those need the engine.
+        import jax
+
+        from kmgpu import stateful
+
+        return (list(device_ids) == [0] and jax.process_count() == 1
+                and not stateful.layers(model))
+
     def scope(self):
         return self.distribution.scope()
 

@@ -76,10 +76,10 @@ def test_bad_models_and_options():
         kmgpu.parallelize(model, batch="per_replica", warmup_epochs=-1)
     with pytest.raises(TypeError, match="sync_batchnorm"):
         kmgpu.parallelize(model, sync_batchnorm=1)
-    stateful = keras.Sequential([keras.Input((3, 1), batch_size=4),
-                                 keras.layers.LSTM(2, stateful=True)])
-    with pytest.raises(NotImplementedError, match="stateful RNN"):
-        kmgpu.parallelize(stateful)
+    with pytest.raises(ValueError, match="reset_states"):
+        kmgpu.parallelize(model, reset_states="batch")
+    with pytest.raises(TypeError, match="drop_remainder"):
+        kmgpu.parallelize(model, drop_remainder="yes")
     parallel = kmgpu.parallelize(model, gpus=2)
     x, y = data("mlp", 8)
     with pytest.raises(ValueError, match="compile"):
