@@ -35,6 +35,8 @@ from keras.src.backend.torch.trainer import TorchTrainer
 from keras.src.trainers.data_adapters import array_slicing
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from kmgpu import stateful
+
 
 # -- who am I --------------------------------------------------------------------------
 class RankContext:
@@ -314,6 +316,8 @@ def prepare(replica, ctx):
                     if "float" in str(v.dtype)]
 
     _offset_seeds(replica, ctx)
+    for layer in stateful.layers(replica):
+        _copy_states_in(layer)
     replica.jit_compile = False  # the step holds collectives; torch.compile stays out
     custom_step = type(replica).train_step is not TorchTrainer.train_step
     ddp = None
@@ -344,6 +348,42 @@ def _offset_seeds(replica, ctx):
             state = np.asarray(generator.state.numpy()).astype(np.int64)
             state[0] = (state[0] + 1_000_003 * ctx.rank) % 2**32
             generator.state.assign(state.astype(generator.state.dtype))
+
+
+def _copy_states_in(layer):
+    """Run a stateful RNN layer from a copy of its states (this replica only).
+
+    Keras 3.15's torch LSTM and GRU kernels (``backend.lstm`` / ``backend.gru``,
+    which bypass ``RNN.inner_loop``'s own copy) multiply by the state variable's
+    tensor itself, so autograd saves it; ``RNN.call`` then ``assign``s the new
+    states into that tensor in place and ``backward`` fails ("modified by an
+    inplace operation"). Given a copy as ``initial_state``, the layer computes
+    the same and its own assign still carries the states to the next batch.
+    """
+    call = layer.call
+
+    def call_from_copy(sequences, initial_state=None, **kwargs):
+        if initial_state is None:
+            initial_state = tree.map_structure(lambda v: v.value.clone(), layer.states)
+        return call(sequences, initial_state=initial_state, **kwargs)
+
+    layer.call = call_from_copy
+
+
+def write_state_rows(replica, arrays, ctx):
+    """This rank's rows of stateful RNN states given as arrays of all B rows.
+
+    The replica is built for B/N rows; rank r owns rows r*B/N ... (r+1)*B/N - 1,
+    the rows of every global batch ``RankSlices`` gives it.
+    """
+    for v, a in zip(stateful.state_variables(replica), arrays):
+        b = int(v.shape[0])
+        v.assign(np.asarray(a)[ctx.rank * b:(ctx.rank + 1) * b])
+
+
+def state_rows(replica):
+    """This rank's stateful RNN state rows, as arrays (empty list: none)."""
+    return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(replica)]
 
 
 def _no_buffer_sync():
@@ -649,7 +689,8 @@ def _source(x, y=None, sample_weight=None):
     return ArraySource(x, y, sample_weight)
 
 
-def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None):
+def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None,
+        reset_states=False):
     """Run ``replica.<method>`` on this rank's share of the data.
 
     Args:
@@ -663,6 +704,8 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
         relay: on rank 0, ``relay(hook, index, logs, params) -> reply`` runs them.
         snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
             with epoch -1 at the end of training (it decides whether to save).
+        reset_states: zero the stateful RNN states now and, in fit, at the start
+            of every epoch.
 
     Returns:
         {"aborted": True} if a user callback raised; else fit: None (the History
@@ -676,9 +719,13 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
     kwargs.pop("verbose", None)
     replica.stop_training = False
     sync = SyncCallback(ctx, hooks, relay, snapshot if method == "fit" else None)
+    callbacks = [sync]
+    if reset_states:
+        stateful.reset(replica)
+        callbacks.insert(0, stateful.reset_callback(replica))
     try:
         if method == "fit":
-            return _fit(replica, ctx, kwargs, verbose, sync, seed)
+            return _fit(replica, ctx, kwargs, verbose, callbacks, seed)
         if method == "evaluate":
             data = RankSlices(_source(kwargs.pop("x"), kwargs.pop("y", None),
                                       kwargs.pop("sample_weight", None)),
@@ -718,7 +765,7 @@ def _dataset_positions(data, steps, out):
     return where, tree.map_structure(lambda a: np.asarray(a)[keep], out)
 
 
-def _fit(replica, ctx, kwargs, verbose, sync, seed):
+def _fit(replica, ctx, kwargs, verbose, callbacks, seed):
     x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
     batch_size = kwargs.pop("batch_size")
     validation_data = kwargs.pop("validation_data", None)
@@ -743,7 +790,7 @@ def _fit(replica, ctx, kwargs, verbose, sync, seed):
     ctx.train, ctx.collective = train, True
     try:
         replica.fit(x=train, validation_data=val, shuffle=False, verbose=verbose,
-                    callbacks=[sync], **kwargs)
+                    callbacks=callbacks, **kwargs)
     finally:
         ctx.train, ctx.collective = None, False
     return None  # the History is kept where the callbacks run

@@ -170,6 +170,7 @@ class Worker:
     def _replica(self, payload):
         import keras
 
+        from kmgpu import stateful
         from kmgpu.engines import _torch_rank
 
         if payload["key"] == self.key and self.replica is not None:
@@ -189,6 +190,9 @@ class Worker:
             replica = keras.saving.deserialize_keras_object(spec["model"])
             if not replica.built and spec.get("build_config"):
                 replica.build_from_config(spec["build_config"])
+            fixed = stateful.fixed_batch(replica)
+            if fixed is not None:  # this rank's B/N state rows (the weights come next)
+                replica = stateful.clone_at(replica, fixed // self.world)
             if spec["compile"] is not None:
                 _compile(replica, spec["compile"], payload.get("lr_scale", (1.0, 0)))
         _torch_rank.prepare(replica, self.ctx)
@@ -210,6 +214,7 @@ class Worker:
             if self.rank == 0:
                 _load_state(replica, state.read(0), payload["state"])
             _torch_rank.broadcast_state(replica, self.ctx)
+            _torch_rank.write_state_rows(replica, payload.get("rnn_states") or [], self.ctx)
             clock("state in")
             kwargs = _torch_pool.resolve(payload["kwargs"])
             for key in ("x", "validation_data"):
@@ -220,10 +225,12 @@ class Worker:
                 snapshot = _Snapshots(state, payload["state"], payload["epoch_weights"], clock)
             result = _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
                                      hooks=payload["hooks"], relay=self.relay,
-                                     snapshot=snapshot)
+                                     snapshot=snapshot,
+                                     reset_states=payload.get("reset_states", False))
             clock(method)
             clock.report()
-            return result
+            # this rank's stateful RNN rows go back to the user's model, like the weights
+            return {"result": result, "states": _torch_rank.state_rows(replica)}
         finally:
             state.close()
 

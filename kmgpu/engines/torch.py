@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from kmgpu import replicas
+from kmgpu import replicas, stateful
 from kmgpu.engines.base import Engine
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
@@ -44,6 +44,8 @@ def in_distributed_job():
 
 class TorchEngine(Engine):
     name = "torch DistributedDataParallel"
+    #: rank r's replica is built for B/N rows and keeps rows r*B/N ... of every batch
+    supports_stateful = True
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
@@ -64,9 +66,14 @@ class TorchEngine(Engine):
     # -- the Engine interface ---------------------------------------------------------
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
+        if self._resets_states(template):
+            stateful.reset(template)  # what the ranks start from; they reset each epoch
         if self.in_process:
             return self._run_here(method, template, kwargs, lr_scale)
         return self._run_pool(method, template, kwargs, lr_scale)
+
+    def _resets_states(self, template):
+        return bool(stateful.layers(template)) and self.options.reset_states == "epoch"
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -179,9 +186,12 @@ class TorchEngine(Engine):
                 "lr_scale": lr_scale,
                 "hooks": sorted(driver.hooks),
                 "epoch_weights": driver.needs_weights,
+                "rnn_states": _states_of(template),
+                "reset_states": self._resets_states(template),
             }
             try:
-                results = pool.call([payload] * pool.world, on_event=driver)
+                results = _states_back(template, pool.call([payload] * pool.world,
+                                                           on_event=driver))
             except BaseException:
                 pool.model_key = None
                 if method == "fit":
@@ -253,7 +263,9 @@ class TorchEngine(Engine):
         callbacks = kwargs.pop("callbacks", None)
         key = _model_key(template, self.options.sync_batchnorm, lr_scale)
         if self._replica is None or key != self._built_key:
-            replica = replicas.clone(template)
+            fixed = stateful.fixed_batch(template)
+            replica = (replicas.clone(template) if fixed is None
+                       else stateful.clone_at(template, fixed // ctx.world))
             if template.compiled:
                 args = (replicas.compile_args(template) if lr_scale == (1.0, 0)
                         else replicas.compile_args(template, lr_scale))
@@ -263,6 +275,7 @@ class TorchEngine(Engine):
         replicas.copy_state(template, replica)
         _copy_lr(template, replica)
         _torch_rank.broadcast_state(replica, ctx)
+        _torch_rank.write_state_rows(replica, _states_of(template), ctx)
 
         def load_state():
             replicas.copy_state(replica, template)
@@ -278,11 +291,16 @@ class TorchEngine(Engine):
                   for k, v in kwargs.items()}
         try:
             result = _torch_rank.run(replica, ctx, method, kwargs, seed=shared[1],
-                                     hooks=shared[0], relay=driver if ctx.rank == 0 else None)
+                                     hooks=shared[0], relay=driver if ctx.rank == 0 else None,
+                                     reset_states=self._resets_states(template))
         except BaseException:
             if method == "fit":
                 load_state()
             raise
+        if stateful.layers(template):  # every rank's rows, in rank order, on every template
+            rows = [None] * ctx.world
+            dist.all_gather_object(rows, _torch_rank.state_rows(replica))
+            _states_back(template, [{"result": None, "states": r} for r in rows])
         aborted = [bool(isinstance(result, dict) and result.get("aborted"))]
         if method == "fit":
             box = [result, None]
@@ -584,6 +602,21 @@ def _restore(template, state, info):
     if info["has_lr"] and opt is not None:
         opt._learning_rate.assign(arrays[-1])
     return True
+
+
+def _states_of(template):
+    """The template's stateful RNN states, all B rows each (empty list: none)."""
+    import keras
+
+    return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(template)]
+
+
+def _states_back(template, answers):
+    """The ranks' results, once their stateful RNN rows are in the template, rank order."""
+    rows = [a["states"] for a in answers]
+    for i, v in enumerate(stateful.state_variables(template)):
+        v.assign(np.concatenate([r[i] for r in rows]))
+    return [a["result"] for a in answers]
 
 
 def _copy_lr(src, dst):

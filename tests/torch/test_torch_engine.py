@@ -346,6 +346,7 @@ def test_torchrun_in_process_parity(tmp_path):
         for key, value in result["ref_eval"].items():
             assert result["eval"][key] == pytest.approx(value, rel=1e-5)
     assert sorted(r["callback_epochs"] for r in lines) == [[], [0, 1]]  # once, on rank 0
+    assert all(max(r["stateful"]) <= 1e-5 for r in lines), lines  # state rows per rank
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 

@@ -55,10 +55,32 @@ def main():
         "eval": got,
         "ref_eval": want,
         "callback_epochs": seen,
+        "stateful": _stateful_carry(),
     }
     with open(os.path.join(os.environ["KMGPU_TEST_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     parallel.close()  # barrier + destroy_process_group: no gloo abort at exit
+
+
+def _stateful_carry():
+    """A stateful LSTM: each rank keeps its rows of the state; they come back to every
+    rank's model in rank order. Returns (last chunk vs stateless, state rows) errors."""
+    import keras
+
+    from kmgpu import stateful
+    from tests.common.test_stateful import B, CHUNK, CHUNKS, chunked, make, sequences
+
+    seqs, state = sequences(), lambda m: keras.ops.convert_to_numpy(
+        stateful.state_variables(m)[0].value)
+    whole = make("LSTM", batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
+    model, direct = make("LSTM"), make("LSTM")
+    model.set_weights(whole.get_weights())
+    direct.set_weights(whole.get_weights())
+    out = kmgpu.parallelize(model).predict(chunked(seqs), batch_size=B, verbose=0)
+    for k in range(CHUNKS):
+        direct(chunked(seqs)[k * B:(k + 1) * B])
+    return [float(np.abs(out[-B:] - whole.predict(seqs, verbose=0)).max()),
+            float(np.abs(state(model) - state(direct)).max())]
 
 
 if __name__ == "__main__":
