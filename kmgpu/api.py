@@ -3,7 +3,7 @@
 import inspect
 import warnings
 
-from kmgpu import hardware
+from kmgpu import checks, hardware
 from kmgpu import lr, plan
 from kmgpu.engines import engine_class
 
@@ -66,6 +66,7 @@ class ParallelModel:
 
     def compile(self, *args, **kwargs):
         """Compile the user's model (kmgpu's replicas compile from its settings)."""
+        checks.compile_args(self.model, args, kwargs)  # a refused compile leaves it as it was
         self.model.compile(*args, **kwargs)
 
     def fit(self, *args, **kwargs):
@@ -155,6 +156,7 @@ class ParallelModel:
         call = dict(bound.arguments)
         call.pop("self")
         call.update(call.pop("kwargs", {}))
+        checks.call(method, self.model, call)  # bad input stops here, before the engine
         return call
 
     def _warn_about_traps(self, steps):

@@ -66,6 +66,9 @@ def simulate_devices(n):
         _simulate_jax(n)
     elif backend == "tensorflow":
         _simulate_tensorflow(n)
+    elif backend == "torch" and simulated_count() not in (0, n) and "keras" in sys.modules:
+        # engines and worker pools already exist for the old count
+        raise _too_late(n, "torch", f"{simulated_count()} simulated device(s)")
     os.environ[SIMULATE_ENV] = str(n)  # torch workers and child processes read this
 
 
