@@ -1,0 +1,368 @@
+"""``kmgpu launch``: one training script on several processes or hosts.
+
+    kmgpu launch [--nnodes N] [--node-rank R] [--nproc-per-node P]
+                 [--master-addr A] [--master-port PORT] script.py [args ...]
+
+Run it once on every host, with torchrun's meanings. Each backend's own
+multi-process engine does the work; this module only prepares its environment:
+
+- torch: hands the command line to ``torch.distributed.run`` (torchrun); kmgpu's
+  torch engine then runs in-process, one rank per process.
+- TensorFlow: one ``TF_CONFIG`` per worker, and ``MultiWorkerMirroredStrategy``
+  created before the script runs (TensorFlow refuses it once any op has run).
+- JAX: ``keras.distribution.initialize`` (``jax.distributed``) with the
+  coordinator ``A:PORT``, the process count and this process's id, before the
+  script builds anything (JAX refuses it once its backend is up).
+
+Inside a job -- started by ``kmgpu launch``, by torchrun (``RANK`` ...) or by SLURM's
+``srun`` (``SLURM_PROCID`` ...) -- ``kmgpu launch script.py`` starts no process: it
+initialises this one and runs the script in it. ``job()``, ``process_index()`` and
+``for_this_process()`` are what the rest of kmgpu asks about the job.
+"""
+
+import argparse
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where this process sits in a multi-process job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" (also kmgpu launch) or "slurm"
+
+
+def job(environ=None):
+    """This process's place in a multi-process job, from the environment, or None.
+
+    torchrun and ``kmgpu launch`` set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; SLURM's ``srun`` sets
+    ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST``.
+
+    Returns:
+        A ``Job``, or None when this process is not part of one.
+    """
+    env = os.environ if environ is None else environ
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        world = int(env["WORLD_SIZE"])
+        return Job(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("LOCAL_WORLD_SIZE", world)), env["MASTER_ADDR"],
+                   int(env["MASTER_PORT"]), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        world = int(env["SLURM_STEP_NUM_TASKS"])
+        return Job(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
+                   world // max(1, len(hosts)), env.get("MASTER_ADDR", hosts[0]),
+                   int(env.get("MASTER_PORT", DEFAULT_PORT)), "slurm")
+    return None
+
+
+def process_index():
+    """0 for the process that prints, saves and runs checkpoint callbacks."""
+    j = job()
+    return j.rank if j is not None else 0
+
+
+def expand_hostlist(text):
+    """SLURM's compact host list ("a,b[01-03,07]") -> ["a", "b01", "b02", "b03", "b07"]."""
+    hosts, depth, item = [], 0, ""
+    for ch in text + ",":
+        if ch == "," and depth == 0:
+            if item:
+                hosts.extend(_expand_one(item))
+            item = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        item += ch
+    return hosts
+
+
+def _expand_one(item):
+    if "[" not in item:
+        return [item]
+    prefix, rest = item.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            out.extend(prefix + str(i).zfill(len(lo)) + s for s in _expand_one(suffix))
+    return out
+
+
+def for_this_process(call):
+    """A fit/evaluate/predict call as this process runs it in a multi-process job.
+
+    Process 0 keeps everything. The others print nothing (verbose=0), run no
+    ``ModelCheckpoint``, ``CSVLogger`` or ``TensorBoard``, and run
+    ``BackupAndRestore`` for restoring only (process 0 writes the backup).
+    Callbacks that steer training (EarlyStopping, LR schedules) run everywhere:
+    their metrics are global, so every process takes the same decision.
+    """
+    if process_index() == 0:
+        return call
+    import keras
+
+    writers = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
+               keras.callbacks.TensorBoard)
+    call = dict(call, verbose=0)
+    if call.get("callbacks"):
+        kept = []
+        for cb in call["callbacks"]:
+            if isinstance(cb, writers):
+                continue
+            if isinstance(cb, keras.callbacks.BackupAndRestore):
+                cb._save_model = lambda *a, **k: None
+                cb.delete_checkpoint = False
+            kept.append(cb)
+        call["callbacks"] = kept
+    return call
+
+
+# -- the command line -----------------------------------------------------------------
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="kmgpu launch",
+        description="Run a training script on several processes or hosts, with torchrun's "
+                    "options. Run it once on every host; inside torchrun or srun it runs "
+                    "the script in this process.")
+    p.add_argument("--nnodes", type=int, default=1, help="number of hosts (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help="processes on this host (default 1: one process uses every local "
+                        "device; torch: one per GPU)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of host 0, reachable from every host (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=DEFAULT_PORT,
+                   help=f"a free port on host 0 (default {DEFAULT_PORT}); TensorFlow workers "
+                        "also use the next nnodes*nproc-per-node ports")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return p
+
+
+def parse_args(argv):
+    """Parse and check ``kmgpu launch`` arguments.
+
+    Raises:
+        ValueError: saying what to pass instead.
+    """
+    args = _parser().parse_args(argv)
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes {args.nnodes}: pass the number of hosts, 1 or more.")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: give each "
+                         f"host its own index from 0 to {args.nnodes - 1} (host 0 is the "
+                         "one at --master-addr).")
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: pass 1 or more (usually "
+                         "1, or the number of GPUs with torch).")
+    if not 0 < args.master_port < 65536:
+        raise ValueError(f"--master-port {args.master_port}: pass a free TCP port, 1..65535.")
+    if not os.path.isfile(args.script):
+        raise ValueError(f"script {args.script!r} not found: pass the path of the Python "
+                         "script to run, the same on every host.")
+    return args
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        _parser().error(str(e))
+    from kmgpu import hardware
+
+    backend = hardware.backend_name()
+    if job() is not None:
+        return run_here(backend, args.script, args.args)
+    if backend == "torch":
+        os.execv(sys.executable, [sys.executable] + torchrun_argv(args))
+    return spawn(args, backend)
+
+
+def torchrun_argv(args):
+    """The torchrun command line for ``kmgpu launch`` arguments (torch backend)."""
+    return ["-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
+            "--node-rank", str(args.node_rank), "--nproc-per-node", str(args.nproc_per_node),
+            "--master-addr", args.master_addr, "--master-port", str(args.master_port),
+            args.script] + list(args.args)
+
+
+# -- inside a job: initialise this process, then run the script ------------------------
+def run_here(backend, script, script_args):
+    """Start the backend's multi-process runtime here, then run ``script`` as __main__.
+
+    A failing script ends the process at once with status 1 (its traceback on
+    stderr): waiting for the other processes at exit would hang when one has died.
+    """
+    from kmgpu.engines import _multiworker
+
+    j = job()
+    _multiworker.start(backend, j)
+    sys.argv = [script] + list(script_args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _die(e.code if isinstance(e.code, int) else 1)
+    except BaseException:
+        traceback.print_exc()
+        print(f"kmgpu launch: process {j.rank} of {j.world} failed; stopping it.",
+              file=sys.stderr)
+        _die(1)
+    return 0
+
+
+def _die(code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# -- TensorFlow / JAX: start this host's processes --------------------------------------
+def spawn(args, backend):
+    """Start ``nproc_per_node`` processes of the job on this host and watch them.
+
+    Each runs ``python -m kmgpu.launch script ...`` with torchrun's variables (and
+    TF_CONFIG for TensorFlow). When one fails, the others here are stopped and the
+    exit status is the failing one's; processes on other hosts learn it from
+    their backend (a broken collective, missed heartbeats) and stop too.
+    """
+    n, p = args.nnodes, args.nproc_per_node
+    world = n * p
+    env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(p),
+               MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port),
+               GROUP_RANK=str(args.node_rank), NNODES=str(n))
+    hosts = None
+    if backend == "tensorflow":
+        hosts = exchange_addresses(args) if n > 1 else [args.master_addr] * n
+    procs = []
+    for i in range(p):
+        rank = args.node_rank * p + i
+        e = dict(env, RANK=str(rank), LOCAL_RANK=str(i))
+        if hosts is not None:
+            e["TF_CONFIG"] = tf_config(hosts, p, rank, args.master_port)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kmgpu.launch", args.script] + list(args.args), env=e))
+    return _watch(procs, args.node_rank * p)
+
+
+def tf_config(hosts, per_node, rank, master_port):
+    """TF_CONFIG for worker ``rank``: worker k listens on its host, port master_port+1+k."""
+    workers = [f"{h}:{master_port + 1 + r * per_node + i}"
+               for r, h in enumerate(hosts) for i in range(per_node)]
+    return json.dumps({"cluster": {"worker": workers},
+                       "task": {"type": "worker", "index": rank}})
+
+
+def _watch(procs, first_rank):
+    stop = []
+
+    def forward(signum, _frame):
+        stop.append(signum)
+        for pr in procs:
+            if pr.poll() is None:
+                pr.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [pr.poll() for pr in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                if not stop:
+                    print(f"kmgpu launch: process rank {first_rank + i} exited with status "
+                          f"{code}; stopping the others on this host.", file=sys.stderr)
+                _stop(procs)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop(procs, grace=5.0):
+    for pr in procs:
+        if pr.poll() is None:
+            pr.terminate()
+    deadline = time.time() + grace
+    for pr in procs:
+        try:
+            pr.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pr.kill()
+            pr.wait()
+
+
+def exchange_addresses(args, timeout=300.0):
+    """Every host's address, in node-rank order, learnt through host 0.
+
+    TensorFlow's TF_CONFIG names every worker's address, but a host knows only its
+    own and --master-addr. Host 0 listens on --master-port until every other host
+    has said its node rank; the address each was seen from is its address. The
+    port is free again before any worker starts.
+    """
+    n, deadline = args.nnodes, time.time() + timeout
+    if args.node_rank == 0:
+        seen = {0: args.master_addr}
+        conns = []
+        with socket.create_server(("", args.master_port), reuse_port=False) as server:
+            server.settimeout(timeout)
+            while len(seen) < n:
+                conn, (addr, _) = server.accept()
+                rank = int(conn.recv(64).decode())
+                if rank in seen or not 0 < rank < n:
+                    conn.close()
+                    raise ValueError(f"kmgpu launch: two hosts say --node-rank {rank}: give "
+                                     f"each host its own index 0..{n - 1}.")
+                seen[rank] = addr
+                conns.append(conn)
+            hosts = [seen[r] for r in range(n)]
+            for conn in conns:
+                with conn:
+                    conn.sendall(json.dumps(hosts).encode())
+        return hosts
+    while True:
+        try:
+            with socket.create_connection((args.master_addr, args.master_port), 5) as conn:
+                conn.settimeout(timeout)
+                conn.sendall(str(args.node_rank).encode())
+                data = b""
+                while not data.endswith(b"]"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                return json.loads(data.decode())
+        except (ConnectionRefusedError, socket.timeout, OSError, ValueError):
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"kmgpu launch: host 0 at {args.master_addr}:{args.master_port} did not "
+                    f"answer within {timeout:.0f} s: start kmgpu launch there with "
+                    "--node-rank 0 and the same --master-addr/--master-port.") from None
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The script tests/*/test_launch.py start with ``kmgpu launch`` (or torchrun) on
+2 "hosts" on 127.0.0.1: every process runs it with the same data and batch size.
+
+It trains a small MLP for 2 epochs at global batch 16 with a ModelCheckpoint, and
+writes ``$KMGPU_TEST_OUT/rank<r>.json``: replicas, the largest relative weight
+difference to a one-process fit of the same model (computed here, before
+kmgpu starts, without kmgpu), the losses and the checkpoint writes. With KMGPU_TEST_KILL set it then
+writes its pid to ``pid<r>`` and keeps training until it is stopped.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+import kmgpu  # noqa: E402
+from tests.helpers import data, mlp, rel_diff  # noqa: E402
+
+
+def main():
+    import keras
+
+    from kmgpu import launch
+
+    out = os.environ["KMGPU_TEST_OUT"]
+    rank = launch.process_index()
+    x, y = data("mlp", 64)
+    ref = mlp()
+    ref.compile(optimizer="adam", loss="mse")
+    ref_hist = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    model = mlp()
+    parallel = kmgpu.parallelize(model)
+    parallel.compile(optimizer="adam", loss="mse")
+    writes = []
+
+    class Checkpoint(keras.callbacks.ModelCheckpoint):  # counts its writes in this process
+        def _save_model(self, epoch, batch, logs):
+            writes.append(epoch)
+            super()._save_model(epoch, batch, logs)
+
+    ckpt = Checkpoint(os.path.join(out, "ckpt.weights.h5"), save_weights_only=True)
+    hist = parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[ckpt])
+    pred = parallel.predict(x, batch_size=16, verbose=0)
+    parallel.save(os.path.join(out, "model.keras"))
+    result = {
+        "rank": rank,
+        "replicas": parallel.num_replicas,
+        "engine": parallel._engine.name,
+        "rel_diff": rel_diff(ref.get_weights(), model.get_weights()),
+        "loss": hist.history["loss"],
+        "ref_loss": ref_hist.history["loss"],
+        "pred_rows": int(pred.shape[0]),
+        "pred_err": float(np.max(np.abs(pred - ref.predict(x, batch_size=16, verbose=0)))),
+        "checkpoint_writes": writes,
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if os.environ.get("KMGPU_TEST_KILL"):  # keep training until a process is killed
+        with open(os.path.join(out, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            parallel.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    parallel.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""``kmgpu launch`` with TensorFlow: 2 hosts x 1 process on 127.0.0.1, one TF_CONFIG
+per worker, ``tf.distribute.MultiWorkerMirroredStrategy``."""
+
+from tests.launch import nodes
+
+
+def test_two_hosts_match_one_process_and_stop_when_one_dies(tmp_path):
+    run = nodes.parity_then_kill("tensorflow", str(tmp_path))
+    assert run["seconds_to_fail"] < 60
+    assert run["results"][0]["engine"] == "tf.distribute.MultiWorkerMirroredStrategy"
