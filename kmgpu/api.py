@@ -4,12 +4,12 @@ import inspect
 import warnings
 
 from kmgpu import checks, hardware
-from kmgpu import lr, plan
+from kmgpu import launch, lr, plan
 from kmgpu.engines import engine_class
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
-                sync_batchnorm=False):
+                sync_batchnorm=False, reset_states="epoch", drop_remainder=False):
     """Wrap a built Keras model so fit / evaluate / predict run on several devices.
 
     Args:
@@ -25,18 +25,34 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
         warmup_epochs: ramp the scaled learning rate up from the base rate over this
             many epochs (Goyal et al. 2017).
         sync_batchnorm: BatchNormalization statistics over the global batch.
+        reset_states: stateful RNNs: "epoch" zeroes their states at the start of
+            every epoch and every evaluate / predict call; None never does (call
+            ``parallel.reset_states()``).
+        drop_remainder: stateful RNNs: drop the samples after the last whole batch
+            instead of raising an error.
 
     Returns:
         A ``ParallelModel``.
     """
     from kmgpu import replicas
 
-    options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm)
+    from kmgpu import stateful
+
+    options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
+                                drop_remainder)
     replicas.check_model(model)
     backend = hardware.backend_name()
     cls = engine_class(backend)
+    if stateful.layers(model) and not cls.supports_stateful:
+        raise NotImplementedError(
+            f"{model.name} has stateful RNN layers, which kmgpu's {backend} engine does not "
+            "support yet: use the tensorflow or jax backend, or stateful=False.")
     available = hardware.physical_devices(backend)
     ids = hardware.resolve(gpus, available)
+    if launch.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
+        from kmgpu.engines.local import LocalEngine
+
+        cls = LocalEngine
     engine = cls(ids, available, options)
     if engine.num_replicas == 1:
         warnings.warn(
@@ -75,6 +91,7 @@ class ParallelModel:
         self._require_compiled("fit")
         user_batch = call.get("batch_size")
         call = self._globalise(call, ("batch_size", "validation_batch_size"))
+        call = self._fixed_batches("fit", call, user_batch)
         samples = _num_samples(call.get("x"))
         steps = call.get("steps_per_epoch") or _steps(call.get("x"), samples, call.get("batch_size"))
         self.__dict__["_last_fit"] = (samples, user_batch)
@@ -92,31 +109,40 @@ class ParallelModel:
         else:
             scaling = lr.LRScaling(optimizer, factor, self._options.warmup_epochs)
             call["callbacks"] = scaling.wrap(call.get("callbacks"))
-        if call.get("verbose") not in (0, "0"):
+        if call.get("verbose") not in (0, "0") and launch.process_index() == 0:
             print(self.describe(), flush=True)
+        call = launch.for_this_process(call)  # several processes: process 0 prints, saves
         return self._engine.run("fit", self.model, call, self._lr_scale)
 
     def evaluate(self, *args, **kwargs):
         """``keras.Model.evaluate``: every sample exactly once."""
         call = self._bind("evaluate", args, kwargs)
         self._require_compiled("evaluate")
-        return self._engine.run("evaluate", self.model, self._globalise(call, ("batch_size",)),
+        user_batch = call.get("batch_size")
+        call = self._fixed_batches("evaluate", self._globalise(call, ("batch_size",)), user_batch)
+        return self._engine.run("evaluate", self.model, launch.for_this_process(call),
                                 self._lr_scale)
 
     def predict(self, *args, **kwargs):
         """``keras.Model.predict``: every sample exactly once, in order."""
         call = self._bind("predict", args, kwargs)
-        return self._engine.run("predict", self.model, self._globalise(call, ("batch_size",)),
+        user_batch = call.get("batch_size")
+        call = self._fixed_batches("predict", self._globalise(call, ("batch_size",)), user_batch)
+        return self._engine.run("predict", self.model, launch.for_this_process(call),
                                 self._lr_scale)
+
+    def reset_states(self):
+        """Zero the states of the model's stateful RNN layers (on every replica)."""
+        from kmgpu import stateful
+
+        stateful.reset(self.model)  # the engines take the states from the user's model
 
     def save(self, filepath, *args, **kwargs):
         """Save the user's model: a plain Keras file, loadable without kmgpu.
 
-        In a multi-process job (torchrun) only process 0 writes.
+        In a multi-process job (kmgpu launch, torchrun, srun) only process 0 writes.
         """
-        import os
-
-        if os.environ.get("RANK", "0") != "0":
+        if launch.process_index() != 0:
             return None
         return self.model.save(filepath, *args, **kwargs)
 
@@ -128,7 +154,20 @@ class ParallelModel:
             batch_size = plan.KERAS_DEFAULT_BATCH
         return plan.describe(backend=self._backend, engine=self._engine,
                              options=self._options, template=self.model,
-                             samples=samples, batch_size=batch_size)
+                             samples=samples, batch_size=batch_size,
+                             stateful=self._stateful_text())
+
+    def _stateful_text(self):
+        from kmgpu import stateful
+
+        found = stateful.layers(self.model)
+        if not found:
+            return "none"
+        b, n = stateful.fixed_batch(self.model), self.num_replicas
+        reset = ("zeroed each epoch and each evaluate/predict"
+                 if self._options.reset_states == "epoch" else "never zeroed by kmgpu")
+        return (f"{len(found)} layer(s), fixed global batch {b}, replica r keeps rows "
+                f"r*{b // n}..(r+1)*{b // n}-1; states {reset}; fit does not shuffle")
 
     def close(self):
         """Release the engine's devices and processes (also done at exit)."""
@@ -160,8 +199,8 @@ class ParallelModel:
         return call
 
     def _warn_about_traps(self, steps):
-        """Say once when the plan looks like the batch-scaling trap."""
-        if self._warned:
+        """Say once when the plan looks like the batch-scaling trap (process 0 only)."""
+        if self._warned or launch.process_index() != 0:
             return
         o, n = self._options, self.num_replicas
         text = None
@@ -177,6 +216,15 @@ class ParallelModel:
         if text:
             warnings.warn(f"kmgpu: {text}", stacklevel=3)
             self.__dict__["_warned"] = True
+
+    def _fixed_batches(self, method, call, user_batch):
+        """Stateful RNNs need whole, fixed, unshuffled batches that split evenly."""
+        from kmgpu import stateful
+
+        if not stateful.layers(self.model):
+            return call
+        return stateful.prepare_call(method, self.model, call, self.num_replicas,
+                                     self._options, user_batch)
 
     def _require_compiled(self, method):
         if not self.model.compiled:
