@@ -97,25 +97,34 @@ class _Head(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.state.base = _rate(self.state.user_optimizer)
-        self.model.optimizer.learning_rate = self.state.base
+        if self.model.optimizer is not self.state.user_optimizer:
+            self.model.optimizer.learning_rate = self.state.base
 
     def on_epoch_end(self, epoch, logs=None):
-        self.model.optimizer.learning_rate = self.state.base
+        if self.state.factor != 1.0:
+            self.model.optimizer.learning_rate = self.state.base
 
 
 class _Tail(keras.callbacks.Callback):
+    """With factor 1 on the user's own optimizer there is nothing to do per epoch (a
+    read of the rate is a device sync on JAX and torch: kept off that path)."""
+
     def __init__(self, state):
         super().__init__()
         self.state = state
 
     def on_epoch_begin(self, epoch, logs=None):
         s = self.state
+        if s.factor == 1.0:
+            return  # ramp(1, ...) is 1: the rate stays what it is
         s.base = _rate(self.model.optimizer)  # a LearningRateScheduler may have set it
         s.scaled = s.base * ramp(s.factor, s.warmup_epochs, epoch)
         self.model.optimizer.learning_rate = s.scaled
 
     def on_epoch_end(self, epoch, logs=None):
         s = self.state
+        if s.factor == 1.0 and self.model.optimizer is s.user_optimizer:
+            return
         s.base = _rate(self.model.optimizer)  # ReduceLROnPlateau may have lowered it
         s.user_optimizer.learning_rate = s.base
         if logs is not None and s.factor != 1.0:  # the rate this epoch trained with
