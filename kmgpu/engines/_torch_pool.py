@@ -11,7 +11,10 @@ Fabric keeps launchers apart from strategies. This module is the parent's side:
   pool is killed (the next call starts a fresh one). Ctrl-C kills the pool too.
 - ``CallFiles`` hands a call's data to the workers once, as memory-mapped
   ``.npy`` files in ``/dev/shm`` (every worker maps the same pages; removed
-  after the call). The pool's ``StateFile`` (kept between calls) carries the
+  after the call). Every file kmgpu writes lives in a private directory of its
+  own (``mkdtemp``: mode 0700, files 0600) named ``kmgpu-<pid>-*``; it is removed
+  after the call or with the pool, at exit, by the workers when this process dies
+  without exiting, and by the next kmgpu process when even they could not. The pool's ``StateFile`` (kept between calls) carries the
   weights and optimizer state in and back: rank 0 writes snapshots at epoch
   ends (always at the end, and whenever the user's callbacks need the weights),
   so an interrupted fit still leaves the last consistent state.
@@ -74,6 +77,58 @@ def _shm_root(nbytes):
     return tempfile.gettempdir()
 
 
+def _private_dir(nbytes):
+    """A new directory only this user can enter (0700), removed at the latest at exit."""
+    _sweep_once()
+    path = tempfile.mkdtemp(prefix=f"kmgpu-{os.getpid()}-", dir=_shm_root(nbytes))
+    _LIVE_PATHS.add(path)
+    return path
+
+
+def _private_file(path):
+    """Create ``path`` readable and writable by this user only (0600)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
+
+
+def remove_leftovers(pid=None):
+    """Remove the ``kmgpu-<pid>-*`` entries of a process that is gone (all such
+    processes with ``pid=None``) from /dev/shm and the temp dir: this user's only."""
+    import re
+
+    pattern = re.compile(r"kmgpu-(\d+)-")
+    for root in {"/dev/shm", tempfile.gettempdir()}:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.match(name)
+            if not m or (pid is not None and int(m.group(1)) != pid):
+                continue
+            owner = int(m.group(1))
+            path = os.path.join(root, name)
+            try:
+                if os.lstat(path).st_uid != os.getuid() or owner == os.getpid():
+                    continue
+                os.kill(owner, 0)
+                continue  # that process is alive
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            _remove(path)
+
+
+_SWEPT = []
+
+
+def _sweep_once():
+    if not _SWEPT:
+        _SWEPT.append(True)
+        remove_leftovers()
+
+
 def _as_array(leaf):
     if leaf is None or isinstance(leaf, np.ndarray):
         return leaf
@@ -86,9 +141,8 @@ class CallFiles:
     """A temporary directory for one call's data arrays (removed after the call)."""
 
     def __init__(self, nbytes_hint=0):
-        self.path = tempfile.mkdtemp(prefix=f"kmgpu-{os.getpid()}-", dir=_shm_root(nbytes_hint))
+        self.path = _private_dir(nbytes_hint)
         self._count = itertools.count()
-        _LIVE_PATHS.add(self.path)
 
     def put(self, structure):
         """Write every array leaf of ``structure`` to a file; return it with Leafs."""
@@ -98,7 +152,7 @@ class CallFiles:
             arr = _as_array(leaf)
             if arr is None or arr.dtype == object:
                 return arr
-            path = os.path.join(self.path, f"a{next(self._count)}.npy")
+            path = _private_file(os.path.join(self.path, f"a{next(self._count)}.npy"))
             out = np.lib.format.open_memmap(path, mode="w+", dtype=arr.dtype, shape=arr.shape)
             out[...] = arr
             out.flush()
@@ -148,12 +202,10 @@ class StateFile:
 
     @classmethod
     def make(cls, layout):
-        """A new state file in /dev/shm (or the temp dir when it is short of room)."""
+        """A new state file in a private directory of its own in /dev/shm (or the temp
+        dir when /dev/shm is short of room)."""
         probe = cls(None, layout)
-        fd, path = tempfile.mkstemp(prefix=f"kmgpu-{os.getpid()}-", suffix=".state",
-                                    dir=_shm_root(3 * probe.slot_size))
-        os.close(fd)
-        _LIVE_PATHS.add(path)
+        path = _private_file(os.path.join(_private_dir(3 * probe.slot_size), "state"))
         return cls(path, layout, create=True)
 
     def __init__(self, path, layout, create=False):
@@ -350,18 +402,23 @@ class WorkerPool:
         return list(self._pids)
 
     def state_file(self, layout):
-        """The pool's StateFile for this layout (made anew when the layout changes)."""
+        """The pool's StateFile for this layout (the same file while the layout fits
+        in it: fit's weights + optimizer state, predict's weights alone)."""
         wanted = [(tuple(s), np.dtype(d).str) for s, d in layout]
         if self._state is None or self._state.layout != wanted:
-            self._drop_state()
-            self._state = StateFile.make(layout)
+            size = 3 * StateFile(None, wanted).slot_size
+            if self._state is not None and size <= os.path.getsize(self._state.path):
+                self._state = StateFile(self._state.path, wanted)
+            else:
+                self._drop_state()
+                self._state = StateFile.make(layout)
         self._state.reset()
         return self._state
 
     def _drop_state(self):
         if self._state is not None:
             path, self._state = self._state.path, None
-            _remove(path)
+            _remove(os.path.dirname(path))  # its private directory
 
     def alive(self):
         return not self.closed and all(p.is_alive() for p in self.procs)

@@ -630,9 +630,10 @@ class SyncCallback(keras.callbacks.Callback):
     the user's model holds the current weights when its callbacks look at it.
     """
 
-    def __init__(self, ctx, relayed=(), relay=None, snapshot=None):
+    def __init__(self, ctx, relayed=(), relay=None, snapshot=None, reload=None):
         super().__init__()
         self.ctx, self.relayed, self.relay, self.snapshot = ctx, set(relayed), relay, snapshot
+        self.reload = reload
         hooks = set(self.relayed)
         if snapshot is not None:
             hooks |= {"on_epoch_end", "on_train_end"}
@@ -661,20 +662,32 @@ class SyncCallback(keras.callbacks.Callback):
             self.snapshot(self.model, index if hook == "on_epoch_end" else -1)
         if hook not in self.relayed:
             return
-        values = [0.0, 0.0, 0.0, 0.0]  # stop, has lr, lr, abort
+        # stop, has lr, lr, abort, reload the state, initial epoch (-1: None)
+        values = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
         if ctx.rank == 0:
             reply = self.relay(hook, index, plain_logs(logs), dict(self.params or {}))
             values[0] = float(bool(reply.get("stop")))
             if reply.get("lr") is not None:
                 values[1], values[2] = 1.0, float(reply["lr"])
             values[3] = float(bool(reply.get("abort")))
+            values[4] = float(bool(reply.get("reload")))
+            if reply.get("initial_epoch") is not None:
+                values[5] = float(reply["initial_epoch"])
             if isinstance(logs, dict) and isinstance(reply.get("logs"), dict):
                 logs.update(reply["logs"])  # what the callbacks added, for the progress bar
         t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
         dist.broadcast(t, 0)
-        stop, has_lr, lr_value, abort = t.tolist()
+        stop, has_lr, lr_value, abort, reload, initial_epoch = t.tolist()
         if abort:
             raise Abort(hook)
+        if hook == "on_train_begin":
+            # what the user's callbacks set on their model (BackupAndRestore: the
+            # restored weights and optimizer state, and the epoch to resume from)
+            self.model._initial_epoch = int(initial_epoch) if initial_epoch >= 0 else None
+            if reload:
+                if ctx.rank == 0 and self.reload is not None:
+                    self.reload(self.model)
+                broadcast_state(self.model, ctx)
         if hook in TRAIN_HOOKS:
             self.model.stop_training = bool(stop)
         lr = self._lr()
@@ -690,7 +703,7 @@ def _source(x, y=None, sample_weight=None):
 
 
 def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None,
-        reset_states=False):
+        reload=None, reset_states=False):
     """Run ``replica.<method>`` on this rank's share of the data.
 
     Args:
@@ -704,6 +717,8 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
         relay: on rank 0, ``relay(hook, index, logs, params) -> reply`` runs them.
         snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
             with epoch -1 at the end of training (it decides whether to save).
+        reload: on rank 0 in pool mode, ``reload(replica)`` loads the state the
+            parent wrote after its on_train_begin callbacks changed the model.
         reset_states: zero the stateful RNN states now and, in fit, at the start
             of every epoch.
 
@@ -718,7 +733,7 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
     verbose = kwargs.pop("verbose", "auto") if ctx.rank == 0 else 0
     kwargs.pop("verbose", None)
     replica.stop_training = False
-    sync = SyncCallback(ctx, hooks, relay, snapshot if method == "fit" else None)
+    sync = SyncCallback(ctx, hooks, relay, snapshot if method == "fit" else None, reload)
     callbacks = [sync]
     if reset_states:
         stateful.reset(replica)

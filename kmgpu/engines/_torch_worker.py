@@ -34,7 +34,12 @@ def _watch_parent(parent):
     def watch():
         while True:
             if os.getppid() != parent:
-                os._exit(3)
+                try:  # it died without exiting: its data and state files go with it
+                    from kmgpu.engines._torch_pool import remove_leftovers
+
+                    remove_leftovers(parent)
+                finally:
+                    os._exit(3)
             time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True, name="kmgpu-parent-watch").start()
@@ -66,7 +71,7 @@ def main(rank, world, device, conn, out_conn, settings):
     _watch_parent(settings["parent"])
     try:
         for key, value in settings.get("env", {}).items():
-            os.environ.setdefault(key, value)
+            os.environ[key] = value  # e.g. GLOO_SOCKET_IFNAME=lo, whatever the parent has
         import torch
 
         torch.set_num_threads(settings["threads"])
@@ -85,8 +90,16 @@ def main(rank, world, device, conn, out_conn, settings):
 
         timeout = datetime.timedelta(seconds=settings.get("timeout", 1800))
         if rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True,
-                                  wait_for_workers=False, timeout=timeout)
+            # the store's own socket would listen on every interface: hand it one
+            # that listens on loopback only (kept open for the life of the process)
+            import socket
+
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size=world,
+                                  is_master=True, wait_for_workers=False, timeout=timeout,
+                                  master_listen_fd=listener.fileno())
             conn.send(("port", store.port))
         else:
             kind, port = conn.recv()
@@ -223,9 +236,13 @@ class Worker:
             snapshot = None
             if method == "fit" and self.rank == 0:
                 snapshot = _Snapshots(state, payload["state"], payload["epoch_weights"], clock)
+            reload = None
+            if snapshot is not None:  # the parent's callbacks set the model's state
+                def reload(model):
+                    _load_state(model, state.read(0), payload["state"])
             result = _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
                                      hooks=payload["hooks"], relay=self.relay,
-                                     snapshot=snapshot,
+                                     snapshot=snapshot, reload=reload,
                                      reset_states=payload.get("reset_states", False))
             clock(method)
             clock.report()

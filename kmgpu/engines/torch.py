@@ -22,6 +22,7 @@ The process model is chosen automatically:
 import atexit
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class TorchEngine(Engine):
         key = _model_key(template, self.options.sync_batchnorm, lr_scale)
         pool = _SHARED_POOLS.get((tuple(self.torch_devices), self.backend))
         spec = None
-        if pool is None or pool.closed or pool.model_key != key:
+        if pool is None or not pool.alive() or pool.model_key != key:  # a new pool needs it
             spec, inherit = _model_spec(template)
             if inherit:
                 self._fork_for(template)
@@ -173,8 +174,9 @@ class TorchEngine(Engine):
             state = pool.state_file(info["layout"])
             state.write(0, arrays)
             timing("state out")
-            driver = CallbackDriver(callbacks, template, method,
-                                    load_state=lambda: _restore(template, state, info))
+            driver = CallbackDriver(
+                callbacks, template, method, load_state=lambda: _restore(template, state, info),
+                push_state=lambda: state.write(0, _template_state(template, True)[1]))
             payload = {
                 "method": method,
                 "key": key,
@@ -283,8 +285,12 @@ class TorchEngine(Engine):
 
         # Rank 0 runs the user's callbacks, with the user's model; the others
         # learn which hooks that takes (and the shuffling seed) from it.
+        def push_state():
+            replicas.copy_state(template, replica)
+            _copy_lr(template, replica)
+
         driver = CallbackDriver(callbacks if ctx.rank == 0 else None, template, method,
-                                load_state=load_state)
+                                load_state=load_state, push_state=push_state)
         shared = [sorted(driver.hooks), int(np.random.randint(0, 2**31 - 1))]
         dist.broadcast_object_list(shared, 0)
         kwargs = {k: (_local(v) if k in ("x", "y", "sample_weight", "validation_data") else v)
@@ -358,12 +364,12 @@ class CallbackDriver:
     checkpoint or early-stopping callback sees current weights.
     """
 
-    def __init__(self, callbacks, template, method, load_state):
+    def __init__(self, callbacks, template, method, load_state, push_state=None):
         import keras
 
         from kmgpu.engines import _torch_rank
 
-        self.template, self.load_state = template, load_state
+        self.template, self.load_state, self.push_state = template, load_state, push_state
         self.error, self.final_loaded, self._params = None, False, None
         callbacks = list(callbacks or [])
         hooks = _torch_rank.implemented_hooks(callbacks)
@@ -384,6 +390,11 @@ class CallbackDriver:
         # when a callback here may look at the weights.
         self.needs_weights = any(
             not _weight_free(cb) and "on_epoch_end" in _torch_rank.implemented_hooks([cb])
+            for cb in callbacks)
+        # ... and sends the model's state back to the ranks after on_train_begin when a
+        # callback may have set it there (BackupAndRestore restores weights + epoch).
+        self.may_set_weights = any(
+            not _weight_free(cb) and "on_train_begin" in _torch_rank.implemented_hooks([cb])
             for cb in callbacks)
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=(method == "fit"), model=template)
@@ -412,10 +423,17 @@ class CallbackDriver:
         except BaseException as e:
             self.error = e  # the workers leave the call together; the engine raises it
             return {"abort": True}
+        reply = {}
+        if hook == "on_train_begin":
+            # Keras's fit starts at model._initial_epoch when a callback set it
+            reply["initial_epoch"] = getattr(self.template, "_initial_epoch", None)
+            if self.may_set_weights and self.push_state is not None:
+                self.push_state()
+                reply["reload"] = True
         lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
-        return {"stop": bool(getattr(self.template, "stop_training", False)),
-                "lr": float(lr.numpy()) if isinstance(lr, keras.Variable) else None,
-                "logs": logs}
+        return dict(reply, stop=bool(getattr(self.template, "stop_training", False)),
+                    lr=float(lr.numpy()) if isinstance(lr, keras.Variable) else None,
+                    logs=logs)
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -445,11 +463,10 @@ def _worker_settings(backend):
     from kmgpu import hardware
 
     env = {"KERAS_BACKEND": "torch"}
-    # one host: the workers talk over loopback (the store listens on 127.0.0.1 too)
-    if backend == "gloo":
-        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    else:
-        env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", "lo")
+    # one host: the workers talk over loopback only (the store listens on 127.0.0.1
+    # too), whatever interface the environment names for multi-host jobs
+    loopback = "lo0" if sys.platform == "darwin" else "lo"
+    env["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = loopback
     if hardware.simulated_count():
         env[hardware.SIMULATE_ENV] = str(hardware.simulated_count())
     config = {
