@@ -92,7 +92,7 @@ def test_fifty_calls_leak_nothing():
             else:
                 assert parallel.predict(x, batch_size=16, verbose=0).shape == (32, 1)
 
-        for i in range(5):  # warm-up: compiled functions, worker pool, allocator pools
+        for i in range(3):  # warm-up: compiled functions, worker pool, allocator pools
             call(i)
         gc.collect()
         before = resources()
@@ -109,5 +109,5 @@ def test_fifty_calls_leak_nothing():
     for key in ("processes", "threads", "fds", "sockets", "temp files"):
         assert after[key] == before[key], key
     assert growth < 0.10
-    assert int(model.optimizer.iterations.numpy()) == 2 * (1 + CALLS // 5)
+    assert int(model.optimizer.iterations.numpy()) == 2 * (1 + len(range(0, CALLS, 5)))
     assert all(np.isfinite(w).all() for w in model.get_weights())
