@@ -258,3 +258,6 @@ def test_models_reach_the_workers_in_safe_mode():
     for root, _, files in os.walk(os.path.join(ROOT, "kmgpu")):
         source += "".join(open(os.path.join(root, f)).read() for f in files if f.endswith(".py"))
     assert "safe_mode=False" not in source and "enable_unsafe_deserialization" not in source
+    # files are read as raw arrays, never unpickled (pickles only travel over the pipes
+    # between this process and its own workers)
+    assert "allow_pickle=True" not in source and "pickle.load(" not in source
