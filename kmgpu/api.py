@@ -49,6 +49,7 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             "support yet: use the tensorflow or jax backend, or stateful=False.")
     available = hardware.physical_devices(backend)
     ids = hardware.resolve(gpus, available)
+    stateful.check_split(model, len(ids))
     if launch.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
         from kmgpu.engines.local import LocalEngine
 

@@ -102,6 +102,20 @@ def clone_at(model, batch_size):
     return keras.models.clone_model(model, input_tensors=inputs)
 
 
+def check_split(model, num_replicas):
+    """Raise ValueError when a stateful model's fixed batch cannot split over the replicas."""
+    b, n = fixed_batch(model), num_replicas
+    if b is None or b % n == 0:
+        return
+    fits = [k for k in range(1, n + 1) if b % k == 0]
+    raise ValueError(
+        f"{model.name} is stateful with a fixed batch of {b}, which does not split over {n} "
+        f"replicas: each replica must own the same rows every step. Use gpus={max(fits)} "
+        f"(any of {fits} divides {b}), or kmgpu.rebatch(model, {b - b % n + n}) (a multiple "
+        f"of {n})."
+    )
+
+
 def prepare_call(method, template, call, num_replicas, options, user_batch):
     """Check and adjust a fit / evaluate / predict call for a stateful ``template``.
 
@@ -134,14 +148,7 @@ def prepare_call(method, template, call, num_replicas, options, user_batch):
             f"call's global batch is {call['batch_size']}: pass {want}, or make a copy for "
             f"batch {call['batch_size']} with kmgpu.rebatch(model, {call['batch_size']})."
         )
-    if b % n:
-        fits = [k for k in range(1, n + 1) if b % k == 0]
-        raise ValueError(
-            f"{template.name} is stateful with a fixed batch of {b}, which does not split "
-            f"over {n} replicas: each replica must own the same rows every step. Use "
-            f"gpus={max(fits)} (any of {fits} divides {b}), or "
-            f"kmgpu.rebatch(model, {b - b % n + n}) (a multiple of {n})."
-        )
+    check_split(template, n)
     if "validation_batch_size" in call and call.get("validation_batch_size") not in (None, b):
         raise ValueError(f"{template.name} is stateful with a fixed batch of {b}: pass "
                          f"validation_batch_size={b} (or leave it out).")
@@ -177,6 +184,9 @@ def _whole_batches(data, b, drop, what, method):
     if n % b == 0:
         return data
     whole = n - n % b
+    if whole == 0:
+        raise ValueError(f"{method}: {what} has {n} samples, not a multiple of the stateful "
+                         f"batch {b} and less than one batch: pad it to {b} samples.")
     if not drop:
         raise ValueError(
             f"{method}: {what} has {n} samples, not a multiple of the stateful batch {b}: "
@@ -184,9 +194,6 @@ def _whole_batches(data, b, drop, what, method):
             "parallelize(..., drop_remainder=True) to drop the last "
             f"{n % b} sample(s)."
         )
-    if whole == 0:
-        raise ValueError(f"{method}: {what} has {n} samples, fewer than one stateful batch "
-                         f"of {b}.")
     return keras.tree.map_structure(lambda a: a[:whole], data)
 
 

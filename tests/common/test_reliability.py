@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import kmgpu
+from kmgpu import stateful
 from tests.helpers import data, mlp
 
 # -- the catalogue --------------------------------------------------------------------
@@ -179,6 +180,57 @@ CATALOGUE = [
         r"takes the arguments of keras.Model.predict"),
 ]
 
+# stateful RNNs (t.stateful: an LSTM with a fixed batch of 8 on 4 devices) and rebatch
+CATALOGUE += [
+    Bad("parallelize-stateful-split", lambda t: kmgpu.parallelize(t.stateful_model, gpus=3),
+        ValueError, r"fixed batch of 8, which does not split over 3 replicas.*gpus=2"),
+    Bad("parallelize-reset-states", lambda t: kmgpu.parallelize(t.fresh(), reset_states="step"),
+        ValueError, r"pass 'epoch'"),
+    Bad("parallelize-drop-remainder",
+        lambda t: kmgpu.parallelize(t.fresh(), drop_remainder="yes"), TypeError,
+        r"drop_remainder must be True or False"),
+    Bad("fit-stateful-batch", lambda t: t.stateful.fit(t.sx, t.sy, batch_size=16), ValueError,
+        r"fixed batch of 8.*pass batch_size=8.*kmgpu.rebatch\(model, 16\)"),
+    Bad("fit-stateful-whole-batches", lambda t: t.stateful.fit(t.sx[:12], t.sy[:12]),
+        ValueError, r"12 samples, not a multiple of the stateful batch 8: pass the first 8"),
+    Bad("fit-stateful-validation-split",
+        lambda t: t.stateful.fit(t.sx, t.sy, validation_split=0.5), ValueError,
+        r"Pass validation_data"),
+    Bad("evaluate-stateful-batch", lambda t: t.stateful.evaluate(t.sx, t.sy, batch_size=4),
+        ValueError, r"fixed batch of 8"),
+    Bad("predict-stateful-whole-batches", lambda t: t.stateful.predict(t.sx[:5]), ValueError,
+        r"5 samples, not a multiple of the stateful batch 8 and less than one batch: pad"),
+    Bad("rebatch-zero", lambda t: kmgpu.rebatch(t.stateful_model, 0), ValueError,
+        r"batch_size must be >= 1"),
+    Bad("rebatch-float", lambda t: kmgpu.rebatch(t.stateful_model, 2.5), TypeError,
+        r"batch_size must be an int >= 1"),
+    Bad("rebatch-not-a-model", lambda t: kmgpu.rebatch(_keras().layers.LSTM(2), 1), TypeError,
+        r"takes a keras.Model"),
+    Bad("rebatch-wrapper", lambda t: kmgpu.rebatch(t.stateful, 1), TypeError,
+        r"takes a keras.Model"),
+]
+
+
+def _launch(*argv):
+    from kmgpu import launch
+
+    return launch.parse_args(list(argv))
+
+
+# kmgpu launch (its arguments are checked before any process starts)
+CATALOGUE += [
+    Bad("launch-nnodes-zero", lambda t: _launch("--nnodes", "0", __file__), ValueError,
+        r"pass the number of hosts, 1 or more"),
+    Bad("launch-node-rank", lambda t: _launch("--nnodes", "2", "--node-rank", "2", __file__),
+        ValueError, r"give each"),
+    Bad("launch-nproc", lambda t: _launch("--nproc-per-node", "0", __file__), ValueError,
+        r"pass 1 or more"),
+    Bad("launch-port", lambda t: _launch("--master-port", "70000", __file__), ValueError,
+        r"pass a free TCP port"),
+    Bad("launch-no-script", lambda t: _launch("no_such_script.py"), ValueError,
+        r"not found: pass the path"),
+]
+
 
 # -- the test -------------------------------------------------------------------------
 class Target:
@@ -192,6 +244,19 @@ class Target:
             warnings.simplefilter("ignore")
             self.parallel = kmgpu.parallelize(self.model, gpus=4)
             self.parallel.fit(self.x, self.y, batch_size=8, epochs=1, verbose=0)
+
+        keras = _keras()
+        keras.utils.set_random_seed(4)
+        self.stateful_model = keras.Sequential([
+            keras.Input(batch_shape=(8, 3, 2)), keras.layers.LSTM(4, stateful=True),
+            keras.layers.Dense(1)])
+        self.stateful_model.compile(optimizer="adam", loss="mse")
+        self.sx = np.random.default_rng(1).normal(size=(16, 3, 2)).astype("float32")
+        self.sy = self.sx.sum(axis=(1, 2))[:, None]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.stateful = kmgpu.parallelize(self.stateful_model, gpus=4)
+            self.stateful.fit(self.sx, self.sy, epochs=1, verbose=0)
 
     @staticmethod
     def fresh():
@@ -219,13 +284,15 @@ def model_state(model):
         "compile": json.dumps(model.get_compile_config(), sort_keys=True, default=repr),
         "optimizer": id(opt),
         "optimizer_state": [np.array(v.numpy()) for v in opt.variables] if opt.built else None,
+        "states": [np.array(_keras().ops.convert_to_numpy(v.value))
+                   for v in stateful.state_variables(model)],
     }
 
 
 def assert_same_state(a, b):
     assert a.keys() == b.keys()
     for key in a:
-        if key in ("weights", "optimizer_state"):
+        if key in ("weights", "optimizer_state", "states"):
             assert len(a[key]) == len(b[key]), key
             for u, v in zip(a[key], b[key]):
                 assert u.dtype == v.dtype and u.shape == v.shape and u.tobytes() == v.tobytes(), key
@@ -250,20 +317,23 @@ def children():
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=repr)
 def test_bad_input_is_refused_and_changes_nothing(case, target):
-    before, procs = model_state(target.model), children()
+    models = (target.model, target.stateful_model)
+    before, procs = [model_state(m) for m in models], children()
     assert int(target.model.optimizer.iterations.numpy()) == 5  # Adam has state to keep
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(case.error, match=case.match):
             case.call(target)
-    assert_same_state(before, model_state(target.model))
+    for model, state in zip(models, before):
+        assert_same_state(state, model_state(model))
     assert children() == procs  # no worker started, stopped or restarted
 
 
 def test_the_catalogue_covers_every_entry_point():
     ids = [case.id for case in CATALOGUE]
     assert len(ids) == len(set(ids)) and len(ids) >= 25
-    for where in ("simulate", "parallelize", "compile", "fit", "evaluate", "predict"):
+    for where in ("simulate", "parallelize", "compile", "fit", "evaluate", "predict", "rebatch",
+                  "launch"):
         assert sum(i.startswith(where + "-") for i in ids) >= 3, where
 
 
