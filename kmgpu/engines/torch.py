@@ -64,6 +64,14 @@ class TorchEngine(Engine):
             self.name = (f"torch DistributedDataParallel ({self.backend}, "
                          f"{self.num_replicas} worker process(es), reused between calls)")
 
+    @classmethod
+    def plain_fit_serves(cls, model, device_ids):
+        # Keras's own torch fit crashes on stateful LSTMs: those need the engine.
+        from kmgpu import stateful
+
+        return (list(device_ids) == [0] and not in_distributed_job()
+                and not stateful.layers(model))
+
     # -- the Engine interface ---------------------------------------------------------
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
