@@ -106,8 +106,9 @@ def _repeating_datasets(kwargs):
 
     kw = dict(kwargs)
     x, y, weights = kw.get("x"), kw.get("y"), kw.get("sample_weight")
-    if kw.get("steps_per_epoch") is not None or not arrays(x, y, weights):
-        return kwargs
+    if (kw.get("steps_per_epoch") is not None or not arrays(x, y, weights)
+            or kw.get("epochs", 1) - kw.get("initial_epoch", 0) < 2):
+        return kwargs  # one epoch makes one iterator either way
     if kw.get("validation_split") and kw.get("validation_data") is None:
         (x, y, weights), kw["validation_data"] = array_slicing.train_validation_split(
             (x, y, weights), validation_split=kw["validation_split"])
@@ -135,6 +136,11 @@ def _symbolic_build(self, iterator=None, data_batch=None):
     which fails when the first batch splits unevenly. Only its shapes matter, so
     build from the first replica's part instead.
     """
+    built = (all(layer.built for layer in self._flatten_layers())
+             and all(part is None or part.built for part in
+                     (self._compile_metrics, self._compile_loss, self.optimizer)))
+    if built:
+        return  # nothing to build: skip making a distributed iterator (~0.15 s on 4 devices)
     if iterator is not None:
         for _, _, it in iterator:
             data_batch = self.distribute_strategy.experimental_local_results(next(it))[0]
