@@ -97,3 +97,30 @@ def check_pydataset_parity(tol=1e-5):
     pred = parallel.predict(Batches(), verbose=0)
     assert pred.shape == (45, 1)
     np.testing.assert_allclose(pred, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+# -- processes (Linux /proc) ------------------------------------------------------------
+def alive(pid):
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(pid=None):
+    """Live child processes of ``pid`` (default: this process), sorted."""
+    import os
+
+    pid, out = os.getpid() if pid is None else pid, []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(name))
+    return sorted(out)

@@ -2,7 +2,6 @@
 bad input refused with the model untouched."""
 
 import json
-import warnings
 
 import numpy as np
 import pytest

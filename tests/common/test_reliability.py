@@ -16,7 +16,6 @@ unchanged, and that no worker process was started or stopped.
 """
 
 import json
-import os
 import warnings
 
 import numpy as np
@@ -24,7 +23,7 @@ import pytest
 
 import kmgpu
 from kmgpu import stateful
-from tests.helpers import data, mlp
+from tests.helpers import children, data, mlp
 
 # -- the catalogue --------------------------------------------------------------------
 
@@ -298,21 +297,6 @@ def assert_same_state(a, b):
                 assert u.dtype == v.dtype and u.shape == v.shape and u.tobytes() == v.tobytes(), key
         else:
             assert a[key] == b[key], key
-
-
-def children():
-    """Live child processes of this process (worker pools)."""
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.append(int(name))
-    return sorted(out)
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=repr)

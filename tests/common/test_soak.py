@@ -12,23 +12,9 @@ import warnings
 import numpy as np
 
 import kmgpu
-from tests.helpers import data, mlp
+from tests.helpers import children, data, mlp
 
 CALLS = 50
-
-
-def _children(pid):
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(name))
-    return sorted(out)
 
 
 def _rss(pid):
@@ -63,7 +49,7 @@ def _temp_entries(pids):
 
 def resources():
     me = os.getpid()
-    kids = _children(me)
+    kids = children(me)
     pids = [me] + kids
     fds = [_fds(p) for p in pids]
     return {

@@ -19,17 +19,9 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import data, mlp
+from tests.helpers import alive, data, mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _entries(pid):
@@ -73,7 +65,7 @@ def test_rank_0_killed_during_fit_errors_fast_and_leaves_no_process():
     seconds = time.monotonic() - killed[0]
     print(f"\nworker killed -> error in {seconds:.2f} s")
     assert seconds < 30
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert len(_entries(os.getpid())) <= 1  # the call's data directory is gone
 
@@ -92,7 +84,7 @@ def test_a_worker_that_died_between_calls_is_replaced():
     _fit(parallel, x, y)  # a fresh pool; the old one's survivors are stopped
     assert int(model.optimizer.iterations.numpy()) == steps + 2
     assert set(parallel._engine.worker_pids()).isdisjoint(pids)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 _PARENT = """
@@ -123,9 +115,9 @@ def test_a_killed_parent_leaves_no_worker_and_no_file():
     pids = [int(p) for p in line.split()[1:]]
     assert len(pids) == 2
     deadline = time.monotonic() + 15
-    while (any(_alive(p) for p in pids) or _entries(proc.pid)) and time.monotonic() < deadline:
+    while (any(alive(p) for p in pids) or _entries(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "orphaned workers"
+    assert not any(alive(p) for p in pids), "orphaned workers"
     assert _entries(proc.pid) == [], "files left in /dev/shm"
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import MODELS, check_pydataset_parity, conv_bn, data, mlp, rel_diff
+from tests.helpers import (MODELS, alive, check_pydataset_parity, children, conv_bn, data, mlp,
+                           rel_diff)
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,28 +27,6 @@ def _reference(kind, x, y, batch_size, epochs=2, optimizer="adam", metrics=None,
     ref.compile(optimizer=optimizer, loss="mse", metrics=metrics)
     ref.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit)
     return ref
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children():
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.append(int(name))
-    return sorted(out)
 
 
 def _call_dirs():
@@ -259,7 +238,7 @@ def test_a_killed_worker_ends_fit_within_30s_and_the_next_fit_works():
     with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by signal SIGKILL"):
         parallel.fit(x, y, batch_size=32, epochs=1000, shuffle=False, verbose=0)
     assert time.monotonic() - start < 31.0
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     parallel.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert set(parallel._engine.worker_pids()).isdisjoint(pids)
@@ -273,7 +252,7 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_last_epoch():
     threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         parallel.fit(x, y, batch_size=32, epochs=1000, shuffle=False, verbose=0)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     after = model.get_weights()
     assert rel_diff(before, after) > 1e-4  # epochs that ended before Ctrl-C are kept
     assert all(np.isfinite(w).all() for w in after)
@@ -284,25 +263,25 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_last_epoch():
 def test_repeated_calls_reuse_the_pool_and_leak_nothing():
     _close_pools()
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
-    assert _children() == []
+    assert children() == []
     x, y = data("mlp", 50)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
     parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)
     pids = parallel._engine.worker_pids()
-    assert sorted(pids) == _children()
+    assert sorted(pids) == children()
     open_fds = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)
         parallel.evaluate(x, y, verbose=0)
         parallel.predict(x, verbose=0)
-    assert parallel._engine.worker_pids() == pids and _children() == sorted(pids)
+    assert parallel._engine.worker_pids() == pids and children() == sorted(pids)
     assert len(os.listdir("/proc/self/fd")) == open_fds
     assert len(_call_dirs()) == 1  # the pool's state file; each call's data is gone
     parallel.close()
     assert _call_dirs() == []
-    assert _children() == [] and not any(_alive(pid) for pid in pids)
+    assert children() == [] and not any(alive(pid) for pid in pids)
     assert len(os.listdir("/proc/self/fd")) == fds
     assert threading.active_count() == threads
 
