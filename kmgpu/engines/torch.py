@@ -20,6 +20,7 @@ The process model is chosen automatically:
 """
 
 import atexit
+import datetime
 import json
 import os
 import sys
@@ -108,8 +109,14 @@ class TorchEngine(Engine):
 
             self._owns_group = False
             if dist.is_initialized():
-                dist.barrier()
-                dist.destroy_process_group()
+                try:  # bounded: after a peer died, a plain barrier can wait for 30 min
+                    if dist.get_backend() == "gloo":
+                        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+                    else:
+                        dist.barrier()
+                    dist.destroy_process_group()
+                except RuntimeError:
+                    pass  # a peer is gone: this process is ending anyway
 
     # -- for tests and describe() ---------------------------------------------------
     def worker_pids(self):
@@ -513,8 +520,6 @@ def _check_data(name, x):
 
 def _ship(kwargs, files):
     import keras
-
-    from kmgpu.engines import _torch_pool
 
     out = dict(kwargs)
     for key in ("x", "y", "sample_weight", "validation_data"):
