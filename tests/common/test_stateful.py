@@ -65,12 +65,16 @@ def test_state_carries_from_chunk_to_chunk(cell, gpus):
     np.testing.assert_allclose(state, expect, atol=1e-5)
 
 
+def _stateful_data():
+    seqs = sequences(n=B * 2, seed=3)  # two groups of 8 sequences: 8 batches per epoch
+    x = np.concatenate([chunked(seqs[:B]), chunked(seqs[B:])])
+    return x, np.tanh(x.sum(axis=(1, 2)))[:, None].astype("float32")
+
+
 def _fit(gpus, optimizer, epochs=3, **options):
     import keras
 
-    seqs = sequences(n=B * 2, seed=3)  # two groups of 8 sequences: 8 batches per epoch
-    x = np.concatenate([chunked(seqs[:B]), chunked(seqs[B:])])
-    y = np.tanh(x.sum(axis=(1, 2)))[:, None].astype("float32")
+    x, y = _stateful_data()
     model = make("LSTM", seed=5)
     before = [w.copy() for w in model.get_weights()]
     parallel = kmgpu.parallelize(model, gpus=gpus, **options)
@@ -79,19 +83,25 @@ def _fit(gpus, optimizer, epochs=3, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         history = parallel.fit(x, y, batch_size=B, epochs=epochs, verbose=0)
-    return model, before, history
+    return model, before, history, parallel
 
 
 @pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
 def test_training_on_four_devices_equals_one_device(optimizer):
-    one, before, h1 = _fit(1, optimizer)
-    four, _, h4 = _fit(4, optimizer)
+    one, before, h1, p1 = _fit(1, optimizer)
+    four, _, h4, p4 = _fit(4, optimizer)
     moved = max(rel_diff(a, b) for a, b in zip(one.get_weights(), before))
     worst = max(rel_diff(a, b) for a, b in zip(four.get_weights(), one.get_weights()))
     print(f"stateful LSTM {optimizer}, 3 epochs: moved {moved:.3f}, 4 vs 1 device {worst:.2e}")
     assert moved > 1e-2
     assert worst <= 1e-5
     np.testing.assert_allclose(h4.history["loss"], h1.history["loss"], rtol=1e-5)
+    x, y = _stateful_data()
+    e1, e4 = p1.evaluate(x, y, verbose=0), p4.evaluate(x, y, verbose=0)
+    pred = p4.predict(x, verbose=0)
+    print(f"evaluate: 1 device {e1:.6f}, 4 devices {e4:.6f}")
+    assert e4 == pytest.approx(e1, rel=1e-5)
+    assert e4 == pytest.approx(float(np.mean((pred - y) ** 2)), rel=1e-5)
 
 
 def test_a_task_only_state_can_solve_is_learned_with_state_only():
@@ -129,7 +139,7 @@ def test_a_task_only_state_can_solve_is_learned_with_state_only():
 
 def test_rebatch_to_one_keeps_the_weights_and_predicts_step_by_step():
     seqs = sequences()
-    model, _, _ = _fit(4, "Adam", epochs=1)
+    model, _, _, _ = _fit(4, "Adam", epochs=1)
     batched = kmgpu.parallelize(model, gpus=4).predict(chunked(seqs), batch_size=B, verbose=0)
     single = kmgpu.rebatch(model, 1)
     assert stateful.fixed_batch(single) == 1 and single.compiled
