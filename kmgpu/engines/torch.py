@@ -54,6 +54,7 @@ class TorchEngine(Engine):
         self._pool = None
         self._replica, self._built_key = None, None
         self._owns_group = False
+        self._group_broken = False
         self.in_process = in_distributed_job()
         if self.in_process:
             self._init_in_process(available)
@@ -79,7 +80,14 @@ class TorchEngine(Engine):
         if self._resets_states(template):
             stateful.reset(template)  # what the ranks start from; they reset each epoch
         if self.in_process:
-            return self._run_here(method, template, kwargs, lr_scale)
+            try:
+                return self._run_here(method, template, kwargs, lr_scale)
+            except BaseException:
+                # A rank that failed may have left its peers inside a collective: a
+                # barrier at exit would keep this process (and its sockets) alive, and
+                # they would wait on it. Ending without one lets them fail too.
+                self._group_broken = True
+                raise
         return self._run_pool(method, template, kwargs, lr_scale)
 
     def _resets_states(self, template):
@@ -108,7 +116,7 @@ class TorchEngine(Engine):
             import torch.distributed as dist
 
             self._owns_group = False
-            if dist.is_initialized():
+            if dist.is_initialized() and not self._group_broken:
                 try:  # bounded: after a peer died, a plain barrier can wait for 30 min
                     if dist.get_backend() == "gloo":
                         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
