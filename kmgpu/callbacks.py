@@ -11,8 +11,9 @@ GPU (or no NVML) it says so once and does nothing else.
 logs; ``kmgpu bench`` measures with it.
 
 Both are plain ``keras.callbacks.Callback`` objects: pass them to ``fit`` of a
-``ParallelModel`` or of any Keras model. They hold no open handles between fits,
-so they can be pickled into worker processes (the torch engine runs ``fit`` there).
+``ParallelModel`` or of any Keras model. With the torch engine's worker processes,
+callbacks run here in the calling process, with the user's model, on the epoch
+events the workers relay; they hold no open handles between fits.
 """
 
 import os
