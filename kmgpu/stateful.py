@@ -77,9 +77,7 @@ def rebatch(model, batch_size):
     if not model.built:
         raise ValueError("rebatch(model, batch_size) needs a built model: give it a "
                          "keras.Input(batch_size=...) first.")
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, (keras.Sequential, Functional)):
+    if not _has_input(model):
         raise TypeError(
             f"rebatch needs a Sequential or functional model (its Input fixes the batch); "
             f"{type(model).__name__} is subclassed: create a new instance built for batch "
@@ -102,9 +100,22 @@ def clone_at(model, batch_size):
     return keras.models.clone_model(model, input_tensors=inputs)
 
 
+def _has_input(model):
+    import keras
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, (keras.Sequential, Functional))
+
+
 def check_split(model, num_replicas):
-    """Raise ValueError when a stateful model's fixed batch cannot split over the replicas."""
+    """Raise unless a stateful model can be split into per-replica row blocks: a
+    Sequential or functional model (re-created at B/N rows) whose B splits over N."""
     b, n = fixed_batch(model), num_replicas
+    if b is not None and not _has_input(model):
+        raise TypeError(
+            f"{model.name} is a subclassed model with stateful RNN layers: kmgpu re-creates "
+            "a stateful model from its Input at each replica's rows, so build it as a "
+            "Sequential or functional model (keras.Input(batch_size=...)).")
     if b is None or b % n == 0:
         return
     fits = [k for k in range(1, n + 1) if b % k == 0]
@@ -152,20 +163,20 @@ def prepare_call(method, template, call, num_replicas, options, user_batch):
     if "validation_batch_size" in call and call.get("validation_batch_size") not in (None, b):
         raise ValueError(f"{template.name} is stateful with a fixed batch of {b}: pass "
                          f"validation_batch_size={b} (or leave it out).")
-    for key in ("x", "y", "sample_weight"):
-        if key in call:
-                call[key] = _whole_batches(call[key], b, options.drop_remainder, key, method)
-    validation = call.get("validation_data")
-    if validation is not None:
-        call["validation_data"] = tuple(
-            _whole_batches(part, b, options.drop_remainder, "validation_data", method)
-            for part in validation)
     if call.get("validation_split"):
         raise ValueError(
             f"{template.name} is stateful: validation_split would cut a sequence in two. "
             "Pass validation_data=(x_val, y_val) with a multiple of "
             f"{b} samples instead."
         )
+    for key in ("x", "y", "sample_weight"):
+        if key in call:
+            call[key] = _whole_batches(call[key], b, options.drop_remainder, key, method)
+    validation = call.get("validation_data")
+    if validation is not None:
+        call["validation_data"] = tuple(
+            _whole_batches(part, b, options.drop_remainder, "validation_data", method)
+            for part in validation)
     if method == "fit" and call.get("shuffle"):
         warnings.warn(f"kmgpu: {template.name} is stateful, so fit keeps the batches in order "
                       "(shuffle=False): row i of batch k continues in row i of batch k+1.",

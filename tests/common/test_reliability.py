@@ -179,8 +179,27 @@ CATALOGUE = [
         r"takes the arguments of keras.Model.predict"),
 ]
 
+def _subclassed_stateful():
+    keras = _keras()
+
+    class Recurrent(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lstm, self.out = keras.layers.LSTM(3, stateful=True), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(self.lstm(x))
+
+    model = Recurrent()
+    model(np.zeros((4, 2, 1), "float32"))
+    return model
+
+
 # stateful RNNs (t.stateful: an LSTM with a fixed batch of 8 on 4 devices) and rebatch
 CATALOGUE += [
+    Bad("parallelize-stateful-subclassed",
+        lambda t: kmgpu.parallelize(_subclassed_stateful(), gpus=2), TypeError,
+        r"build it as a Sequential or functional model"),
     Bad("parallelize-stateful-split", lambda t: kmgpu.parallelize(t.stateful_model, gpus=3),
         ValueError, r"fixed batch of 8, which does not split over 3 replicas.*gpus=2"),
     Bad("parallelize-reset-states", lambda t: kmgpu.parallelize(t.fresh(), reset_states="step"),
