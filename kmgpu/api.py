@@ -49,12 +49,12 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             "support yet: use the tensorflow or jax backend, or stateful=False.")
     available = hardware.physical_devices(backend)
     ids = hardware.resolve(gpus, available)
-    stateful.check_split(model, len(ids))
     if launch.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
         from kmgpu.engines.local import LocalEngine
 
         cls = LocalEngine
     engine = cls(ids, available, options)
+    stateful.check_split(model, engine.num_replicas)  # all processes' devices under launch
     if engine.num_replicas == 1:
         warnings.warn(
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",

@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 BATCH_POLICIES = ("global", "per_replica")
+RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
 KERAS_DEFAULT_BATCH = 32
 
 
@@ -47,7 +48,7 @@ class Options:
             )
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}.")
-        if reset_states not in ("epoch", None):
+        if reset_states not in RESET_CHOICES:
             raise ValueError(f"reset_states={reset_states!r}: pass 'epoch' (zero stateful RNN "
                              "states at each epoch and each evaluate/predict) or None (never; "
                              "call parallel.reset_states() yourself).")

@@ -17,8 +17,6 @@ Nothing here imports a backend at module import time.
 
 import warnings
 
-RESET_CHOICES = ("epoch", None)
-
 
 def layers(model):
     """The stateful RNN layers of ``model`` (nested ones included), in order."""
@@ -159,7 +157,6 @@ def prepare_call(method, template, call, num_replicas, options, user_batch):
             f"call's global batch is {call['batch_size']}: pass {want}, or make a copy for "
             f"batch {call['batch_size']} with kmgpu.rebatch(model, {call['batch_size']})."
         )
-    check_split(template, n)
     if "validation_batch_size" in call and call.get("validation_batch_size") not in (None, b):
         raise ValueError(f"{template.name} is stateful with a fixed batch of {b}: pass "
                          f"validation_batch_size={b} (or leave it out).")

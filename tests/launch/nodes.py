@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from tests.helpers import alive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "launch", "train.py")
 
@@ -100,18 +102,6 @@ def cleanup(nodes, out):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150):
