@@ -9,7 +9,6 @@ Importing kmgpu imports no backend.
 """
 
 from kmgpu.hardware import devices, simulate_devices
-from kmgpu.stateful import rebatch
 
 __version__ = "0.1.0"
 __all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebatch"]
@@ -20,4 +19,8 @@ def __getattr__(name):
         from kmgpu import api
 
         return getattr(api, name)
+    if name == "rebatch":
+        from kmgpu import models
+
+        return models.rebatch
     raise AttributeError(f"module 'kmgpu' has no attribute {name!r}")

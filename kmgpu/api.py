@@ -3,9 +3,7 @@
 import inspect
 import warnings
 
-from kmgpu import checks, hardware
-from kmgpu import launch, lr, plan
-from kmgpu.engines import engine_class
+from kmgpu import checks, connector, environment, lr, models, plan
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
@@ -34,27 +32,9 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     Returns:
         A ``ParallelModel``.
     """
-    from kmgpu import replicas
-
-    from kmgpu import stateful
-
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
                                 drop_remainder)
-    replicas.check_model(model)
-    backend = hardware.backend_name()
-    cls = engine_class(backend)
-    if stateful.layers(model) and not cls.supports_stateful:
-        raise NotImplementedError(
-            f"{model.name} has stateful RNN layers, which kmgpu's {backend} engine does not "
-            "support yet: use the tensorflow or jax backend, or stateful=False.")
-    available = hardware.physical_devices(backend)
-    ids = hardware.resolve(gpus, available)
-    if launch.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
-        from kmgpu.engines.local import LocalEngine
-
-        cls = LocalEngine
-    engine = cls(ids, available, options)
-    stateful.check_split(model, engine.num_replicas)  # all processes' devices under launch
+    engine, backend = connector.connect(model, gpus, options)
     if engine.num_replicas == 1:
         warnings.warn(
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",
@@ -110,9 +90,9 @@ class ParallelModel:
         else:
             scaling = lr.LRScaling(optimizer, factor, self._options.warmup_epochs)
             call["callbacks"] = scaling.wrap(call.get("callbacks"))
-        if call.get("verbose") not in (0, "0") and launch.process_index() == 0:
+        if call.get("verbose") not in (0, "0") and environment.process_index() == 0:
             print(self.describe(), flush=True)
-        call = launch.for_this_process(call)  # several processes: process 0 prints, saves
+        call = environment.for_this_process(call)  # several processes: process 0 prints, saves
         return self._engine.run("fit", self.model, call, self._lr_scale)
 
     def evaluate(self, *args, **kwargs):
@@ -121,7 +101,7 @@ class ParallelModel:
         self._require_compiled("evaluate")
         user_batch = call.get("batch_size")
         call = self._fixed_batches("evaluate", self._globalise(call, ("batch_size",)), user_batch)
-        return self._engine.run("evaluate", self.model, launch.for_this_process(call),
+        return self._engine.run("evaluate", self.model, environment.for_this_process(call),
                                 self._lr_scale)
 
     def predict(self, *args, **kwargs):
@@ -129,21 +109,19 @@ class ParallelModel:
         call = self._bind("predict", args, kwargs)
         user_batch = call.get("batch_size")
         call = self._fixed_batches("predict", self._globalise(call, ("batch_size",)), user_batch)
-        return self._engine.run("predict", self.model, launch.for_this_process(call),
+        return self._engine.run("predict", self.model, environment.for_this_process(call),
                                 self._lr_scale)
 
     def reset_states(self):
         """Zero the states of the model's stateful RNN layers (on every replica)."""
-        from kmgpu import stateful
-
-        stateful.reset(self.model)  # the engines take the states from the user's model
+        models.reset_states(self.model)  # the engines take the states from the user's model
 
     def save(self, filepath, *args, **kwargs):
         """Save the user's model: a plain Keras file, loadable without kmgpu.
 
         In a multi-process job (kmgpu launch, torchrun, srun) only process 0 writes.
         """
-        if launch.process_index() != 0:
+        if environment.process_index() != 0:
             return None
         return self.model.save(filepath, *args, **kwargs)
 
@@ -159,12 +137,10 @@ class ParallelModel:
                              stateful=self._stateful_text())
 
     def _stateful_text(self):
-        from kmgpu import stateful
-
-        found = stateful.layers(self.model)
+        found = models.stateful_layers(self.model)
         if not found:
             return "none"
-        b, n = stateful.fixed_batch(self.model), self.num_replicas
+        b, n = models.fixed_batch(self.model), self.num_replicas
         reset = ("zeroed each epoch and each evaluate/predict"
                  if self._options.reset_states == "epoch" else "never zeroed by kmgpu")
         return (f"{len(found)} layer(s), fixed global batch {b}, replica r keeps rows "
@@ -201,7 +177,7 @@ class ParallelModel:
 
     def _warn_about_traps(self, steps):
         """Say once when the plan looks like the batch-scaling trap (process 0 only)."""
-        if self._warned or launch.process_index() != 0:
+        if self._warned or environment.process_index() != 0:
             return
         o, n = self._options, self.num_replicas
         text = None
@@ -220,11 +196,9 @@ class ParallelModel:
 
     def _fixed_batches(self, method, call, user_batch):
         """Stateful RNNs need whole, fixed, unshuffled batches that split evenly."""
-        from kmgpu import stateful
-
-        if not stateful.layers(self.model):
+        if not models.stateful_layers(self.model):
             return call
-        return stateful.prepare_call(method, self.model, call, self.num_replicas,
+        return plan.stateful_call(method, self.model, call, self.num_replicas,
                                      self._options, user_batch)
 
     def _require_compiled(self, method):

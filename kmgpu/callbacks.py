@@ -254,50 +254,23 @@ class GPUMonitor(keras.callbacks.Callback):
 def peak_memory():
     """(bytes, what) for the peak memory of this process's main device so far.
 
-    A GPU's allocator peak where the backend reports one (device 0 of this process),
-    else the process's peak resident set size.
+    A GPU's allocator peak where the backend reports one (device 0 of this process;
+    each backend's ``runtime.peak_memory``), else the process's peak resident set size.
     """
-    backend = keras.config.backend()
-    try:
-        if backend == "torch":
-            import torch
+    from kmgpu import engines
 
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                return int(torch.cuda.max_memory_allocated()), "gpu"
-        elif backend == "jax":
-            import jax
-
-            device = jax.local_devices()[0]
-            stats = device.memory_stats() if device.platform == "gpu" else None
-            if stats and "peak_bytes_in_use" in stats:
-                return int(stats["peak_bytes_in_use"]), "gpu"
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            if tf.config.list_logical_devices("GPU"):
-                return int(tf.config.experimental.get_memory_info("GPU:0")["peak"]), "gpu"
-    except Exception:
-        pass
+    peak = engines.runtime(keras.config.backend()).peak_memory()
+    if peak is not None:
+        return peak, "gpu"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss * (1 if sys.platform == "darwin" else 1024)), "rss"
 
 
 def reset_peak_memory():
     """Restart the device's peak-memory counter where the backend allows it (torch, TF)."""
-    backend = keras.config.backend()
-    try:
-        if backend == "torch":
-            import torch
+    from kmgpu import engines
 
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.reset_peak_memory_stats()
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            if tf.config.list_logical_devices("GPU"):
-                tf.config.experimental.reset_memory_stats("GPU:0")
-    except Exception:
-        pass
+    engines.runtime(keras.config.backend()).reset_peak_memory()
 
 
 class EpochTimer(keras.callbacks.Callback):

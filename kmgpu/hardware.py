@@ -1,15 +1,19 @@
 """Which devices kmgpu uses: ``gpus=...`` -> a device list, and ``simulate_devices``.
 
-Nothing here imports a backend at module import time. The active backend is
-read from Keras's own configuration (``KERAS_BACKEND`` or ``~/.keras/keras.json``)
-so that ``simulate_devices`` can run before Keras is imported.
+The backend-neutral half: each backend lists and simulates its devices in its
+engine's ``runtime`` module (``kmgpu/engines/<backend>/runtime.py``). Nothing here
+imports a backend at module import time. The active backend is read from Keras's
+own configuration (``KERAS_BACKEND`` or ``~/.keras/keras.json``) so that
+``simulate_devices`` can run before Keras is imported.
 """
 
 import json
 import os
 import sys
 
-SIMULATE_ENV = "KMGPU_SIMULATE_DEVICES"
+from kmgpu import environment
+
+_SHOWN = {"jax": "JAX", "tensorflow": "TensorFlow", "torch": "torch"}
 
 
 def backend_name():
@@ -35,14 +39,6 @@ def backend_name():
     return name or "tensorflow"
 
 
-def simulated_count():
-    """The number of simulated devices asked for, or 0."""
-    try:
-        return max(0, int(os.environ.get(SIMULATE_ENV, "0")))
-    except ValueError:
-        return 0
-
-
 def simulate_devices(n):
     """Make ``n`` virtual CPU devices stand in for GPUs.
 
@@ -62,60 +58,30 @@ def simulate_devices(n):
     if n < 1:
         raise ValueError(f"simulate_devices(n) takes an int >= 1, got {n}.")
     backend = backend_name()
-    if backend == "jax":
-        _simulate_jax(n)
-    elif backend == "tensorflow":
-        _simulate_tensorflow(n)
-    elif backend == "torch" and simulated_count() not in (0, n) and "keras" in sys.modules:
-        # engines and worker pools already exist for the old count
-        raise _too_late(n, "torch", f"{simulated_count()} simulated device(s)")
-    os.environ[SIMULATE_ENV] = str(n)  # torch workers and child processes read this
+    runtime = _runtime(backend)
+    have = runtime.simulate(n) if runtime is not None else None
+    if have is not None:
+        raise _too_late(n, backend, have)
+    os.environ[environment.SIMULATE_ENV] = str(n)  # torch workers and child processes read this
+
+
+def _runtime(backend):
+    """The backend's ``runtime`` module (devices, simulation), or None for another backend."""
+    from kmgpu import engines
+
+    try:
+        return engines.runtime(backend)
+    except ValueError:
+        return None
 
 
 def _too_late(n, backend, have):
     return RuntimeError(
-        f"simulate_devices({n}) came after {backend} had already set up its devices "
+        f"simulate_devices({n}) came after {_SHOWN.get(backend, backend)} had already set up its devices "
         f"({have}). Call kmgpu.simulate_devices({n}) first, before building any model "
         "or touching the backend (in a notebook: restart the kernel and make it the "
         "first cell after the imports)."
     )
-
-
-def _simulate_jax(n):
-    flag = f"--xla_force_host_platform_device_count={n}"
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            import jax
-
-            have = jax.devices()
-            if len(have) == n and have[0].platform == "cpu":
-                return
-            raise _too_late(n, "JAX", f"{len(have)} {have[0].platform} device(s)")
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def _simulate_tensorflow(n):
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    try:
-        tf.config.set_visible_devices([], "GPU")
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
-        )
-    except RuntimeError:
-        have = tf.config.list_logical_devices("CPU")
-        if len(have) == n and not tf.config.list_logical_devices("GPU"):
-            return
-        raise _too_late(n, "TensorFlow", f"{len(have)} CPU device(s)") from None
 
 
 def physical_devices(backend=None):
@@ -125,28 +91,10 @@ def physical_devices(backend=None):
         A list of (kind, index) pairs, e.g. [("gpu", 0), ("gpu", 1)] or [("cpu", 0)].
     """
     backend = backend or backend_name()
-    n_sim = simulated_count()
-    if backend == "jax":
-        import jax
-
-        devs = jax.devices()
-        return [(d.platform if d.platform != "cuda" else "gpu", i) for i, d in enumerate(devs)]
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        gpus = tf.config.list_logical_devices("GPU")
-        if gpus:
-            return [("gpu", i) for i in range(len(gpus))]
-        return [("cpu", i) for i in range(len(tf.config.list_logical_devices("CPU")))]
-    if backend == "torch":
-        import torch
-
-        if n_sim:
-            return [("cpu", i) for i in range(n_sim)]
-        if torch.cuda.is_available():
-            return [("gpu", i) for i in range(torch.cuda.device_count())]
-        return [("cpu", 0)]
-    raise ValueError(f"kmgpu supports the tensorflow, jax and torch backends, not {backend!r}.")
+    runtime = _runtime(backend)
+    if runtime is None:
+        raise ValueError(f"kmgpu supports the tensorflow, jax and torch backends, not {backend!r}.")
+    return runtime.physical_devices()
 
 
 def devices():

@@ -1,12 +1,18 @@
 """The batch policy and the printed plan.
 
-``Options`` holds what the user chose in ``parallelize``; ``Plan`` turns it and a
-fit call into numbers (global and per-replica batch, steps per epoch, learning-rate
-factor, bytes all-reduced) and says them as text in ``describe()``.
+``Options`` holds what the user chose in ``parallelize``; ``global_batch`` and
+``lr_factor`` turn it into numbers, ``describe()`` says the whole plan as text
+(global and per-replica batch, steps per epoch, learning-rate factor, bytes
+all-reduced). Stateful RNN models get fixed, whole, unshuffled batches that split
+evenly over the replicas (``check_stateful_split``, ``stateful_call``).
 """
 
 import dataclasses
 import math
+import warnings
+
+from kmgpu import models
+from kmgpu.engines import keras_fixes
 
 BATCH_POLICIES = ("global", "per_replica")
 RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
@@ -113,3 +119,104 @@ def _bytes(n):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+# -- stateful RNNs: fixed, whole, unshuffled batches that split evenly ------------------
+def check_stateful_split(model, num_replicas):
+    """Raise unless a stateful model can be split into per-replica row blocks: a
+    Sequential or functional model (re-created at B/N rows) whose B splits over N."""
+    b, n = models.fixed_batch(model), num_replicas
+    if b is not None and not keras_fixes.is_functional(model):
+        raise TypeError(
+            f"{model.name} is a subclassed model with stateful RNN layers: kmgpu re-creates "
+            "a stateful model from its Input at each replica's rows, so build it as a "
+            "Sequential or functional model (keras.Input(batch_size=...)).")
+    if b is None or b % n == 0:
+        return
+    fits = [k for k in range(1, n + 1) if b % k == 0]
+    raise ValueError(
+        f"{model.name} is stateful with a fixed batch of {b}, which does not split over {n} "
+        f"replicas: each replica must own the same rows every step. Use gpus={max(fits)} "
+        f"(any of {fits} divides {b}), or kmgpu.rebatch(model, {b - b % n + n}) (a multiple "
+        f"of {n})."
+    )
+
+
+def stateful_call(method, template, call, num_replicas, options, user_batch):
+    """Check and adjust a fit / evaluate / predict call for a stateful ``template``.
+
+    Batches are fixed (the model's own batch B, global), whole and unshuffled.
+
+    Args:
+        method: "fit", "evaluate" or "predict".
+        template: the user's stateful model.
+        call: the bound Keras arguments, batch sizes already global.
+        num_replicas: N.
+        options: the ParallelModel's ``plan.Options``.
+        user_batch: the batch_size the user passed (None if left out).
+
+    Returns:
+        The call, with batch sizes filled in, shuffle off and, with
+        ``options.drop_remainder``, the data cut to whole batches.
+
+    Raises:
+        ValueError: sizes that do not split, saying which would.
+    """
+    b = models.fixed_batch(template)
+    n = num_replicas
+    per_replica = options.batch == "per_replica"
+    if user_batch is None:
+        call["batch_size"] = b
+    elif call["batch_size"] != b:
+        want = f"batch_size={b // n}" if per_replica and b % n == 0 else f"batch_size={b}"
+        raise ValueError(
+            f"{template.name} is stateful with a fixed batch of {b} (its Input), but this "
+            f"call's global batch is {call['batch_size']}: pass {want}, or make a copy for "
+            f"batch {call['batch_size']} with kmgpu.rebatch(model, {call['batch_size']})."
+        )
+    if "validation_batch_size" in call and call.get("validation_batch_size") not in (None, b):
+        raise ValueError(f"{template.name} is stateful with a fixed batch of {b}: pass "
+                         f"validation_batch_size={b} (or leave it out).")
+    if call.get("validation_split"):
+        raise ValueError(
+            f"{template.name} is stateful: validation_split would cut a sequence in two. "
+            "Pass validation_data=(x_val, y_val) with a multiple of "
+            f"{b} samples instead."
+        )
+    for key in ("x", "y", "sample_weight"):
+        if key in call:
+            call[key] = _whole_batches(call[key], b, options.drop_remainder, key, method)
+    validation = call.get("validation_data")
+    if validation is not None:
+        call["validation_data"] = tuple(
+            _whole_batches(part, b, options.drop_remainder, "validation_data", method)
+            for part in validation)
+    if method == "fit" and call.get("shuffle"):
+        warnings.warn(f"kmgpu: {template.name} is stateful, so fit keeps the batches in order "
+                      "(shuffle=False): row i of batch k continues in row i of batch k+1.",
+                      stacklevel=4)
+        call["shuffle"] = False
+    return call
+
+
+def _whole_batches(data, b, drop, what, method):
+    """``data`` cut or checked to a multiple of the batch size."""
+    import keras
+
+    if data is None or not hasattr(keras.tree.flatten(data)[0], "shape"):
+        return data
+    n = int(keras.tree.flatten(data)[0].shape[0])
+    if n % b == 0:
+        return data
+    whole = n - n % b
+    if whole == 0:
+        raise ValueError(f"{method}: {what} has {n} samples, not a multiple of the stateful "
+                         f"batch {b} and less than one batch: pad it to {b} samples.")
+    if not drop:
+        raise ValueError(
+            f"{method}: {what} has {n} samples, not a multiple of the stateful batch {b}: "
+            f"pass the first {whole} (or {whole + b} by padding the last batch), or "
+            "parallelize(..., drop_remainder=True) to drop the last "
+            f"{n % b} sample(s)."
+        )
+    return keras.tree.map_structure(lambda a: a[:whole], data)

@@ -15,7 +15,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do backends+=("$1"); shift; done
 
 run() {  # backend [pytest args]
   local b=$1; shift
-  KERAS_BACKEND=$b python -m pytest -q -p no:cacheprovider tests/common "tests/$b" "$@"
+  KERAS_BACKEND=$b python -m pytest -q -p no:cacheprovider tests/unit tests/common "tests/$b" "$@"
 }
 
 status=0

@@ -15,7 +15,7 @@ and the optimizer state in ``template``.
 import abc
 import contextlib
 
-from kmgpu import replicas, stateful
+from kmgpu import models
 
 
 class Engine(abc.ABC):
@@ -57,7 +57,7 @@ class Engine(abc.ABC):
             kwargs: Keras keyword arguments, batch sizes already global; for fit,
                 ``callbacks`` already holds kmgpu's learning-rate callbacks.
             lr_scale: (factor, warmup_steps) for a LearningRateSchedule optimizer:
-                pass it to ``replicas.compile_args``.
+                pass it to ``models.compile_args``.
 
         Returns:
             What Keras returns: a History, a loss/metrics list or dict, or predictions.
@@ -112,23 +112,23 @@ class InProcessEngine(Engine):
         """The replica's stateful RNN states as arrays of all B rows, replica 0's first."""
         import keras
 
-        return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(replica)]
+        return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(replica)]
 
     def write_states(self, replica, arrays):
         """Set the replica's stateful RNN states from arrays of all B rows."""
-        for v, a in zip(stateful.state_variables(replica), arrays):
+        for v, a in zip(models.state_variables(replica), arrays):
             v.assign(a)
 
     def _ensure_replica(self, template, lr_scale):
-        key = (replicas.identity(template), lr_scale)
+        key = (models.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             with self.scope():
-                fixed = stateful.fixed_batch(template)
-                replica = (replicas.clone(template) if fixed is None
-                           else stateful.clone_at(template, self.replica_batch(fixed)))
+                fixed = models.fixed_batch(template)
+                replica = (models.clone(template) if fixed is None
+                           else models.clone_at(template, self.replica_batch(fixed)))
                 self.prepare_replica(replica, template)
                 if template.compiled:
-                    replica.compile(**replicas.compile_args(template, lr_scale))
+                    replica.compile(**models.compile_args(template, lr_scale))
             self.replica, self._built_from = replica, key
         return self.replica
 
@@ -136,14 +136,14 @@ class InProcessEngine(Engine):
         import keras
 
         replica = self._ensure_replica(template, lr_scale)
-        states = stateful.state_variables(template)
+        states = models.state_variables(template)
         if states and self.options.reset_states == "epoch":
-            stateful.reset(template)
+            models.reset_states(template)
             if method == "fit":
-                kwargs = dict(kwargs, callbacks=[stateful.reset_callback(replica)]
+                kwargs = dict(kwargs, callbacks=[models.reset_callback(replica)]
                               + list(kwargs.get("callbacks") or []))
         with self.scope():
-            replicas.copy_state(template, replica)
+            models.copy_state(template, replica)
             if states:
                 self.write_states(replica, [keras.ops.convert_to_numpy(v.value) for v in states])
         try:
@@ -151,7 +151,7 @@ class InProcessEngine(Engine):
                 result = getattr(replica, method)(**kwargs)
         finally:
             if method == "fit":
-                replicas.copy_state(replica, template)
+                models.copy_state(replica, template)
             for v, a in zip(states, self.read_states(replica) if states else ()):
                 v.assign(a)
         if method == "fit":

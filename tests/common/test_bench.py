@@ -36,7 +36,7 @@ def test_quick_bench_smoke(tmp_path):
            if k not in ("KMGPU_SIMULATE_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "kmgpu.cli", "bench", "--quick", "--backends", backend,
+        [sys.executable, "-m", "kmgpu", "bench", "--quick", "--backends", backend,
          "--workloads", workload, "--out", str(tmp_path), "--name", "smoke"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - start

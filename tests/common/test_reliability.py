@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import stateful
+from kmgpu import models
 from tests.helpers import children, data, mlp
 
 # -- the catalogue --------------------------------------------------------------------
@@ -230,7 +230,7 @@ CATALOGUE += [
 
 
 def _launch(*argv):
-    from kmgpu import launch
+    from kmgpu.commands import launch
 
     return launch.parse_args(list(argv))
 
@@ -303,7 +303,7 @@ def model_state(model):
         "optimizer": id(opt),
         "optimizer_state": [np.array(v.numpy()) for v in opt.variables] if opt.built else None,
         "states": [np.array(_keras().ops.convert_to_numpy(v.value))
-                   for v in stateful.state_variables(model)],
+                   for v in models.state_variables(model)],
     }
 
 

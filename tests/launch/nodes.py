@@ -48,7 +48,7 @@ def start(backend, out, nnodes=2, nproc=1, **env):
     e["JAX_PLATFORMS"] = "cpu"
     nodes = []
     for r in range(nnodes):
-        cmd = [sys.executable, "-m", "kmgpu.cli", "launch", "--nnodes", str(nnodes),
+        cmd = [sys.executable, "-m", "kmgpu", "launch", "--nnodes", str(nnodes),
                "--node-rank", str(r), "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT]
         log = open(os.path.join(out, f"node{r}.log"), "w")

@@ -23,10 +23,10 @@ from tests.helpers import data, mlp, rel_diff  # noqa: E402
 def main():
     import keras
 
-    from kmgpu import launch
+    from kmgpu import environment
 
     out = os.environ["KMGPU_TEST_OUT"]
-    rank = launch.process_index()
+    rank = environment.process_index()
     x, y = data("mlp", 64)
     ref = mlp()
     ref.compile(optimizer="adam", loss="mse")

@@ -85,7 +85,7 @@ def main(out_path=None):
     # where the difference goes: the rank's own path in this process (NCCL, world 1)
     import torch.distributed as dist
 
-    from kmgpu.engines import _torch_rank
+    from kmgpu.engines.torch import rank as _torch_rank
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
                           wait_for_workers=False)

@@ -106,7 +106,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no close(): as when a kernel 
 
 def test_a_killed_parent_leaves_no_worker_and_no_file():
     env = dict(os.environ, KERAS_BACKEND="torch")
-    env.pop(kmgpu.hardware.SIMULATE_ENV, None)
+    env.pop(kmgpu.environment.SIMULATE_ENV, None)
     proc = subprocess.Popen([sys.executable, "-c", _PARENT.format(root=ROOT)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=240)
@@ -122,7 +122,7 @@ def test_a_killed_parent_leaves_no_worker_and_no_file():
 
 
 def test_leftovers_of_a_dead_process_are_swept():
-    from kmgpu.engines import _torch_pool
+    from kmgpu.engines.torch import pool as _torch_pool
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -178,7 +178,7 @@ def _is_loopback(ip):
 
 
 def test_worker_traffic_stays_on_loopback(monkeypatch):
-    from kmgpu.engines import torch as torch_engine
+    from kmgpu.engines.torch import engine as torch_engine
 
     torch_engine.close_pools()
     # an interface meant for multi-host jobs must not pull a one-host pool off loopback

@@ -38,7 +38,7 @@ def _call_dirs():
 
 
 def _close_pools():
-    from kmgpu.engines import torch as torch_engine
+    from kmgpu.engines.torch import engine as torch_engine
 
     torch_engine.close_pools()
 
@@ -202,7 +202,7 @@ def _boom_loss(y_true, y_pred):
 
 
 def test_a_worker_exception_comes_back_with_its_traceback():
-    from kmgpu.engines._torch_pool import WorkerError
+    from kmgpu.engines.torch.pool import WorkerError
 
     x, y = data("mlp", 32)
     model = mlp()

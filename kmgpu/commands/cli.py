@@ -8,9 +8,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("kmgpu.demo", "the sine-wave LSTM on 1 device vs N devices: table + PNG"),
+    "demo": ("kmgpu.commands.demo", "the sine-wave LSTM on 1 device vs N devices: table + PNG"),
     "bench": ("kmgpu.bench", "throughput and scaling benchmarks, per backend"),
-    "launch": ("kmgpu.launch", "run a script on several processes or hosts"),
+    "launch": ("kmgpu.commands.launch", "run a script on several processes or hosts"),
 }
 
 

@@ -1,94 +1,64 @@
-"""TensorFlow engine: ``tf.distribute.MirroredStrategy`` over the chosen devices.
+"""Keras internals the TensorFlow engine uses or replaces, in one place.
 
-The replica is created and compiled inside ``strategy.scope()`` (both are required
-by tf.distribute). Keras splits each global batch over the replicas and scales each
-replica's loss by 1/N, which is exact only when the split is even; kmgpu's train
-step weights each replica's loss by its share of the global batch, so a partial
-last batch gives the one-device update. ``sync_batchnorm`` uses Keras's own
-``BatchNormalization(synchronized=True)``.
+Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
+``tests/unit/test_keras_fixes.py`` checks every name still exists.
 """
 
-import types
+import contextlib
 
-from kmgpu.engines.base import InProcessEngine
+KERAS = "3.15.1"
 
-
-class TensorFlowEngine(InProcessEngine):
-    name = "tf.distribute.MirroredStrategy"
-
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
-        import tensorflow as tf
-
-        kind = available[device_ids[0]][0].upper()
-        logical = tf.config.list_logical_devices(kind)
-        names = [logical[i].name for i in device_ids]
-        from kmgpu.engines import _multiworker
-
-        multi = _multiworker.tf_strategy()  # several processes (kmgpu launch)
-        if multi is not None:  # every device of every worker
-            self.strategy, self.name = multi, "tf.distribute.MultiWorkerMirroredStrategy"
-            n = multi.num_replicas_in_sync
-            self.device_ids, self.device_names = list(range(n)), [f"replica:{i}" for i in range(n)]
-        elif len(names) == 1:
-            self.strategy = tf.distribute.OneDeviceStrategy(names[0])
-            self.name = "tf.distribute.OneDeviceStrategy"
-        else:
-            # NCCL serves GPUs; logical CPU devices need a plain reduction.
-            ops = tf.distribute.ReductionToOneDevice() if kind == "CPU" else None
-            self.strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
-
-    def scope(self):
-        return self.strategy.scope()
-
-    def call_context(self, method):
-        from kmgpu.engines import _multiworker
-
-        return _multiworker.tf_reduce_fix(self.strategy)
-
-    def replica_batch(self, global_batch):
-        return global_batch // self.num_replicas  # each replica runs the model on its rows
-
-    def read_states(self, replica):
-        import numpy as np
-
-        from kmgpu import stateful
-
-        return [np.concatenate([np.asarray(c) for c in
-                                self.strategy.experimental_local_results(v.value)])
-                for v in stateful.state_variables(replica)]
-
-    def write_states(self, replica, arrays):
-        import numpy as np
-
-        from kmgpu import stateful
-
-        for v, a in zip(stateful.state_variables(replica), arrays):
-            components = self.strategy.experimental_local_results(v.value)
-            for component, rows in zip(components, np.split(a, len(components))):
-                component.assign(rows)
-
-    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        if method == "fit":
-            kwargs = _repeating_datasets(kwargs)
-        return super().run(method, template, kwargs, lr_scale)
-
-    def prepare_replica(self, replica, template):
-        import keras
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-        if self.num_replicas == 1:
-            return
-        if self.options.sync_batchnorm:
-            for layer in replica._flatten_layers():
-                if isinstance(layer, keras.layers.BatchNormalization):
-                    layer.synchronized = True
-        if type(template).train_step is TensorFlowTrainer.train_step:
-            replica.train_step = types.MethodType(_train_step, replica)
-        replica._maybe_symbolic_build = types.MethodType(_symbolic_build, replica)
+#: (module, attribute (dotted within the module), why)
+PATCHES = [
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
+     "replaced during multi-worker calls: it reduces scalar metrics with axis=0, which "
+     "fails (\"Invalid reduction dimension 0\", keras-team/keras#20585)"),
+    ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
+     "read by the replacement above"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer",
+     "its train_step is replaced on replicas (train_step below) only where the user's "
+     "model keeps Keras's own"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build",
+     "symbolic_build below calls it on the first replica's part of the first batch: "
+     "Keras averages the first batch over replicas, which fails when it splits unevenly"),
+    ("keras.src.losses.loss", "unscale_loss_for_distribution",
+     "the loss tracker records the unscaled replica loss, as Keras's own train_step"),
+    ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
+     "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
+     "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
+    ("keras.src.trainers.data_adapters.array_data_adapter", "can_convert_arrays", "same"),
+    ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "same"),
+    ("keras.src.trainers.data_adapters.data_adapter_utils", "unpack_x_y_sample_weight",
+     "same, and the weighted train_step"),
+]
 
 
-def _repeating_datasets(kwargs):
+@contextlib.contextmanager
+def reduce_fix(strategy):
+    """Keras 3.15's TF trainer reduces multi-worker step outputs with
+    ``strategy.reduce("MEAN", v, axis=0)``, which fails on scalar metrics
+    ("Invalid reduction dimension 0 for input with 0 dimensions", keras #20585).
+    Within the block, a mean over all replicas (``axis=None``) is used instead.
+    """
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    original = trainer.reduce_per_replica
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and trainer._collective_all_reduce_multi_worker(
+                strategy):
+            return keras.tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+        return original(values, strategy, reduction)
+
+    trainer.reduce_per_replica = reduce_per_replica
+    try:
+        yield
+    finally:
+        trainer.reduce_per_replica = original
+
+
+def repeating_datasets(kwargs):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
     For arrays Keras makes a new distributed iterator every epoch, which costs
@@ -131,7 +101,7 @@ def _repeating_datasets(kwargs):
     return kw
 
 
-def _symbolic_build(self, iterator=None, data_batch=None):
+def symbolic_build(self, iterator=None, data_batch=None):
     """Keras builds metrics and optimizer from the first batch, averaged over replicas,
     which fails when the first batch splits unevenly. Only its shapes matter, so
     build from the first replica's part instead.
@@ -149,17 +119,17 @@ def _symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
-def _train_step(self, data):
+def train_step(self, data):
     """Keras's TensorFlow ``train_step`` with each replica's loss weighted by its
     share of the global batch (``n_local * N / n_global``; 1 for an even split).
     """
+    import keras
     import tensorflow as tf
-    from keras.src import tree
     from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    n_local = tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
+    n_local = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
     n_global = tf.distribute.get_replica_context().all_reduce("sum", n_local)
     replicas = self.distribute_strategy.num_replicas_in_sync
     with tf.GradientTape() as tape:
@@ -179,3 +149,10 @@ def _train_step(self, data):
         gradients = tape.gradient(loss, self.trainable_weights)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def keeps_keras_train_step(model):
+    """True when ``model`` runs Keras's own TensorFlow ``train_step`` (not the user's)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return type(model).train_step is TensorFlowTrainer.train_step

@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from kmgpu import replicas, stateful
+from kmgpu import models
 from kmgpu.engines.base import Engine
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
@@ -69,16 +69,16 @@ class TorchEngine(Engine):
     @classmethod
     def plain_fit_serves(cls, model, device_ids):
         # Keras's own torch fit crashes on stateful LSTMs: those need the engine.
-        from kmgpu import stateful
+        from kmgpu import models
 
         return (list(device_ids) == [0] and not in_distributed_job()
-                and not stateful.layers(model))
+                and not models.stateful_layers(model))
 
     # -- the Engine interface ---------------------------------------------------------
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if self._resets_states(template):
-            stateful.reset(template)  # what the ranks start from; they reset each epoch
+            models.reset_states(template)  # what the ranks start from; they reset each epoch
         if self.in_process:
             try:
                 return self._run_here(method, template, kwargs, lr_scale)
@@ -91,7 +91,7 @@ class TorchEngine(Engine):
         return self._run_pool(method, template, kwargs, lr_scale)
 
     def _resets_states(self, template):
-        return bool(stateful.layers(template)) and self.options.reset_states == "epoch"
+        return bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -143,7 +143,7 @@ class TorchEngine(Engine):
 
     # -- pool mode ------------------------------------------------------------------
     def _ensure_pool(self):
-        from kmgpu.engines import _torch_pool
+        from kmgpu.engines.torch import pool as _torch_pool
 
         key = (tuple(self.torch_devices), self.backend)
         pool = _SHARED_POOLS.pop(key, None)
@@ -160,7 +160,7 @@ class TorchEngine(Engine):
 
     def _fork_for(self, template):
         """Custom objects that cannot be pickled reach workers forked after they exist."""
-        from kmgpu.engines import _torch_pool
+        from kmgpu.engines.torch import pool as _torch_pool
 
         devices = self.torch_devices
         if _torch_pool.start_method(devices[0].startswith("cuda")) != "fork":
@@ -174,7 +174,7 @@ class TorchEngine(Engine):
             pool.close()  # the next pool is forked now, with the objects in memory
 
     def _run_pool(self, method, template, kwargs, lr_scale):
-        from kmgpu.engines import _torch_pool
+        from kmgpu.engines.torch import pool as _torch_pool
 
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
@@ -255,9 +255,9 @@ class TorchEngine(Engine):
         import torch
         import torch.distributed as dist
 
-        from kmgpu import hardware
+        from kmgpu import environment
 
-        gpu = torch.cuda.is_available() and not hardware.simulated_count()
+        gpu = torch.cuda.is_available() and not environment.simulated_count()
         if gpu:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
@@ -273,7 +273,7 @@ class TorchEngine(Engine):
         self.torch_devices = None
         self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
                      f"{dist.get_rank()} of {world})")
-        from kmgpu.engines import _torch_rank
+        from kmgpu.engines.torch import rank as _torch_rank
 
         device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         self._ctx = _torch_rank.RankContext(device, self.options.sync_batchnorm)
@@ -281,35 +281,35 @@ class TorchEngine(Engine):
     def _run_here(self, method, template, kwargs, lr_scale):
         import torch.distributed as dist
 
-        from kmgpu.engines import _torch_rank
+        from kmgpu.engines.torch import rank as _torch_rank
 
         ctx = self._ctx
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
         key = _model_key(template, self.options.sync_batchnorm, lr_scale)
         if self._replica is None or key != self._built_key:
-            fixed = stateful.fixed_batch(template)
-            replica = (replicas.clone(template) if fixed is None
-                       else stateful.clone_at(template, fixed // ctx.world))
+            fixed = models.fixed_batch(template)
+            replica = (models.clone(template) if fixed is None
+                       else models.clone_at(template, fixed // ctx.world))
             if template.compiled:
-                args = (replicas.compile_args(template) if lr_scale == (1.0, 0)
-                        else replicas.compile_args(template, lr_scale))
+                args = (models.compile_args(template) if lr_scale == (1.0, 0)
+                        else models.compile_args(template, lr_scale))
                 replica.compile(**args)
             self._replica, self._built_key = _torch_rank.prepare(replica, ctx), key
         replica = self._replica
-        replicas.copy_state(template, replica)
+        models.copy_state(template, replica)
         _copy_lr(template, replica)
         _torch_rank.broadcast_state(replica, ctx)
         _torch_rank.write_state_rows(replica, _states_of(template), ctx)
 
         def load_state():
-            replicas.copy_state(replica, template)
+            models.copy_state(replica, template)
             _copy_lr(replica, template)
 
         # Rank 0 runs the user's callbacks, with the user's model; the others
         # learn which hooks that takes (and the shuffling seed) from it.
         def push_state():
-            replicas.copy_state(template, replica)
+            models.copy_state(template, replica)
             _copy_lr(template, replica)
 
         driver = CallbackDriver(callbacks if ctx.rank == 0 else None, template, method,
@@ -326,7 +326,7 @@ class TorchEngine(Engine):
             if method == "fit":
                 load_state()
             raise
-        if stateful.layers(template):  # every rank's rows, in rank order, on every template
+        if models.stateful_layers(template):  # every rank's rows, in rank order, on every template
             rows = [None] * ctx.world
             dist.all_gather_object(rows, _torch_rank.state_rows(replica))
             _states_back(template, [{"result": None, "states": r} for r in rows])
@@ -390,7 +390,7 @@ class CallbackDriver:
     def __init__(self, callbacks, template, method, load_state, push_state=None):
         import keras
 
-        from kmgpu.engines import _torch_rank
+        from kmgpu.engines.torch import rank as _torch_rank
 
         self.template, self.load_state, self.push_state = template, load_state, push_state
         self.error, self.final_loaded, self._params = None, False, None
@@ -483,15 +483,15 @@ def close_pools():
 def _worker_settings(backend):
     import keras
 
-    from kmgpu import hardware
+    from kmgpu import environment
 
     env = {"KERAS_BACKEND": "torch"}
     # one host: the workers talk over loopback only (the store listens on 127.0.0.1
     # too), whatever interface the environment names for multi-host jobs
     loopback = "lo0" if sys.platform == "darwin" else "lo"
     env["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = loopback
-    if hardware.simulated_count():
-        env[hardware.SIMULATE_ENV] = str(hardware.simulated_count())
+    if environment.simulated_count():
+        env[environment.SIMULATE_ENV] = str(environment.simulated_count())
     config = {
         "floatx": keras.config.floatx(),
         "epsilon": keras.config.epsilon(),
@@ -553,7 +553,7 @@ def _ship_dataset(dataset, files):
 
     import keras
 
-    from kmgpu.engines import _torch_pool, _torch_rank
+    from kmgpu.engines.torch import pool as _torch_pool, rank as _torch_rank
 
     try:
         blob = _torch_pool.dumps(dataset)
@@ -578,7 +578,7 @@ def _local(value):
     """In-process: torch tensors / array-likes as NumPy (PyDatasets untouched)."""
     import keras
 
-    from kmgpu.engines._torch_pool import _as_array
+    from kmgpu.engines.torch.pool import _as_array
 
     if value is None or isinstance(value, keras.utils.PyDataset):
         return value
@@ -612,7 +612,7 @@ def _template_state(template, with_optimizer):
     if with_optimizer and opt is not None:
         if not opt.built:
             opt.build(template.trainable_variables)
-        ostate = [v.numpy() for v in replicas.optimizer_state(opt)]
+        ostate = [v.numpy() for v in models.optimizer_state(opt)]
         arrays += ostate
         n_opt = len(ostate)
         lr = getattr(opt, "_learning_rate", None)
@@ -635,7 +635,7 @@ def _restore(template, state, info):
     template.set_weights(arrays[:nw])
     opt = getattr(template, "optimizer", None)
     if no and opt is not None:
-        for v, a in zip(replicas.optimizer_state(opt), arrays[nw:nw + no]):
+        for v, a in zip(models.optimizer_state(opt), arrays[nw:nw + no]):
             v.assign(a)
     if info["has_lr"] and opt is not None:
         opt._learning_rate.assign(arrays[-1])
@@ -646,13 +646,13 @@ def _states_of(template):
     """The template's stateful RNN states, all B rows each (empty list: none)."""
     import keras
 
-    return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(template)]
+    return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(template)]
 
 
 def _states_back(template, answers):
     """The ranks' results, once their stateful RNN rows are in the template, rank order."""
     rows = [a["states"] for a in answers]
-    for i, v in enumerate(stateful.state_variables(template)):
+    for i, v in enumerate(models.state_variables(template)):
         v.assign(np.concatenate([r[i] for r in rows]))
     return [a["result"] for a in answers]
 
@@ -763,7 +763,7 @@ def _model_spec(template):
 
     import keras
 
-    from kmgpu.engines import _torch_pool
+    from kmgpu.engines.torch import pool as _torch_pool
 
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)

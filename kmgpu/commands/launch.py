@@ -16,8 +16,9 @@ multi-process engine does the work; this module only prepares its environment:
 
 Inside a job -- started by ``kmgpu launch``, by torchrun (``RANK`` ...) or by SLURM's
 ``srun`` (``SLURM_PROCID`` ...) -- ``kmgpu launch script.py`` starts no process: it
-initialises this one and runs the script in it. ``job()``, ``process_index()`` and
-``for_this_process()`` are what the rest of kmgpu asks about the job.
+initialises this one and runs the script in it. Which process this is
+(``job()``, ``process_index()``) lives in ``kmgpu.environment``; starting each
+backend's multi-process runtime in its engine's ``runtime.start_job``.
 """
 
 import argparse
@@ -30,109 +31,8 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
-DEFAULT_PORT = 29500
-
-
-@dataclass(frozen=True)
-class Job:
-    """Where this process sits in a multi-process job."""
-
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    master_addr: str
-    master_port: int
-    source: str  # "torchrun" (also kmgpu launch) or "slurm"
-
-
-def job(environ=None):
-    """This process's place in a multi-process job, from the environment, or None.
-
-    torchrun and ``kmgpu launch`` set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; SLURM's ``srun`` sets
-    ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST``.
-
-    Returns:
-        A ``Job``, or None when this process is not part of one.
-    """
-    env = os.environ if environ is None else environ
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        world = int(env["WORLD_SIZE"])
-        return Job(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
-                   int(env.get("LOCAL_WORLD_SIZE", world)), env["MASTER_ADDR"],
-                   int(env["MASTER_PORT"]), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
-        world = int(env["SLURM_STEP_NUM_TASKS"])
-        return Job(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
-                   world // max(1, len(hosts)), env.get("MASTER_ADDR", hosts[0]),
-                   int(env.get("MASTER_PORT", DEFAULT_PORT)), "slurm")
-    return None
-
-
-def process_index():
-    """0 for the process that prints, saves and runs checkpoint callbacks."""
-    j = job()
-    return j.rank if j is not None else 0
-
-
-def expand_hostlist(text):
-    """SLURM's compact host list ("a,b[01-03,07]") -> ["a", "b01", "b02", "b03", "b07"]."""
-    hosts, depth, item = [], 0, ""
-    for ch in text + ",":
-        if ch == "," and depth == 0:
-            if item:
-                hosts.extend(_expand_one(item))
-            item = ""
-            continue
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        item += ch
-    return hosts
-
-
-def _expand_one(item):
-    if "[" not in item:
-        return [item]
-    prefix, rest = item.split("[", 1)
-    ranges, suffix = rest.split("]", 1)
-    out = []
-    for part in ranges.split(","):
-        lo, _, hi = part.partition("-")
-        for i in range(int(lo), int(hi or lo) + 1):
-            out.extend(prefix + str(i).zfill(len(lo)) + s for s in _expand_one(suffix))
-    return out
-
-
-def for_this_process(call):
-    """A fit/evaluate/predict call as this process runs it in a multi-process job.
-
-    Process 0 keeps everything. The others print nothing (verbose=0), run no
-    ``ModelCheckpoint``, ``CSVLogger`` or ``TensorBoard``, and run
-    ``BackupAndRestore`` for restoring only (process 0 writes the backup).
-    Callbacks that steer training (EarlyStopping, LR schedules) run everywhere:
-    their metrics are global, so every process takes the same decision.
-    """
-    if process_index() == 0:
-        return call
-    import keras
-
-    writers = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
-               keras.callbacks.TensorBoard)
-    call = dict(call, verbose=0)
-    if call.get("callbacks"):
-        kept = []
-        for cb in call["callbacks"]:
-            if isinstance(cb, writers):
-                continue
-            if isinstance(cb, keras.callbacks.BackupAndRestore):
-                cb._save_model = lambda *a, **k: None
-                cb.delete_checkpoint = False
-            kept.append(cb)
-        call["callbacks"] = kept
-    return call
+from kmgpu.environment import DEFAULT_PORT, job, tf_config
 
 
 # -- the command line -----------------------------------------------------------------
@@ -212,10 +112,10 @@ def run_here(backend, script, script_args):
     A failing script ends the process at once with status 1 (its traceback on
     stderr): waiting for the other processes at exit would hang when one has died.
     """
-    from kmgpu.engines import _multiworker
+    from kmgpu import engines
 
     j = job()
-    _multiworker.start(backend, j)
+    engines.runtime(backend).start_job(j)
     sys.argv = [script] + list(script_args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -241,7 +141,7 @@ def _die(code):
 def spawn(args, backend):
     """Start ``nproc_per_node`` processes of the job on this host and watch them.
 
-    Each runs ``python -m kmgpu.launch script ...`` with torchrun's variables (and
+    Each runs ``python -m kmgpu.commands.launch script ...`` with torchrun's variables (and
     TF_CONFIG for TensorFlow). When one fails, the others here are stopped and the
     exit status is the failing one's; processes on other hosts learn it from
     their backend (a broken collective, missed heartbeats) and stop too.
@@ -261,16 +161,8 @@ def spawn(args, backend):
         if hosts is not None:
             e["TF_CONFIG"] = tf_config(hosts, p, rank, args.master_port)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kmgpu.launch", args.script] + list(args.args), env=e))
+            [sys.executable, "-m", "kmgpu.commands.launch", args.script] + list(args.args), env=e))
     return _watch(procs, args.node_rank * p)
-
-
-def tf_config(hosts, per_node, rank, master_port):
-    """TF_CONFIG for worker ``rank``: worker k listens on its host, port master_port+1+k."""
-    workers = [f"{h}:{master_port + 1 + r * per_node + i}"
-               for r, h in enumerate(hosts) for i in range(per_node)]
-    return json.dumps({"cluster": {"worker": workers},
-                       "task": {"type": "worker", "index": rank}})
 
 
 def _watch(procs, first_rank):

@@ -46,7 +46,7 @@ def main(argv=None):
     if backend == "all":
         status = 0
         for b in BACKENDS:
-            cmd = [sys.executable, "-m", "kmgpu.cli", "demo", "--backend", b,
+            cmd = [sys.executable, "-m", "kmgpu", "demo", "--backend", b,
                    "--epochs", str(args.epochs), "--out", args.out]
             if args.devices:
                 cmd += ["--devices", str(args.devices)]

@@ -35,7 +35,7 @@ def _watch_parent(parent):
         while True:
             if os.getppid() != parent:
                 try:  # it died without exiting: its data and state files go with it
-                    from kmgpu.engines._torch_pool import remove_leftovers
+                    from kmgpu.engines.torch.pool import remove_leftovers
 
                     remove_leftovers(parent)
                 finally:
@@ -50,7 +50,7 @@ def _end_call():
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        from kmgpu.engines._torch_pool import END_MARK
+        from kmgpu.engines.torch.pool import END_MARK
 
         os.write(1, END_MARK)
 
@@ -162,7 +162,7 @@ class Worker:
     def __init__(self, rank, world, device, settings, conn):
         import torch
 
-        from kmgpu.engines import _torch_rank
+        from kmgpu.engines.torch import rank as _torch_rank
 
         self.rank, self.world = rank, world
         self.device = torch.device(device)
@@ -183,8 +183,8 @@ class Worker:
     def _replica(self, payload):
         import keras
 
-        from kmgpu import stateful
-        from kmgpu.engines import _torch_rank
+        from kmgpu import models
+        from kmgpu.engines.torch import rank as _torch_rank
 
         if payload["key"] == self.key and self.replica is not None:
             return self.replica
@@ -194,7 +194,7 @@ class Worker:
         if spec["custom_objects"] is not None:
             custom = pickle.loads(spec["custom_objects"])
         else:  # they could not be pickled: this worker was forked after they existed
-            from kmgpu.engines import _torch_pool
+            from kmgpu.engines.torch import pool as _torch_pool
 
             custom = dict(_torch_pool.INHERITED["custom_objects"])
         self.replica, self.key = None, None
@@ -203,9 +203,9 @@ class Worker:
             replica = keras.saving.deserialize_keras_object(spec["model"])
             if not replica.built and spec.get("build_config"):
                 replica.build_from_config(spec["build_config"])
-            fixed = stateful.fixed_batch(replica)
+            fixed = models.fixed_batch(replica)
             if fixed is not None:  # this rank's B/N state rows (the weights come next)
-                replica = stateful.clone_at(replica, fixed // self.world)
+                replica = models.clone_at(replica, fixed // self.world)
             if spec["compile"] is not None:
                 _compile(replica, spec["compile"], payload.get("lr_scale", (1.0, 0)))
         _torch_rank.prepare(replica, self.ctx)
@@ -213,8 +213,8 @@ class Worker:
         return replica
 
     def handle(self, payload):
-        from kmgpu.engines import _torch_pool
-        from kmgpu.engines import _torch_rank
+        from kmgpu.engines.torch import pool as _torch_pool
+        from kmgpu.engines.torch import rank as _torch_rank
 
         method = payload["method"]
         if method == "weights":  # for tests: this rank's replica state
@@ -319,7 +319,7 @@ def _compile(replica, compile_config, lr_scale):
 
 
 def _load_state(replica, arrays, info):
-    from kmgpu import replicas
+    from kmgpu import models
 
     nw, no = info["n_weights"], info["n_optimizer"]
     replica.set_weights(arrays[:nw])
@@ -327,7 +327,7 @@ def _load_state(replica, arrays, info):
     if no and opt is not None:
         if not opt.built:
             opt.build(replica.trainable_variables)
-        variables = replicas.optimizer_state(opt)
+        variables = models.optimizer_state(opt)
         if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
             for v, a in zip(variables, arrays[nw:nw + no]):
                 v.assign(a)
@@ -336,11 +336,11 @@ def _load_state(replica, arrays, info):
 
 
 def _state_arrays(model, info):
-    from kmgpu import replicas
+    from kmgpu import models
 
     arrays = model.get_weights()
     if info["n_optimizer"]:
-        arrays += [v.numpy() for v in replicas.optimizer_state(model.optimizer)]
+        arrays += [v.numpy() for v in models.optimizer_state(model.optimizer)]
     if info["has_lr"]:
         arrays.append(model.optimizer._learning_rate.numpy())
     return arrays

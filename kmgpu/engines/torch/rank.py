@@ -35,7 +35,7 @@ from keras.src.backend.torch.trainer import TorchTrainer
 from keras.src.trainers.data_adapters import array_slicing
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kmgpu import stateful
+from kmgpu import models
 
 
 # -- who am I --------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class StoredBatches(keras.utils.PyDataset):
 
     def __getitem__(self, i):
         if not self._loaded:
-            from kmgpu.engines._torch_pool import resolve
+            from kmgpu.engines.torch.pool import resolve
 
             self.parts, self._loaded = resolve(self.parts), True
         lo, hi = self.bounds[i], self.bounds[i + 1]
@@ -316,7 +316,7 @@ def prepare(replica, ctx):
                     if "float" in str(v.dtype)]
 
     _offset_seeds(replica, ctx)
-    for layer in stateful.layers(replica):
+    for layer in models.stateful_layers(replica):
         _copy_states_in(layer)
     replica.jit_compile = False  # the step holds collectives; torch.compile stays out
     custom_step = type(replica).train_step is not TorchTrainer.train_step
@@ -376,14 +376,14 @@ def write_state_rows(replica, arrays, ctx):
     The replica is built for B/N rows; rank r owns rows r*B/N ... (r+1)*B/N - 1,
     the rows of every global batch ``RankSlices`` gives it.
     """
-    for v, a in zip(stateful.state_variables(replica), arrays):
+    for v, a in zip(models.state_variables(replica), arrays):
         b = int(v.shape[0])
         v.assign(np.asarray(a)[ctx.rank * b:(ctx.rank + 1) * b])
 
 
 def state_rows(replica):
     """This rank's stateful RNN state rows, as arrays (empty list: none)."""
-    return [keras.ops.convert_to_numpy(v.value) for v in stateful.state_variables(replica)]
+    return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(replica)]
 
 
 def _no_buffer_sync():
@@ -736,8 +736,8 @@ def run(replica, ctx, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=
     sync = SyncCallback(ctx, hooks, relay, snapshot if method == "fit" else None, reload)
     callbacks = [sync]
     if reset_states:
-        stateful.reset(replica)
-        callbacks.insert(0, stateful.reset_callback(replica))
+        models.reset_states(replica)
+        callbacks.insert(0, models.reset_callback(replica))
     try:
         if method == "fit":
             return _fit(replica, ctx, kwargs, verbose, callbacks, seed)

@@ -1,8 +1,16 @@
-"""Backend-neutral helpers to re-create the user's model and move state between copies.
+"""The user's model and its copies: check, clone, rebatch, compile settings, and the
+weights, optimizer state and stateful RNN state rows that travel between them.
 
 Keras fixes a variable's placement when it is created, so an engine re-creates
 the user's model (the *template*) inside its own scope and copies weights and
-optimizer state in and out. These helpers only use Keras's public model API.
+optimizer state in and out.
+
+Stateful RNN layers keep one state row per batch row, in untracked non-trainable
+variables of shape (batch, units) (not in ``model.weights``, never saved). State
+carries from row i of batch k to row i of batch k+1, so batches are fixed: the
+global batch B is the model's own ``Input(batch_size=B)`` and replica r always
+owns rows r*B/N ... (r+1)*B/N - 1. The template holds the states between calls,
+like the weights; engines copy them into their replicas' rows and back.
 """
 
 import json
@@ -94,9 +102,7 @@ def optimizer_state(optimizer):
 
 def weights(model):
     """``model.weights`` without stateful RNN states (an engine may track those)."""
-    from kmgpu import stateful
-
-    states = {id(v) for v in stateful.state_variables(model)}
+    states = {id(v) for v in state_variables(model)}
     return [v for v in model.weights if id(v) not in states]
 
 
@@ -118,3 +124,88 @@ def copy_state(src, dst):
         return  # a different optimizer: keep dst's own state
     for s, d in zip(src_vars, dst_vars):
         d.assign(s.numpy())
+
+
+def stateful_layers(model):
+    """The stateful RNN layers of ``model`` (nested ones included), in order."""
+    import keras
+
+    return [layer for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.RNN) and layer.stateful]
+
+
+def state_variables(model):
+    """The state variables of every stateful RNN layer, flat, in layer order."""
+    import keras
+
+    return [v for layer in stateful_layers(model) if layer.states is not None
+            for v in keras.tree.flatten(layer.states)]
+
+
+def fixed_batch(model):
+    """The batch size a stateful model was built for, or None for a stateless model."""
+    variables = state_variables(model)
+    return int(variables[0].shape[0]) if variables else None
+
+
+def reset_states(model):
+    """Zero every state row of ``model``."""
+    for layer in stateful_layers(model):
+        layer.reset_state()
+
+
+def rebatch(model, batch_size):
+    """A copy of a stateful model with another fixed batch size and the same weights.
+
+    For example ``rebatch(model, 1)`` to predict one sequence step by step after
+    training at batch 64. The copy is compiled like ``model`` (with a fresh
+    optimizer) when ``model`` is compiled; its states start at zero.
+
+    Args:
+        model: a built Sequential or functional ``keras.Model``.
+        batch_size: the new fixed batch size, an int >= 1.
+
+    Returns:
+        A new ``keras.Model``.
+    """
+    from kmgpu.engines import keras_fixes
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"rebatch(model, batch_size): batch_size must be an int >= 1, "
+                        f"got {batch_size!r}.")
+    if batch_size < 1:
+        raise ValueError(f"rebatch(model, batch_size): batch_size must be >= 1, got {batch_size}.")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"rebatch(model, batch_size) takes a keras.Model, got "
+                        f"{type(model).__name__}.")
+    if not model.built:
+        raise ValueError("rebatch(model, batch_size) needs a built model: give it a "
+                         "keras.Input(batch_size=...) first.")
+    if not keras_fixes.is_functional(model):
+        raise TypeError(
+            f"rebatch needs a Sequential or functional model (its Input fixes the batch); "
+            f"{type(model).__name__} is subclassed: create a new instance built for batch "
+            f"{batch_size} and copy the weights with new.set_weights(model.get_weights())."
+        )
+    new = clone_at(model, batch_size)
+    new.set_weights(model.get_weights())
+    if model.compiled:
+        new.compile(**compile_args(model))
+    return new
+
+
+def clone_at(model, batch_size):
+    """An uncompiled copy of a Sequential / functional model built for ``batch_size``."""
+    inputs = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=(batch_size,) + tuple(t.shape[1:]), dtype=t.dtype),
+        model.inputs[0] if isinstance(model, keras.Sequential) else model.input)
+    return keras.models.clone_model(model, input_tensors=inputs)
+
+
+def reset_callback(model):
+    """A Keras callback that zeroes ``model``'s states at the start of every epoch."""
+    class ResetStates(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            reset_states(model)
+
+    return ResetStates()

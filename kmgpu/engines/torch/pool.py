@@ -358,7 +358,7 @@ class WorkerPool:
     def start(self, timeout=300):
         import torch.multiprocessing as tmp
 
-        from kmgpu.engines import _torch_worker
+        from kmgpu.engines.torch import worker as _torch_worker
 
         self.method = start_method(self.devices[0].startswith("cuda"))
         ctx = tmp.get_context(self.method)

@@ -1,0 +1,1 @@
+"""The ``kmgpu`` command line: ``cli`` dispatches to ``demo``, ``bench`` and ``launch``."""

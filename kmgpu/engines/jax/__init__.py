@@ -1,0 +1,1 @@
+"""The JAX engine: ``keras.distribution`` / ``jax.sharding`` (engine, runtime, keras_fixes)."""

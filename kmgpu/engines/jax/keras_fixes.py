@@ -1,0 +1,105 @@
+"""Keras internals the JAX engine uses or replaces, in one place.
+
+Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
+``tests/unit/test_keras_fixes.py`` checks every name still exists.
+"""
+
+import contextlib
+
+KERAS = "3.15.1"
+
+#: (module, attribute (dotted within the module), why)
+PATCHES = [
+    ("keras.src.backend.jax.trainer", "_distribute_data",
+     "replaced while kmgpu's call runs: keras.distribution raises IndivisibleError for a "
+     "batch the device count does not divide (the last partial batch included); kmgpu "
+     "places such a batch replicated instead (upstream: no issue filed)"),
+    ("keras.src.layers.layer", "Layer._track_variable",
+     "stateful RNN states are untracked, so the JAX trainer's jitted steps carry no "
+     "state in fit/predict (3.15.1): track_states tracks them"),
+    ("keras.src.backend.jax.trainer", "JAXTrainer.predict_step",
+     "wrapped on replicas under jax.distributed so every process can read all "
+     "prediction rows"),
+]
+
+
+@contextlib.contextmanager
+def replicate_indivisible(distribution):
+    """Within the block, Keras's JAX trainer replicates batches it cannot shard evenly.
+
+    The trainer caches one layout per epoch from the first batch and calls the
+    module-level ``_distribute_data(data, layouts)`` for every batch; this wraps it.
+    """
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+    from keras.src.backend.jax import trainer as jax_trainer
+
+    original = jax_trainer._distribute_data
+    n = distribution.num_model_replicas
+    replicated = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec())
+
+    def distribute(data, layouts=None):
+        if jax.process_count() > 1:  # each process holds the whole batch (kmgpu launch)
+            from kmgpu.engines.jax import runtime
+
+            return runtime.put_global(data, replicated.mesh, distribution.batch_dim_name)
+        flat = [d for d in keras.tree.flatten(data) if d is not None]
+        if all(d.shape and d.shape[0] % n == 0 for d in flat):
+            return original(data, layouts)
+        return keras.tree.map_structure(
+            lambda d: None if d is None else jax.device_put(d, replicated), data
+        )
+
+    jax_trainer._distribute_data = distribute
+    try:
+        yield
+    finally:
+        jax_trainer._distribute_data = original
+
+
+def track_states(replica, distribution):
+    """Stateful RNN states join the model's non-trainable variables, sharded by rows.
+
+    Keras 3.15.1's JAX trainer carries only tracked variables through its jitted
+    steps, and RNN states are created untracked, so ``fit``/``predict`` carry no
+    state at all (an untracked state is a constant of the traced step). Tracked,
+    they travel with the BatchNorm statistics; laid out along the batch axis,
+    device r keeps rows r*B/N ... (r+1)*B/N - 1, as its data shard. Uses the
+    layer's private ``_tracker`` / ``_track_variable`` and the variable's ``_layout``.
+    """
+    import keras
+
+    from kmgpu import models
+
+    d = distribution
+    for layer in models.stateful_layers(replica):
+        locked = layer._tracker.locked
+        layer._tracker.unlock()
+        for v in keras.tree.flatten(layer.states):
+            layer._track_variable(v)
+            v._layout = keras.distribution.TensorLayout(
+                [d.batch_dim_name] + [None] * (len(v.shape) - 1), d.device_mesh)
+            v.assign(v.value)
+        if locked:
+            layer._tracker.lock()
+
+
+def replicated_predictions(replica, mesh):
+    """Make ``predict`` outputs replicated, so every process can read all rows
+    (a batch-sharded output spans other processes' devices)."""
+    import types
+
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step = replica.predict_step
+
+    def predict_step(self, state, data):  # Keras's JAX trainer: (outputs, state)
+        outputs, non_trainable = step(state, data)
+        return keras.tree.map_structure(
+            lambda t: jax.lax.with_sharding_constraint(t, replicated), outputs), non_trainable
+
+    replica.predict_step = types.MethodType(predict_step, replica)

@@ -1,0 +1,1 @@
+"""The TensorFlow engine: ``tf.distribute`` (engine, runtime, keras_fixes)."""

@@ -1,0 +1,136 @@
+"""Which process am I: the job this process belongs to, from its environment.
+
+A multi-process job is started by ``kmgpu launch``, by torchrun (``RANK`` ...) or by
+SLURM's ``srun`` (``SLURM_PROCID`` ...); ``job()`` reads which, ``process_index()``
+says who prints and saves, ``for_this_process()`` trims a call for the others.
+``tf_config`` and ``expand_hostlist`` turn host lists into what TensorFlow needs.
+Simulated devices (``kmgpu.simulate_devices``) are part of the environment too:
+child processes read their count from ``SIMULATE_ENV``.
+
+Nothing here imports a backend at module import time.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+SIMULATE_ENV = "KMGPU_SIMULATE_DEVICES"
+
+
+def simulated_count():
+    """The number of simulated devices asked for, or 0."""
+    try:
+        return max(0, int(os.environ.get(SIMULATE_ENV, "0")))
+    except ValueError:
+        return 0
+
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where this process sits in a multi-process job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" (also kmgpu launch) or "slurm"
+
+
+def job(environ=None):
+    """This process's place in a multi-process job, from the environment, or None.
+
+    torchrun and ``kmgpu launch`` set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; SLURM's ``srun`` sets
+    ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_NODELIST``.
+
+    Returns:
+        A ``Job``, or None when this process is not part of one.
+    """
+    env = os.environ if environ is None else environ
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        world = int(env["WORLD_SIZE"])
+        return Job(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("LOCAL_WORLD_SIZE", world)), env["MASTER_ADDR"],
+                   int(env["MASTER_PORT"]), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        hosts = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        world = int(env["SLURM_STEP_NUM_TASKS"])
+        return Job(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
+                   world // max(1, len(hosts)), env.get("MASTER_ADDR", hosts[0]),
+                   int(env.get("MASTER_PORT", DEFAULT_PORT)), "slurm")
+    return None
+
+
+def process_index():
+    """0 for the process that prints, saves and runs checkpoint callbacks."""
+    j = job()
+    return j.rank if j is not None else 0
+
+
+def expand_hostlist(text):
+    """SLURM's compact host list ("a,b[01-03,07]") -> ["a", "b01", "b02", "b03", "b07"]."""
+    hosts, depth, item = [], 0, ""
+    for ch in text + ",":
+        if ch == "," and depth == 0:
+            if item:
+                hosts.extend(_expand_one(item))
+            item = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        item += ch
+    return hosts
+
+
+def _expand_one(item):
+    if "[" not in item:
+        return [item]
+    prefix, rest = item.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            out.extend(prefix + str(i).zfill(len(lo)) + s for s in _expand_one(suffix))
+    return out
+
+
+def for_this_process(call):
+    """A fit/evaluate/predict call as this process runs it in a multi-process job.
+
+    Process 0 keeps everything. The others print nothing (verbose=0), run no
+    ``ModelCheckpoint``, ``CSVLogger`` or ``TensorBoard``, and run
+    ``BackupAndRestore`` for restoring only (process 0 writes the backup).
+    Callbacks that steer training (EarlyStopping, LR schedules) run everywhere:
+    their metrics are global, so every process takes the same decision.
+    """
+    if process_index() == 0:
+        return call
+    import keras
+
+    writers = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
+               keras.callbacks.TensorBoard)
+    call = dict(call, verbose=0)
+    if call.get("callbacks"):
+        kept = []
+        for cb in call["callbacks"]:
+            if isinstance(cb, writers):
+                continue
+            if isinstance(cb, keras.callbacks.BackupAndRestore):
+                cb._save_model = lambda *a, **k: None
+                cb.delete_checkpoint = False
+            kept.append(cb)
+        call["callbacks"] = kept
+    return call
+
+
+def tf_config(hosts, per_node, rank, master_port):
+    """TF_CONFIG for worker ``rank``: worker k listens on its host, port master_port+1+k."""
+    workers = [f"{h}:{master_port + 1 + r * per_node + i}"
+               for r, h in enumerate(hosts) for i in range(per_node)]
+    return json.dumps({"cluster": {"worker": workers},
+                       "task": {"type": "worker", "index": rank}})

@@ -1,0 +1,140 @@
+"""The package's shape: no import cycle, no module over 500 lines, every Keras
+internal kmgpu touches listed (and still there), and ``import kmgpu`` imports no backend.
+"""
+
+import ast
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "kmgpu"
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def _module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules():
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def import_graph():
+    """module -> the kmgpu modules it imports, at module level or inside functions."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                # "from a import b" imports a.b when b is a module, else a
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph):
+    """One import cycle as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_anywhere_in_kmgpu():
+    graph = import_graph()
+    assert "kmgpu.engines.torch.engine" in graph  # the walk sees the backend folders
+    assert "kmgpu.models" in graph["kmgpu.connector"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_no_module_over_500_lines():
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > 500}
+    assert not long, f"split these modules: {long}"
+
+
+def test_keras_internals_are_used_only_in_keras_fixes():
+    users = sorted(name for name, path in _modules().items()
+                   if "keras.src" in path.read_text().replace("``keras.src``", "")
+                   and not name.endswith("keras_fixes"))
+    assert users == [], f"keras.src used outside a keras_fixes.py: {users}"
+
+
+def _fixes_modules():
+    names = ["kmgpu.engines.keras_fixes"] + [
+        f"kmgpu.engines.{b}.keras_fixes" for b in BACKENDS
+        if (PACKAGE / "engines" / b / "keras_fixes.py").exists()]
+    return names
+
+
+@pytest.mark.parametrize("module", _fixes_modules())
+def test_every_patched_keras_name_still_exists(module):
+    """Fails when a Keras upgrade removes or renames an internal kmgpu relies on."""
+    import keras
+
+    fixes = importlib.import_module(module)
+    backend = module.split(".")[2] if module.count(".") == 3 else None
+    if backend is not None and backend != keras.config.backend():
+        pytest.skip(f"{module} is read in the {backend} session")  # its backend's internals
+    assert fixes.KERAS == keras.__version__, (
+        f"{module} was written against Keras {fixes.KERAS}, this is {keras.__version__}: "
+        "check each entry of PATCHES still does what it says, then update KERAS.")
+    assert fixes.PATCHES
+    for where, attribute, why in fixes.PATCHES:
+        assert why
+        obj = importlib.import_module(where)
+        for part in attribute.split("."):
+            assert hasattr(obj, part), f"Keras no longer has {where}.{attribute} ({why})"
+            obj = getattr(obj, part)
+
+
+def test_import_kmgpu_imports_no_backend():
+    code = ("import sys, kmgpu, kmgpu.hardware, kmgpu.environment, kmgpu.commands.cli; "
+            "bad = [m for m in ('keras', 'tensorflow', 'jax', 'torch') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=str(PACKAGE.parent))
+    assert out.returncode == 0, out.stdout + out.stderr
