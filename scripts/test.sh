@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (if needed) and run the test suite, one process per
-# Keras backend: tests/common and tests/<backend> run under KERAS_BACKEND=<backend>.
-# With several backends the sessions run in two lanes side by side (the suite is
-# about 580 CPU-seconds; one session leaves the second core mostly idle).
-# KMGPU_TEST_SERIAL=1 runs them one after the other, printing as they go.
+# Keras backend: tests/unit, tests/common and tests/<backend> run under
+# KERAS_BACKEND=<backend>. About 10 minutes on a 2-core machine, plus 1-2 minutes to
+# make .venv the first time. With several backends the sessions run in two lanes side
+# by side (the suite is ~600 CPU-seconds; one session leaves the second core mostly
+# idle); each line of progress is printed as it comes, prefixed with its backend.
+# KMGPU_TEST_SERIAL=1 runs them one after the other.
 # Usage: bash scripts/test.sh [backend ...] [-- extra pytest args]
 set -u
 cd "$(dirname "$0")/.."
@@ -12,43 +14,49 @@ backends=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do backends+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#backends[@]} -gt 0 ] || backends=(tensorflow jax torch)
-
-run() {  # backend [pytest args]
-  local b=$1; shift
-  KERAS_BACKEND=$b python -m pytest -q -p no:cacheprovider tests/unit tests/common "tests/$b" "$@"
-}
-
-status=0
-if [ "${KMGPU_TEST_SERIAL:-0}" = 1 ] || [ ${#backends[@]} -eq 1 ]; then
-  for b in "${backends[@]}"; do
-    echo "=== KERAS_BACKEND=$b"
-    run "$b" "$@" || status=1
-  done
-  exit $status
-fi
-
-# Two lanes for two cores: TensorFlow (the longest session) in one, the others one
-# after the other in the second. Each session's output follows when it ends.
+pytest_args=("$@")
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-start=$SECONDS
-lane() {  # backend ...: run them one after the other, each into its log
-  local b s rc=0
-  for b in "$@"; do
-    s=$SECONDS
-    run "$b" "${pytest_args[@]}" > "$logs/$b.log" 2>&1 || rc=1
-    echo "=== KERAS_BACKEND=$b: done after $((SECONDS - s)) s" >> "$logs/$b.log"
-  done
+
+run() {  # backend: one pytest session, its lines prefixed "[backend] " as they come
+  local b=$1 s=$SECONDS rc
+  echo "[$b] started: tests/unit tests/common tests/$b"
+  KERAS_BACKEND=$b PYTHONUNBUFFERED=1 python -m pytest -q -p no:cacheprovider \
+    tests/unit tests/common "tests/$b" "${pytest_args[@]}" > >(tee "$logs/$b.log" \
+    | sed -u "s/^/[$b] /") 2>&1
+  rc=$?
+  echo "[$b] done after $((SECONDS - s)) s (exit $rc)"
   return $rc
 }
-pytest_args=("$@")
-first=${backends[0]}
-lane "$first" & first_pid=$!
-lane "${backends[@]:1}" || status=1
-wait $first_pid || status=1
+lane() {  # backend ...: one after the other
+  local b rc=0
+  for b in "$@"; do run "$b" || rc=1; done
+  return $rc
+}
+
+start=$SECONDS
+status=0
+if [ "${KMGPU_TEST_SERIAL:-0}" = 1 ] || [ ${#backends[@]} -eq 1 ]; then
+  lane "${backends[@]}" || status=1
+else  # TensorFlow (the longest session) in one lane, the others in the second
+  lane "${backends[0]}" & first=$!
+  lane "${backends[@]:1}" || status=1
+  wait $first || status=1
+fi
+sleep 0.5  # let the last prefixed lines through
+echo "=== summary ($((SECONDS - start)) s)"
+passed=0 failed=0 skipped=0
 for b in "${backends[@]}"; do
-  echo "=== KERAS_BACKEND=$b"
-  cat "$logs/$b.log"
+  line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$logs/$b.log" | tail -1)
+  echo "KERAS_BACKEND=$b: ${line:-no pytest summary (crashed?)}"
+  [ -n "$line" ] || status=1
+  for key in passed failed skipped; do
+    n=$(grep -oE "[0-9]+ $key" <<<"$line" | grep -oE "^[0-9]+" || true)
+    n=${n:-0}
+    eval "$key=\$(( $key + n ))"
+  done
+  e=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "^[0-9]+" || true)
+  failed=$((failed + ${e:-0}))
 done
-echo "=== all backends: $((SECONDS - start)) s, exit $status"
+echo "all backends: $passed passed, $failed failed, $skipped skipped"
 exit $status

@@ -18,9 +18,13 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:<7} {text}" for name, (_, text) in COMMANDS.items()]
-        print("usage: kmgpu {demo,bench,launch} [options]   (kmgpu COMMAND --help)\n"
-              + "\n".join(lines))
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        usage = ("usage: kmgpu {demo,bench,launch} [options]   (kmgpu COMMAND --help)\n"
+                 + "\n".join(lines))
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"kmgpu: unknown command {argv[0]!r}\n{usage}", file=sys.stderr)
+            return 2
+        print(usage)
+        return 0 if argv else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:])
 
