@@ -20,6 +20,11 @@ PATCHES = [
     ("keras.src.backend.jax.trainer", "JAXTrainer.predict_step",
      "wrapped on replicas under jax.distributed so every process can read all "
      "prediction rows"),
+    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization.call",
+     "replaced on the replica's BatchNormalization layers (instance attribute, never the "
+     "user's model) when sync_batchnorm=False: each replica's own moments, no collective "
+     "(batchnorm.py); reads the layer's axis, momentum, epsilon, center, scale, renorm, "
+     "synchronized, gamma, beta, moving_mean, moving_variance"),
 ]
 
 
@@ -56,6 +61,56 @@ def replicate_indivisible(distribution):
         yield
     finally:
         jax_trainer._distribute_data = original
+
+
+def local_batchnorm(replica, distribution):
+    """Give each BatchNormalization of ``replica`` per-replica moments in training.
+
+    Replaces ``call`` on each layer instance (``kmgpu.engines.jax.batchnorm``). The
+    original ``call`` still runs where local moments do not apply: inference
+    (``training=False`` or a frozen layer: moving statistics, as always), a batch the
+    device count does not divide (kmgpu places it replicated, each device holds the
+    whole batch, so the moments over the whole batch are local too), ``axis=0``.
+
+    Layers left with global moments (their names are returned): a subclass that
+    overrides ``call``, ``renorm=True``, ``synchronized=True``.
+
+    Returns:
+        (local, kept): the numbers of layers given local moments, and the names of
+        the BatchNormalization layers that keep Keras's own (global) moments.
+    """
+    import types
+
+    import keras
+
+    from kmgpu.engines.jax import batchnorm
+
+    mesh = distribution.device_mesh.backend_mesh
+    axis_name = distribution.batch_dim_name
+    n = mesh.shape[axis_name]
+    bn = keras.layers.BatchNormalization
+    local, kept = 0, []
+    for layer in replica._flatten_layers():
+        if not isinstance(layer, bn):
+            continue
+        if type(layer).call is not bn.call or layer.renorm or layer.synchronized:
+            kept.append(layer.name)
+            continue
+        original = layer.call
+
+        def call(self, inputs, training=None, mask=None, _original=original):
+            batch = inputs.shape[0]
+            if (not (training and self.trainable) or batch is None or batch % n
+                    or self.axis % len(inputs.shape) == 0
+                    or (mask is not None and len(mask.shape) != len(inputs.shape) - 1)):
+                return _original(inputs, training=training, mask=mask)
+            outputs, mean, variance = batchnorm.normalize(self, inputs, mask, mesh, axis_name)
+            batchnorm.update_moving(self, mean, variance)
+            return outputs
+
+        object.__setattr__(layer, "call", types.MethodType(call, layer))
+        local += 1
+    return local, kept
 
 
 def track_states(replica, distribution):
