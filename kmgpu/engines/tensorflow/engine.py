@@ -6,12 +6,20 @@ replica's loss by 1/N, which is exact only when the split is even; kmgpu's train
 step weights each replica's loss by its share of the global batch, so a partial
 last batch gives the one-device update. ``sync_batchnorm`` uses Keras's own
 ``BatchNormalization(synchronized=True)``.
+
+What else keeps ordinary Keras code equal to one device (``keras_fixes`` says how):
+a model's own ``train_step`` gets an exactly weighted, unscaled ``compute_loss``;
+each output's loss is weighed by the replica's share of the batch; optimizers with
+``gradient_accumulation_steps`` apply once, after the all-reduce; generators and
+PyDatasets are fed per replica (``data``); after fit, local BatchNorm moving
+statistics are the mean over the replicas.
 """
 
+import functools
 import types
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.tensorflow import keras_fixes
+from kmgpu.engines.tensorflow import data, keras_fixes
 
 
 class TensorFlowEngine(InProcessEngine):
@@ -20,6 +28,8 @@ class TensorFlowEngine(InProcessEngine):
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
         import tensorflow as tf
+
+        self._feed = {"first": None}  # the first batch of a generator fed per replica
 
         kind = available[device_ids[0]][0].upper()
         logical = tf.config.list_logical_devices(kind)
@@ -67,10 +77,44 @@ class TensorFlowEngine(InProcessEngine):
             for component, rows in zip(components, np.split(a, len(components))):
                 component.assign(rows)
 
+    def _single_worker(self):
+        """Several replicas, all in this process (not one device, not multi-worker)."""
+        import tensorflow as tf
+
+        return self.num_replicas > 1 and isinstance(self.strategy,
+                                                    tf.distribute.MirroredStrategy)
+
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        self._feed["first"] = None
+        if self._single_worker():
+            kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
+                                                    shuffle=method == "fit"
+                                                    and kwargs.get("shuffle", True))
         if method == "fit":
             kwargs = keras_fixes.repeating_datasets(kwargs)
-        return super().run(method, template, kwargs, lr_scale)
+        try:
+            return super().run(method, template, kwargs, lr_scale)
+        finally:
+            self._feed["first"] = None
+            if method == "fit" and self._single_worker() and self.replica is not None:
+                self._average_moving_statistics(self.replica, template)
+
+    def _average_moving_statistics(self, replica, template):
+        """Local BatchNorm: each replica kept its own moving mean and variance; the
+        template gets their mean over the replicas (what torch's engine gives), not
+        replica 0's statistics of 1/N of the data."""
+        import keras
+        import numpy as np
+
+        from kmgpu import models
+
+        moving = {id(v) for layer in replica._flatten_layers()
+                  if isinstance(layer, keras.layers.BatchNormalization)
+                  for v in (layer.moving_mean, layer.moving_variance) if v is not None}
+        for r, t in zip(models.weights(replica), models.weights(template)):
+            if id(r) in moving:
+                parts = self.strategy.experimental_local_results(r.value)
+                t.assign(np.mean([np.asarray(p) for p in parts], axis=0))
 
     def prepare_replica(self, replica, template):
         import keras
@@ -83,4 +127,7 @@ class TensorFlowEngine(InProcessEngine):
                     layer.synchronized = True
         if keras_fixes.keeps_keras_train_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
-        replica._maybe_symbolic_build = types.MethodType(keras_fixes.symbolic_build, replica)
+        else:
+            keras_fixes.exact_custom_steps(replica)
+        replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
+                                                          feed=self._feed)

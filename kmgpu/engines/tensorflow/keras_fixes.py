@@ -30,6 +30,26 @@ PATCHES = [
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "same"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "unpack_x_y_sample_weight",
      "same, and the weighted train_step"),
+    ("keras.src.trainers.trainer", "Trainer.compute_loss",
+     "replaced on replicas of models with their own train_step (exact_custom_steps): its "
+     "result is scaled by 1/N for tf.distribute, so a loss tracker fed with it shows the "
+     "loss divided by N, and a partial last batch weighs every replica alike"),
+    ("keras.src.trainers.compile_utils", "CompileLoss.call",
+     "replaced on replicas (weigh_output_losses): it records each output's loss with "
+     "weight y_pred.shape[0], None in a traced step, so every replica counts alike"),
+    ("keras.src.metrics.reduction_metrics", "Mean.update_state",
+     "replaced on the per-output loss trackers, same"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.apply",
+     "replaced on replica optimizers with gradient_accumulation_steps "
+     "(accumulate_across_replicas): under tf.distribute it fails with merge_call inside "
+     "its Cond (keras-team/keras#17429)"),
+    ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
+     "made a direct call in cross-replica context while accumulate_across_replicas runs "
+     "the optimizer's apply there (it would ask a missing replica context to merge)"),
+    ("keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetAdapter._get_iterator",
+     "reads a PyDataset (workers, shuffling, class weights) for the per-replica feed"),
+    ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
+     "class weights of a generator fed per replica"),
 ]
 
 
@@ -101,22 +121,29 @@ def repeating_datasets(kwargs):
     return kw
 
 
-def symbolic_build(self, iterator=None, data_batch=None):
+def symbolic_build(self, iterator=None, data_batch=None, feed=None):
     """Keras builds metrics and optimizer from the first batch, averaged over replicas,
     which fails when the first batch splits unevenly. Only its shapes matter, so
-    build from the first replica's part instead.
+    build from the first replica's part instead -- or from the first batch kmgpu
+    already read from a generator (``feed``), without pulling one from the iterator
+    (Keras drops the batch it pulls). Then install the replica fixes that need the
+    compiled parts built (per-output loss weights, gradient accumulation).
     """
     built = (all(layer.built for layer in self._flatten_layers())
              and all(part is None or part.built for part in
                      (self._compile_metrics, self._compile_loss, self.optimizer)))
-    if built:
-        return  # nothing to build: skip making a distributed iterator (~0.15 s on 4 devices)
-    if iterator is not None:
-        for _, _, it in iterator:
-            data_batch = self.distribute_strategy.experimental_local_results(next(it))[0]
-            break
-    with self.distribute_strategy.scope():
-        self._symbolic_build(data_batch=data_batch)
+    if not built:  # else skip making a distributed iterator (~0.15 s on 4 devices)
+        if data_batch is None and feed and feed.get("first") is not None:
+            data_batch = feed["first"]
+        elif iterator is not None:
+            for _, _, it in iterator:
+                data_batch = self.distribute_strategy.experimental_local_results(next(it))[0]
+                break
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+    weigh_output_losses(self)
+    if self.optimizer is not None:
+        accumulate_across_replicas(self.optimizer)
 
 
 def train_step(self, data):
@@ -156,3 +183,169 @@ def keeps_keras_train_step(model):
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return type(model).train_step is TensorFlowTrainer.train_step
+
+
+# -- exact losses for custom train steps and per-output losses ---------------------------
+def _replica_share(rows):
+    """(rows of this replica, rows of the global batch) as a float32 fraction, or None
+    outside a multi-replica step."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    total = context.all_reduce("sum", rows)
+    return tf.cast(rows, "float32") / tf.cast(total, "float32")
+
+
+def _rows(*structures):
+    import keras
+    import tensorflow as tf
+
+    for s in structures:
+        leaves = [t for t in keras.tree.flatten(s) if t is not None]
+        if leaves:
+            return tf.shape(leaves[0])[0]
+    return None
+
+
+def exact_custom_steps(model):
+    """A model with its own ``train_step`` that calls Keras's ``compute_loss``: within that
+    step ``compute_loss`` returns the one-device loss of the global batch's share
+    (``mean_r * N * n_r / n``, whose mean over replicas is the global mean), with the
+    gradient of ``mean_r * n_r / n``, which tf.distribute's summed gradients turn into
+    the one-device gradient also for a partial last batch. A loss tracker fed with it
+    then shows what one device shows.
+    """
+    import tensorflow as tf
+    from keras.src.trainers.trainer import Trainer
+
+    if type(model).compute_loss is not Trainer.compute_loss:
+        return  # the user's own compute_loss: theirs to scale
+    user_step, compute_loss, inside = model.train_step, model.compute_loss, []
+    replicas = model.distribute_strategy.num_replicas_in_sync
+
+    def exact_compute_loss(*args, **kwargs):
+        loss = compute_loss(*args, **kwargs)
+        named = dict(zip(("x", "y", "y_pred", "sample_weight"), args), **kwargs)
+        rows = _rows(named.get("y_pred"), named.get("y"), named.get("x"))
+        if not inside or loss is None or rows is None:
+            return loss
+        share = _replica_share(rows)
+        if share is None:
+            return loss
+        exact = loss * tf.cast(share * replicas, loss.dtype)  # mean_r * n_r / n
+        return exact + tf.stop_gradient(exact * (replicas - 1))
+
+    def train_step(data):
+        inside.append(True)
+        try:
+            return user_step(data)
+        finally:
+            inside.pop()
+
+    model.compute_loss, model.train_step = exact_compute_loss, train_step
+
+
+def weigh_output_losses(model):
+    """Each output's loss tracker is updated with weight ``y_pred.shape[0]``, which is
+    None in a traced step (so 1 per step on one device). Each replica weighs its update
+    by its share ``n_r / n`` of the global batch instead, so the replicas together count
+    as one device's step, also when a partial last batch splits unevenly.
+    Needs the model's compile loss built (after the symbolic build).
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None or not compile_loss.built or hasattr(compile_loss, "_kmgpu_share"):
+        return
+    shares, call = [], compile_loss.call
+
+    def weighed_call(y_true, y_pred, sample_weight=None):
+        rows = _rows(y_pred)
+        shares.append(None if rows is None else _replica_share(rows))
+        try:
+            return call(y_true, y_pred, sample_weight)
+        finally:
+            shares.pop()
+
+    def weighed(update_state):
+        def update(values, sample_weight=None):
+            if sample_weight is None and shares and shares[-1] is not None:
+                sample_weight = shares[-1]
+            return update_state(values, sample_weight=sample_weight)
+        return update
+
+    for metric in compile_loss.metrics:
+        metric.update_state = weighed(metric.update_state)
+    compile_loss.call, compile_loss._kmgpu_share = weighed_call, True
+
+
+def accumulate_across_replicas(optimizer):
+    """``gradient_accumulation_steps`` under tf.distribute: Keras applies or accumulates
+    in a ``cond`` whose update branch needs a ``merge_call``, which tf.distribute refuses
+    (keras-team/keras#17429). The replicas' gradients are summed here instead (the same
+    all-reduce Keras does) and the optimizer's own ``apply`` runs once, in cross-replica
+    context, where its ``cond`` holds only plain per-device updates.
+    """
+    import tensorflow as tf
+
+    if not optimizer.gradient_accumulation_steps or hasattr(optimizer, "_kmgpu_apply"):
+        return
+    apply = optimizer.apply
+
+    def apply_once(grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return apply(grads, trainable_variables)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(present, context.all_reduce("sum", [grads[i] for i in present])):
+            grads[i] = g
+
+        def merged(strategy, grads):
+            first = [None if g is None else strategy.experimental_local_results(g)[0]
+                     for g in grads]
+            interim = tf.__internal__.distribute.interim
+            original = interim.maybe_merge_call
+
+            def maybe_merge_call(fn, strategy, *args, **kwargs):
+                if tf.distribute.in_cross_replica_context():  # already merged: call it
+                    return fn(strategy, *args, **kwargs)
+                return original(fn, strategy, *args, **kwargs)
+
+            interim.maybe_merge_call = maybe_merge_call  # while Keras's cond is traced
+            try:
+                return apply(first, trainable_variables)
+            finally:
+                interim.maybe_merge_call = original
+
+        return context.merge_call(merged, args=(grads,))
+
+    optimizer.apply, optimizer._kmgpu_apply = apply_once, True
+
+
+# -- Python data: batches for the per-replica feed ---------------------------------------
+def standardize_batch(batch, class_weight=None):
+    """A generator's batch as Keras reads it: (x,), (x, y) or (x, y, sample_weight)."""
+    import numpy as np
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    if isinstance(batch, dict) or isinstance(batch, np.ndarray):
+        batch = (batch,)
+    batch = tuple(batch)
+    if class_weight is not None and len(batch) == 2:
+        batch += (data_adapter_utils.class_weight_to_sample_weights(batch[1], class_weight),)
+    return batch
+
+
+def py_dataset_pass(dataset, shuffle=False, class_weight=None):
+    """One pass over a PyDataset through Keras's own adapter (its workers, its batch
+    shuffling, its class weights), with the dataset's epoch hooks around it; endless
+    for a PyDataset without length."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    adapter = PyDatasetAdapter(dataset, class_weight=class_weight, shuffle=shuffle)
+    adapter.on_epoch_begin()
+    try:
+        yield from adapter._get_iterator()
+    finally:
+        adapter.on_epoch_end()
