@@ -56,7 +56,7 @@ def main(out_path=None):
     parallel.fit(x[:8192], y[:8192], batch_size=batch, epochs=2, shuffle=False, verbose=0)
     report["first_call_s (pool start + fit)"] = time.perf_counter() - t
     report["engine"] = parallel._engine.name
-    report["start_method"] = parallel._engine._pool.method
+    report["start_method"] = parallel._engine.launcher.pool.method
     report["parity_rel_diff"] = rel_diff(ref.get_weights(), model.get_weights())
     pred = parallel.predict(x[:4096], batch_size=batch, verbose=0)
     report["predict_max_abs_diff"] = float(np.max(np.abs(pred - ref.predict(
@@ -85,21 +85,21 @@ def main(out_path=None):
     # where the difference goes: the rank's own path in this process (NCCL, world 1)
     import torch.distributed as dist
 
-    from kmgpu.engines.torch import rank as _torch_rank
+    from kmgpu.engines.torch import data, strategy
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
                           wait_for_workers=False)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1,
                             device_id=torch.device("cuda:0"))
-    ctx = _torch_rank.RankContext("cuda:0", False)
+    ddp = strategy.DDPStrategy("cuda:0", False)
     rank_model = build()
     rank_model.compile(optimizer="adam", loss="mse")
-    _torch_rank.prepare(rank_model, ctx)
-    report["rank_path_samples_per_s"] = timed(lambda e: _torch_rank.run(
-        rank_model, ctx, "fit", dict(x=x, y=y, batch_size=batch, epochs=e, verbose=0)))
-    data = _torch_rank.RankSlices(_torch_rank.ArraySource(x, y), batch, ctx, shuffle=True)
+    ddp.prepare(rank_model)
+    report["rank_path_samples_per_s"] = timed(lambda e: ddp.run(
+        rank_model, "fit", dict(x=x, y=y, batch_size=batch, epochs=e, verbose=0)))
+    slices = data.RankSlices(data.ArraySource(x, y), batch, ddp.rank, ddp.world, shuffle=True)
     report["plain_on_rank_slices_samples_per_s"] = timed(
-        lambda e: plain.fit(data, epochs=e, shuffle=False, verbose=0))
+        lambda e: plain.fit(slices, epochs=e, shuffle=False, verbose=0))
     dist.destroy_process_group()
     text = json.dumps(report, indent=1)
     print(text, flush=True)

@@ -78,7 +78,7 @@ def test_a_worker_that_died_between_calls_is_replaced():
     os.kill(pids[1], signal.SIGKILL)
     deadline = time.monotonic() + 10
     # until it can be reaped (/proc shows "Z" while its other threads still exit)
-    while parallel._engine._pool.alive() and time.monotonic() < deadline:
+    while parallel._engine.launcher.pool.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     steps = int(model.optimizer.iterations.numpy())
     _fit(parallel, x, y)  # a fresh pool; the old one's survivors are stopped
@@ -122,7 +122,7 @@ def test_a_killed_parent_leaves_no_worker_and_no_file():
 
 
 def test_leftovers_of_a_dead_process_are_swept():
-    from kmgpu.engines.torch import pool as _torch_pool
+    from kmgpu.engines.torch import transport
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -130,7 +130,7 @@ def test_leftovers_of_a_dead_process_are_swept():
     open(os.path.join(path, "state"), "wb").close()
     alive = tempfile.mkdtemp(prefix=f"kmgpu-{os.getppid()}-", dir="/dev/shm")
     try:
-        _torch_pool.remove_leftovers()
+        transport.remove_leftovers()
         assert not os.path.exists(path)
         assert os.path.exists(alive)  # a live process's files stay
     finally:
@@ -178,9 +178,9 @@ def _is_loopback(ip):
 
 
 def test_worker_traffic_stays_on_loopback(monkeypatch):
-    from kmgpu.engines.torch import engine as torch_engine
+    from kmgpu.engines.torch import launchers
 
-    torch_engine.close_pools()
+    launchers.close_pools()
     # an interface meant for multi-host jobs must not pull a one-host pool off loopback
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     x, y = data("mlp", 64)

@@ -38,9 +38,9 @@ def _call_dirs():
 
 
 def _close_pools():
-    from kmgpu.engines.torch import engine as torch_engine
+    from kmgpu.engines.torch import launchers
 
-    torch_engine.close_pools()
+    launchers.close_pools()
 
 
 # -- parity the common tests do not cover ------------------------------------------
@@ -296,7 +296,7 @@ def test_spawned_workers(monkeypatch):
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
     parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert parallel._engine._pool.method == "spawn"
+    assert parallel._engine.launcher.pool.method == "spawn"
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     parallel.close()
 

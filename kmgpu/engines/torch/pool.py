@@ -1,279 +1,37 @@
 """kmgpu's own torch workers: a pool of one process per device, kept between calls.
 
-Launching is kept apart from what a rank does (``_torch_rank``), as Lightning
-Fabric keeps launchers apart from strategies. This module is the parent's side:
-
-- ``WorkerPool`` starts the workers with ``torch.multiprocessing`` (fork for CPU
-  workers and while CUDA is not initialised here, spawn otherwise), streams rank 0's
-  output to ``sys.stdout`` (a Jupyter cell too), sends each call, and waits for
-  the answers in a loop that also watches every worker's liveness: a worker that
-  dies or raises ends the call within a second, with its traceback, and the whole
-  pool is killed (the next call starts a fresh one). Ctrl-C kills the pool too.
-- ``CallFiles`` hands a call's data to the workers once, as memory-mapped
-  ``.npy`` files in ``/dev/shm`` (every worker maps the same pages; removed
-  after the call). Every file kmgpu writes lives in a private directory of its
-  own (``mkdtemp``: mode 0700, files 0600) named ``kmgpu-<pid>-*``; it is removed
-  after the call or with the pool, at exit, by the workers when this process dies
-  without exiting, and by the next kmgpu process when even they could not. The pool's ``StateFile`` (kept between calls) carries the
-  weights and optimizer state in and back: rank 0 writes snapshots at epoch
-  ends (always at the end, and whenever the user's callbacks need the weights),
-  so an interrupted fit still leaves the last consistent state.
+``WorkerPool`` starts the workers (``worker.main``) with ``torch.multiprocessing``
+(fork for CPU workers and while CUDA is not initialised here, spawn otherwise),
+streams rank 0's output to ``sys.stdout`` (a Jupyter cell too), sends each call's
+``messages``, and waits for the answers in a loop that also watches every worker's
+liveness: a worker that dies or raises ends the call within a second, with its
+traceback, and the whole pool is killed (the next call starts a fresh one). Ctrl-C
+kills the pool too. What travels besides messages (data files, the state file)
+is ``transport``'s; which pool serves an engine is ``launchers.PoolLauncher``'s.
 """
 
 import atexit
 import codecs
-import itertools
 import os
 import pickle
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import weakref
 
 import numpy as np
 
-#: written by a worker to its output pipe at the end of every call
-END_MARK = b"\x1e\x1fkmgpu-call-end\x1f\x1e"
+from kmgpu.engines.torch import transport
+from kmgpu.engines.torch.messages import (END_MARK, Died, Done, Event, Exit, Failed, Port,
+                                          Ready, TimedOut)
+
 _TAIL = 8192
-
-try:  # classes and functions defined in __main__ / a notebook travel by value
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover
-    _pickler = pickle
-
-
-def dumps(obj):
-    return _pickler.dumps(obj)
-
-
-#: what forked workers inherit instead of receiving it pickled (custom objects)
-INHERITED = {"custom_objects": {}}
 
 
 class WorkerError(RuntimeError):
     """A torch worker failed; the message holds its traceback."""
 
 
-# -- files --------------------------------------------------------------------------
-class Leaf:
-    """Stands for one array in a memory-mapped file of the call directory."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def load(self):
-        return np.load(self.path, mmap_mode="r")
-
-
-def _shm_root(nbytes):
-    root = "/dev/shm"
-    try:
-        if os.path.isdir(root) and shutil.disk_usage(root).free > 2 * nbytes + (64 << 20):
-            return root
-    except OSError:
-        pass
-    return tempfile.gettempdir()
-
-
-def _private_dir(nbytes):
-    """A new directory only this user can enter (0700), removed at the latest at exit."""
-    _sweep_once()
-    path = tempfile.mkdtemp(prefix=f"kmgpu-{os.getpid()}-", dir=_shm_root(nbytes))
-    _LIVE_PATHS.add(path)
-    return path
-
-
-def _private_file(path):
-    """Create ``path`` readable and writable by this user only (0600)."""
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-    return path
-
-
-def remove_leftovers(pid=None):
-    """Remove the ``kmgpu-<pid>-*`` entries of a process that is gone (all such
-    processes with ``pid=None``) from /dev/shm and the temp dir: this user's only."""
-    import re
-
-    pattern = re.compile(r"kmgpu-(\d+)-")
-    for root in {"/dev/shm", tempfile.gettempdir()}:
-        try:
-            names = os.listdir(root)
-        except OSError:
-            continue
-        for name in names:
-            m = pattern.match(name)
-            if not m or (pid is not None and int(m.group(1)) != pid):
-                continue
-            owner = int(m.group(1))
-            path = os.path.join(root, name)
-            try:
-                if os.lstat(path).st_uid != os.getuid() or owner == os.getpid():
-                    continue
-                os.kill(owner, 0)
-                continue  # that process is alive
-            except ProcessLookupError:
-                pass
-            except OSError:
-                continue
-            _remove(path)
-
-
-_SWEPT = []
-
-
-def _sweep_once():
-    if not _SWEPT:
-        _SWEPT.append(True)
-        remove_leftovers()
-
-
-def _as_array(leaf):
-    if leaf is None or isinstance(leaf, np.ndarray):
-        return leaf
-    if hasattr(leaf, "detach"):  # torch tensor
-        return leaf.detach().cpu().numpy()
-    return np.asarray(leaf)
-
-
-class CallFiles:
-    """A temporary directory for one call's data arrays (removed after the call)."""
-
-    def __init__(self, nbytes_hint=0):
-        self.path = _private_dir(nbytes_hint)
-        self._count = itertools.count()
-
-    def put(self, structure):
-        """Write every array leaf of ``structure`` to a file; return it with Leafs."""
-        import keras
-
-        def put_leaf(leaf):
-            arr = _as_array(leaf)
-            if arr is None or arr.dtype == object:
-                return arr
-            path = _private_file(os.path.join(self.path, f"a{next(self._count)}.npy"))
-            out = np.lib.format.open_memmap(path, mode="w+", dtype=arr.dtype, shape=arr.shape)
-            out[...] = arr
-            out.flush()
-            del out
-            return Leaf(path)
-
-        return keras.tree.map_structure(put_leaf, structure)
-
-    def close(self):
-        _remove(self.path)
-
-
-def _remove(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    _LIVE_PATHS.discard(path)
-
-
-def resolve(structure):
-    """Replace Leafs by read-only memory maps (in a worker)."""
-    import keras
-
-    return keras.tree.map_structure(
-        lambda leaf: leaf.load() if isinstance(leaf, Leaf) else leaf, structure
-    )
-
-
-class StateFile:
-    """Weights + optimizer state in three slots of one memory-mapped file.
-
-    Slot 0 carries the parent's state in; slots 1 and 2 take rank 0's snapshots in
-    turn. A slot's header (sequence number, complete flag, epoch) is written after
-    its data, so a reader never takes a half-written slot.
-
-    Args:
-        path: the file.
-        layout: [(shape, dtype str), ...] of the arrays in a slot.
-        create: make the file (parent) or open it (worker).
-    """
-
-    HEADER = 64
-
-    @classmethod
-    def make(cls, layout):
-        """A new state file in a private directory of its own in /dev/shm (or the temp
-        dir when /dev/shm is short of room)."""
-        probe = cls(None, layout)
-        path = _private_file(os.path.join(_private_dir(3 * probe.slot_size), "state"))
-        return cls(path, layout, create=True)
-
-    def __init__(self, path, layout, create=False):
-        self.path = path
-        self.layout = [(tuple(s), np.dtype(d).str) for s, d in layout]
-        self.offsets, size = [], self.HEADER
-        for shape, dtype in self.layout:
-            self.offsets.append(size)
-            size += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 64) * 64
-        self.slot_size = size
-        self.mm = None
-        if path is not None:
-            mode = "w+" if create else "r+"
-            self.mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(3 * size,))
-
-    def reset(self):
-        """Mark the snapshot slots empty (a new call begins)."""
-        for slot in (1, 2):
-            self._header(slot)[:] = 0
-
-    def _header(self, slot):
-        return self.mm[slot * self.slot_size: slot * self.slot_size + 24].view(np.int64)
-
-    def write(self, slot, arrays, seq=1, epoch=-1):
-        arrays = list(arrays)
-        if len(arrays) != len(self.layout):
-            raise ValueError(f"state has {len(arrays)} arrays, the file {len(self.layout)}")
-        head = self._header(slot)
-        head[1] = 0
-        base = slot * self.slot_size
-        for arr, (shape, dtype), off in zip(arrays, self.layout, self.offsets):
-            arr = np.asarray(arr)
-            if tuple(arr.shape) != shape:
-                raise ValueError(f"state array of shape {arr.shape}, expected {shape}")
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            self.mm[base + off: base + off + n].view(dtype).reshape(shape)[...] = arr
-        head[0], head[2] = seq, epoch
-        head[1] = 1
-
-    def read(self, slot):
-        head = self._header(slot)
-        if head[1] != 1:
-            return None
-        base = slot * self.slot_size
-        out = []
-        for (shape, dtype), off in zip(self.layout, self.offsets):
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            out.append(np.array(self.mm[base + off: base + off + n].view(dtype).reshape(shape)))
-        return out
-
-    def latest(self):
-        """(arrays, epoch) of the newest complete snapshot, or None."""
-        best = None
-        for slot in (1, 2):
-            head = self._header(slot)
-            if head[1] == 1 and (best is None or head[0] > best[1]):
-                best = (slot, int(head[0]), int(head[2]))
-        if best is None:
-            return None
-        arrays = self.read(best[0])
-        return (arrays, best[2]) if arrays is not None else None
-
-    def close(self):
-        self.mm = None  # the mapping goes with its last view
-
-
-# -- the pool -----------------------------------------------------------------------
-_LIVE_PATHS = set()  # files and folders kmgpu made; removed at the latest at exit
 _POOLS = weakref.WeakSet()
 
 
@@ -358,7 +116,7 @@ class WorkerPool:
     def start(self, timeout=300):
         import torch.multiprocessing as tmp
 
-        from kmgpu.engines.torch import worker as _torch_worker
+        from kmgpu.engines.torch import worker
 
         self.method = start_method(self.devices[0].startswith("cuda"))
         ctx = tmp.get_context(self.method)
@@ -373,7 +131,7 @@ class WorkerPool:
                 out_r, out_w = ctx.Pipe(duplex=False)
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
-                    target=_torch_worker.main, name=f"kmgpu-torch-rank{rank}",
+                    target=worker.main, name=f"kmgpu-torch-rank{rank}",
                     args=(rank, self.world, device, child_end, out_w, settings),
                 )
                 if self.method == "fork":
@@ -388,10 +146,10 @@ class WorkerPool:
                 self.conns.append(parent_end)
                 self.outs.append(out_r)
             # rendezvous: rank 0 hosts the TCPStore on a free loopback port
-            port = self._collect_one(0, "port", timeout)
+            port = self._collect_one(0, Port, timeout)
             for conn in self.conns[1:]:
-                conn.send(("port", port))
-            self.gather(["ready"] * self.world, timeout=timeout)
+                conn.send(port)
+            self.gather(Ready, timeout=timeout)
         except BaseException:
             self.kill()
             raise
@@ -402,23 +160,29 @@ class WorkerPool:
         return list(self._pids)
 
     def state_file(self, layout):
-        """The pool's StateFile for this layout (the same file while the layout fits
-        in it: fit's weights + optimizer state, predict's weights alone)."""
+        """The pool's ``transport.StateFile`` for these arrays, its snapshots reset.
+
+        The same file while the layout fits in it (fit's weights + optimizer
+        state, predict's weights alone): its pages are mapped already.
+
+        Args:
+            layout: [(shape, dtype str), ...] of the arrays.
+        """
         wanted = [(tuple(s), np.dtype(d).str) for s, d in layout]
         if self._state is None or self._state.layout != wanted:
-            size = 3 * StateFile(None, wanted).slot_size
+            size = 3 * transport.StateFile(None, wanted).slot_size
             if self._state is not None and size <= os.path.getsize(self._state.path):
-                self._state = StateFile(self._state.path, wanted)
+                self._state = transport.StateFile(self._state.path, wanted)
             else:
                 self._drop_state()
-                self._state = StateFile.make(layout)
+                self._state = transport.StateFile.make(layout)
         self._state.reset()
         return self._state
 
     def _drop_state(self):
         if self._state is not None:
             path, self._state = self._state.path, None
-            _remove(os.path.dirname(path))  # its private directory
+            transport.remove(os.path.dirname(path))  # its private directory
 
     def alive(self):
         return not self.closed and all(p.is_alive() for p in self.procs)
@@ -486,7 +250,7 @@ class WorkerPool:
             self._drain(wait(list(outs), timeout=min(left, 0.25)))
 
     # -- calls -----------------------------------------------------------------------
-    def _collect_one(self, rank, kind, timeout):
+    def _collect_one(self, rank, expected, timeout):
         from multiprocessing.connection import wait
 
         deadline = time.monotonic() + timeout
@@ -496,36 +260,38 @@ class WorkerPool:
             self._drain(ready)
             if conn in ready or conn.poll():
                 msg = conn.recv()
-                if msg[0] == kind:
-                    return msg[1]
+                if isinstance(msg, expected):
+                    return msg
                 raise self._error({rank: msg})
             if not proc.is_alive():
-                raise self._error({rank: ("died", proc.exitcode)})
+                raise self._error({rank: Died(proc.exitcode)})
             if time.monotonic() > deadline:
                 raise WorkerError(f"kmgpu: torch worker rank {rank} did not start within "
                                   f"{timeout} s.\n{self._tail(rank)}")
 
-    def call(self, payloads, on_event=None):
-        """Send one payload per rank; return the ranks' results (list).
+    def call(self, messages, on_event=None):
+        """Send one message per rank (a ``Call`` or a ``WeightsQuery``); return the
+        ranks' answers (the ``Done`` values, rank order).
 
-        ``on_event(*event)`` answers rank 0's callback events while the call runs.
-        Raises the worker's own exception (chained to a WorkerError holding its
+        ``on_event(Event) -> Reply`` answers rank 0's callback events while the call
+        runs. Raises the worker's own exception (chained to a WorkerError holding its
         traceback) or WorkerError if a worker died; the pool is dead afterwards.
         KeyboardInterrupt (also from ``on_event``) kills the pool and propagates.
         """
         marks = [m + 1 for m in self._marks]
         try:
-            for conn, payload in zip(self.conns, payloads):
-                conn.send(("call", payload))
-            results = self.gather(["ok"] * self.world, on_event=on_event)
+            for conn, msg in zip(self.conns, messages):
+                conn.send(msg)
+            results = [done.value for done in self.gather(Done, on_event=on_event)]
         except BaseException:
             self.kill()
             raise
         self._wait_output(marks)
         return results
 
-    def gather(self, kinds, timeout=None, on_event=None):
-        """One message of the expected kind from every rank, watching liveness."""
+    def gather(self, expected, timeout=None, on_event=None):
+        """One message of type ``expected`` from every rank (rank order), watching
+        liveness; answers Events with ``on_event`` on the way."""
         from multiprocessing.connection import wait
 
         results, failures = {}, {}
@@ -548,15 +314,15 @@ class WorkerPool:
                         msg = None
                     if msg is None and not proc.is_alive():
                         proc.join(1)
-                        msg = ("died", proc.exitcode)
+                        msg = Died(proc.exitcode)
                 if msg is None:
                     continue
-                if msg[0] == "event" and on_event is not None:
-                    conn.send(("reply", on_event(*msg[1])))
+                if isinstance(msg, Event) and on_event is not None:
+                    conn.send(on_event(msg))
                     continue
                 pending.discard(r)
-                if msg[0] == kinds[r]:
-                    results[r] = msg[1]
+                if isinstance(msg, expected):
+                    results[r] = msg
                 else:
                     failures[r] = msg
             now = time.monotonic()
@@ -565,7 +331,7 @@ class WorkerPool:
             if grace is not None and now > grace:
                 break
             if deadline is not None and now > deadline:
-                failures.update({r: ("timeout", None) for r in pending})
+                failures.update({r: TimedOut() for r in pending})
                 break
         if failures:
             self._wait_output([m + 1 for m in self._marks], timeout=0.5)
@@ -580,34 +346,33 @@ class WorkerPool:
         """The exception to raise for {rank: message}; the root cause first."""
         def order(item):
             rank, msg = item
-            if msg[0] == "error":
-                return (0 if not msg[3] else 2, rank)  # msg[3]: a collective failed
-            if msg[0] == "died":
+            if isinstance(msg, Failed):  # a collective failing: likely another rank's fault
+                return (2 if msg.collective else 0, rank)
+            if isinstance(msg, Died):
                 return (1, rank)
             return (3, rank)
 
         parts, original = [], None
         ranked = sorted(failures.items(), key=order)
         for i, (rank, msg) in enumerate(ranked):
-            if msg[0] == "error":
-                _, blob, tb, _ = msg
-                parts.append(f"rank {rank} (pid {self._pids[rank]}) raised:\n{tb}")
-                if i == 0 and order((rank, msg))[0] == 0 and blob is not None:
+            if isinstance(msg, Failed):
+                parts.append(f"rank {rank} (pid {self._pids[rank]}) raised:\n{msg.traceback}")
+                if i == 0 and order((rank, msg))[0] == 0 and msg.exception is not None:
                     try:
-                        original = pickle.loads(blob)
+                        original = pickle.loads(msg.exception)
                     except Exception:
                         original = None
-            elif msg[0] == "died":
-                code = msg[1]
+            elif isinstance(msg, Died):
+                code = msg.exitcode
                 how = (f"was killed by signal {signal.Signals(-code).name}"
                        if code is not None and code < 0 else f"exited with code {code}")
                 tail = self._tail(rank)
                 parts.append(f"rank {rank} (pid {self._pids[rank]}) {how}"
                              + (f"\n{tail}" if tail else ""))
-            elif msg[0] == "timeout":
+            elif isinstance(msg, TimedOut):
                 parts.append(f"rank {rank} did not answer in time")
             else:
-                parts.append(f"rank {rank} sent {msg[0]!r}")
+                parts.append(f"rank {rank} sent {type(msg).__name__}")
         error = WorkerError("kmgpu: torch worker failure; all workers were stopped.\n\n"
                             + "\n\n".join(parts))
         if isinstance(original, BaseException):
@@ -622,7 +387,7 @@ class WorkerPool:
             return
         for conn in self.conns:
             try:
-                conn.send(("exit", None))
+                conn.send(Exit())
             except (OSError, EOFError, BrokenPipeError):
                 pass
         deadline = time.monotonic() + timeout
@@ -662,10 +427,9 @@ class WorkerPool:
 
 @atexit.register
 def _close_all():
+    # runs before transport's own atexit (registered first), which removes what is left
     for pool in list(_POOLS):
         try:
             pool.close(timeout=5.0)
         except Exception:
             pass
-    for path in list(_LIVE_PATHS):
-        _remove(path)

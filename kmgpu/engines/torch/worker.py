@@ -1,10 +1,11 @@
 """A worker process of kmgpu's torch pool: one rank, one device, many calls.
 
-``main`` is the process's target. It sends its stdout/stderr into a pipe the
-parent reads, ignores SIGINT (the parent decides), leaves when the parent goes,
-joins the process group (rank 0 hosts a TCPStore on a free loopback port), then
-answers calls until told to exit, which it does with ``barrier()``,
-``destroy_process_group()`` and ``os._exit(0)`` (no gloo/NCCL abort at exit).
+``main`` is the process's target (``pool.WorkerPool`` starts it). It sends its
+stdout/stderr into a pipe the driver reads, ignores SIGINT (the driver decides),
+leaves when the driver goes, joins the process group (rank 0 hosts a TCPStore on a
+free loopback port), then answers ``messages`` until told to ``Exit``, which it does
+with ``barrier()``, ``destroy_process_group()`` and ``os._exit(0)`` (no gloo/NCCL
+abort at exit). ``Worker`` holds this rank's replica between calls.
 """
 
 import io
@@ -15,6 +16,12 @@ import sys
 import threading
 import time
 import traceback
+
+# Keras is imported only once the worker has set its environment (KERAS_BACKEND,
+# threads, device): data, replicas and strategy, which import it, are imported late.
+from kmgpu.engines.torch import timing, transport
+from kmgpu.engines.torch.messages import (END_MARK, Call, Done, Exit, Failed, Port,
+                                          RankResult, Ready, Reply, WeightsQuery)
 
 
 def _redirect(out_conn):
@@ -35,9 +42,7 @@ def _watch_parent(parent):
         while True:
             if os.getppid() != parent:
                 try:  # it died without exiting: its data and state files go with it
-                    from kmgpu.engines.torch.pool import remove_leftovers
-
-                    remove_leftovers(parent)
+                    transport.remove_leftovers(parent)
                 finally:
                     os._exit(3)
             time.sleep(1.0)
@@ -50,8 +55,6 @@ def _end_call():
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        from kmgpu.engines.torch.pool import END_MARK
-
         os.write(1, END_MARK)
 
 
@@ -63,80 +66,6 @@ def _is_collective_failure(exc):
     text = str(exc)
     return any(s in text for s in ("Connection closed", "Connection reset", "gloo",
                                    "NCCL", "ProcessGroup", "Broken pipe"))
-
-
-def main(rank, world, device, conn, out_conn, settings):
-    _redirect(out_conn)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(settings["parent"])
-    try:
-        for key, value in settings.get("env", {}).items():
-            os.environ[key] = value  # e.g. GLOO_SOCKET_IFNAME=lo, whatever the parent has
-        import torch
-
-        torch.set_num_threads(settings["threads"])
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        import keras
-
-        for name, value in settings.get("keras_config", {}).items():
-            getattr(keras.config, f"set_{name}")(value)
-        # Keras's torch default device was fixed when the parent imported it: this
-        # worker's device holds everything it creates, for the life of the process.
-        keras.device(device).__enter__()
-        import datetime
-
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=settings.get("timeout", 1800))
-        if rank == 0:
-            # the store's own socket would listen on every interface: hand it one
-            # that listens on loopback only (kept open for the life of the process)
-            import socket
-
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(128)
-            store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size=world,
-                                  is_master=True, wait_for_workers=False, timeout=timeout,
-                                  master_listen_fd=listener.fileno())
-            conn.send(("port", store.port))
-        else:
-            kind, port = conn.recv()
-            store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
-                                  timeout=timeout)
-        kwargs = {}
-        if device.startswith("cuda"):
-            kwargs["device_id"] = torch.device(device)
-        dist.init_process_group(settings["backend"], store=store, rank=rank,
-                                world_size=world, timeout=timeout, **kwargs)
-        worker = Worker(rank, world, device, settings, conn)
-        conn.send(("ready", os.getpid()))
-    except BaseException as e:
-        _send_error(conn, e)
-        os._exit(1)
-
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            os._exit(2)
-        if kind == "exit":
-            try:
-                dist.barrier()
-                dist.destroy_process_group()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-        try:
-            result = worker.handle(payload)
-        except BaseException as e:
-            _end_call()
-            _send_error(conn, e)
-            os._exit(1)
-        _end_call()
-        conn.send(("ok", result))
 
 
 def _send_error(conn, exc):
@@ -151,196 +80,206 @@ def _send_error(conn, exc):
     except Exception:
         collective = False
     try:
-        conn.send(("error", blob, tb, collective))
-    except Exception:  # the parent is gone or the pipe broke: it sees the exit code
+        conn.send(Failed(blob, tb, collective))
+    except Exception:  # the driver is gone or the pipe broke: it sees the exit code
         pass
 
 
+def _join_group(rank, world, device, conn, settings):
+    """Import Keras on ``device`` and join the process group (rank 0 hosts the store)."""
+    import torch
+
+    torch.set_num_threads(settings["threads"])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    import keras
+
+    for name, value in settings.get("keras_config", {}).items():
+        getattr(keras.config, f"set_{name}")(value)
+    # Keras's torch default device was fixed when the driver imported it: this
+    # worker's device holds everything it creates, for the life of the process.
+    keras.device(device).__enter__()
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=settings.get("timeout", 1800))
+    if rank == 0:
+        # the store's own socket would listen on every interface: hand it one
+        # that listens on loopback only (kept open for the life of the process)
+        import socket
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size=world,
+                              is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=listener.fileno())
+        conn.send(Port(store.port))
+    else:
+        port = conn.recv().port
+        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
+                              timeout=timeout)
+    kwargs = {}
+    if device.startswith("cuda"):
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(settings["backend"], store=store, rank=rank,
+                            world_size=world, timeout=timeout, **kwargs)
+
+
+def main(rank, world, device, conn, out_conn, settings):
+    """The worker process: join the group, then answer the driver until ``Exit``.
+
+    Args:
+        rank, world: this rank and the number of ranks.
+        device: "cpu" or "cuda:<i>".
+        conn: the duplex pipe to the driver (messages).
+        out_conn: the pipe stdout and stderr go to.
+        settings: env, Keras config, threads, backend, the driver's pid.
+    """
+    _redirect(out_conn)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(settings["parent"])
+    try:
+        for key, value in settings.get("env", {}).items():
+            os.environ[key] = value  # e.g. GLOO_SOCKET_IFNAME=lo, whatever the driver has
+        _join_group(rank, world, device, conn, settings)
+        worker = Worker(device, settings, conn)
+        conn.send(Ready(os.getpid()))
+    except BaseException as e:
+        _send_error(conn, e)
+        os._exit(1)
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(2)
+        if isinstance(msg, Exit):
+            import torch.distributed as dist
+
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+        try:
+            result = worker.handle(msg)
+        except BaseException as e:
+            _end_call()
+            _send_error(conn, e)
+            os._exit(1)
+        _end_call()
+        conn.send(Done(result))
+
+
 class Worker:
-    """This rank's replica (kept between calls) and what a call does with it."""
+    """This rank's replica (kept between calls) and what a call does with it.
 
-    def __init__(self, rank, world, device, settings, conn):
-        import torch
+    Args:
+        device: "cpu" or "cuda:<i>".
+        settings: the pool's settings (``sync_batchnorm`` to start with).
+        conn: the pipe to the driver (for relayed callback events).
+    """
 
-        from kmgpu.engines.torch import rank as _torch_rank
+    def __init__(self, device, settings, conn):
+        from kmgpu.engines.torch.strategy import DDPStrategy
 
-        self.rank, self.world = rank, world
-        self.device = torch.device(device)
-        self.settings = settings
-        self.ctx = _torch_rank.RankContext(self.device, settings["sync_batchnorm"])
+        self.strategy = DDPStrategy(device, settings["sync_batchnorm"])
+        self.rank, self.world = self.strategy.rank, self.strategy.world
         self.replica, self.key = None, None
-        self.seq = 0
         self.conn = conn
 
-    def relay(self, hook, index, logs, params):
-        """Rank 0: run the user's callbacks in the parent; wait for its answer."""
-        self.conn.send(("event", (hook, index, logs, params)))
-        kind, reply = self.conn.recv()
-        if kind != "reply":
-            raise RuntimeError(f"kmgpu: expected the parent's reply, got {kind!r}")
+    def relay(self, event):
+        """Rank 0: run the user's callbacks on the driver; wait for its Reply."""
+        self.conn.send(event)
+        reply = self.conn.recv()
+        if not isinstance(reply, Reply):
+            raise RuntimeError(f"kmgpu: expected the driver's reply, got {reply!r}")
         return reply
 
-    def _replica(self, payload):
-        import keras
+    def _replica(self, call):
+        from kmgpu.engines.torch import replicas
 
-        from kmgpu import models
-        from kmgpu.engines.torch import rank as _torch_rank
-
-        if payload["key"] == self.key and self.replica is not None:
+        if call.key == self.key and self.replica is not None:
             return self.replica
-        spec = payload["model"]
-        if spec is None:
+        if call.model is None:
             raise RuntimeError("kmgpu: the worker has no model for this call")
-        if spec["custom_objects"] is not None:
-            custom = pickle.loads(spec["custom_objects"])
-        else:  # they could not be pickled: this worker was forked after they existed
-            from kmgpu.engines.torch import pool as _torch_pool
-
-            custom = dict(_torch_pool.INHERITED["custom_objects"])
         self.replica, self.key = None, None
-        self.ctx.sync_batchnorm = payload["sync_batchnorm"]
-        with keras.saving.custom_object_scope(custom):
-            replica = keras.saving.deserialize_keras_object(spec["model"])
-            if not replica.built and spec.get("build_config"):
-                replica.build_from_config(spec["build_config"])
-            fixed = models.fixed_batch(replica)
-            if fixed is not None:  # this rank's B/N state rows (the weights come next)
-                replica = models.clone_at(replica, fixed // self.world)
-            if spec["compile"] is not None:
-                _compile(replica, spec["compile"], payload.get("lr_scale", (1.0, 0)))
-        _torch_rank.prepare(replica, self.ctx)
-        self.replica, self.key = replica, payload["key"]
+        self.strategy.sync_batchnorm = call.sync_batchnorm
+        replica = replicas.build(call.model, self.world, call.lr_scale)
+        self.strategy.prepare(replica)
+        self.replica, self.key = replica, call.key
         return replica
 
-    def handle(self, payload):
-        from kmgpu.engines.torch import pool as _torch_pool
-        from kmgpu.engines.torch import rank as _torch_rank
+    def handle(self, msg):
+        """Answer one message from the driver.
 
-        method = payload["method"]
-        if method == "weights":  # for tests: this rank's replica state
+        Returns:
+            For a Call, this rank's ``RankResult``; for a WeightsQuery, the replica's
+            weights (None before the first call).
+        """
+        if isinstance(msg, WeightsQuery):  # for tests: this rank's replica state
             return None if self.replica is None else self.replica.get_weights()
-        clock = _Clock(self.rank == 0 and os.environ.get("KMGPU_TORCH_TIMING"))
-        replica = self._replica(payload)
+        if not isinstance(msg, Call):
+            raise RuntimeError(f"kmgpu: a worker got {msg!r}")
+        from kmgpu.engines.torch import data, replicas
+
+        call, s = msg, self.strategy
+        clock = timing.Clock("worker", self.rank == 0)
+        replica = self._replica(call)
         clock("replica")
-        state = _torch_pool.StateFile(payload["state"]["path"], payload["state"]["layout"])
+        state = transport.StateFile(call.state_path, call.layout.arrays)
         try:
             if self.rank == 0:
-                _load_state(replica, state.read(0), payload["state"])
-            _torch_rank.broadcast_state(replica, self.ctx)
-            _torch_rank.write_state_rows(replica, payload.get("rnn_states") or [], self.ctx)
+                replicas.load_arrays(replica, state.read(0), call.layout)
+            s.broadcast_state(replica)
+            s.write_state_rows(replica, call.rnn_states)
             clock("state in")
-            kwargs = _torch_pool.resolve(payload["kwargs"])
-            for key in ("x", "validation_data"):
-                if isinstance(kwargs.get(key), bytes):
-                    kwargs[key] = pickle.loads(kwargs[key])
-            snapshot = None
-            if method == "fit" and self.rank == 0:
-                snapshot = _Snapshots(state, payload["state"], payload["epoch_weights"], clock)
-            reload = None
-            if snapshot is not None:  # the parent's callbacks set the model's state
-                def reload(model):
-                    _load_state(model, state.read(0), payload["state"])
-            result = _torch_rank.run(replica, self.ctx, method, kwargs, seed=payload["seed"],
-                                     hooks=payload["hooks"], relay=self.relay,
-                                     snapshot=snapshot, reload=reload,
-                                     reset_states=payload.get("reset_states", False))
-            clock(method)
+            kwargs = data.receive(call.kwargs)
+            snapshot = reload = None
+            if call.method == "fit" and self.rank == 0:
+                snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
+
+                def reload(model):  # the driver's callbacks set the model's state
+                    replicas.load_arrays(model, state.read(0), call.layout)
+
+            result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
+                           relay=self.relay, snapshot=snapshot, reload=reload,
+                           reset_states=call.reset_states)
+            clock(call.method)
             clock.report()
             # this rank's stateful RNN rows go back to the user's model, like the weights
-            return {"result": result, "states": _torch_rank.state_rows(replica)}
+            return RankResult(result, s.state_rows(replica))
         finally:
             state.close()
-
-
-class _Clock:
-    """KMGPU_TORCH_TIMING=1: rank 0 prints where a call's time went."""
-
-    def __init__(self, on):
-        self.on, self.t, self.parts = bool(on), time.perf_counter(), {}
-
-    def __call__(self, name, since=None):
-        now = time.perf_counter()
-        self.parts[name] = self.parts.get(name, 0.0) + now - (since or self.t)
-        if since is None:
-            self.t = now
-
-    def report(self):
-        if self.on:
-            print("kmgpu worker timing: " + ", ".join(f"{k} {v:.3f}s"
-                                                     for k, v in self.parts.items()),
-                  flush=True)
 
 
 class _Snapshots:
     """Rank 0's state into the state file's snapshot slots, when it is worth it.
 
-    Always at the end of training and when the parent's callbacks will look at
+    Always at the end of training and when the driver's callbacks will look at
     the weights after this epoch; otherwise at an epoch end only once the time
     since the last snapshot is 20x what one costs (so at most ~5% of the time),
     which still leaves an interrupted fit the state of a recent epoch end.
     """
 
-    def __init__(self, state, info, every_epoch, clock):
-        self.state, self.info, self.every_epoch, self.clock = state, info, every_epoch, clock
+    def __init__(self, state, layout, every_epoch, clock):
+        self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
         self.seq, self.cost, self.last = 0, 0.0, None
 
     def __call__(self, model, epoch):
+        from kmgpu.engines.torch import replicas
+
         now = time.perf_counter()
         if (epoch != -1 and not self.every_epoch and self.last is not None
                 and now - self.last < 20 * self.cost):
             return
         self.seq += 1
-        self.state.write(1 + self.seq % 2, _state_arrays(model, self.info), seq=self.seq,
-                         epoch=epoch)
+        self.state.write(1 + self.seq % 2, replicas.model_arrays(model, self.layout),
+                         seq=self.seq, epoch=epoch)
         self.last = time.perf_counter()
         self.cost = self.last - now
         self.clock("snapshots", since=now)
-
-
-def _compile(replica, compile_config, lr_scale):
-    """``compile_from_config``, with a LearningRateSchedule scaled as kmgpu.lr says."""
-    import keras
-    from keras.src.saving import serialization_lib
-
-    config = serialization_lib.deserialize_keras_object(compile_config)
-    optimizer = config.get("optimizer")
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
-    factor, warmup_steps = lr_scale
-    if (factor != 1.0 or warmup_steps) and isinstance(
-            getattr(optimizer, "_learning_rate", None),
-            keras.optimizers.schedules.LearningRateSchedule):
-        from kmgpu import lr
-
-        optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
-                                                    warmup_steps)
-    config["optimizer"] = optimizer
-    replica.compile(**config)
-
-
-def _load_state(replica, arrays, info):
-    from kmgpu import models
-
-    nw, no = info["n_weights"], info["n_optimizer"]
-    replica.set_weights(arrays[:nw])
-    opt = getattr(replica, "optimizer", None)
-    if no and opt is not None:
-        if not opt.built:
-            opt.build(replica.trainable_variables)
-        variables = models.optimizer_state(opt)
-        if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
-            for v, a in zip(variables, arrays[nw:nw + no]):
-                v.assign(a)
-    if info["has_lr"] and opt is not None:
-        opt._learning_rate.assign(arrays[-1])
-
-
-def _state_arrays(model, info):
-    from kmgpu import models
-
-    arrays = model.get_weights()
-    if info["n_optimizer"]:
-        arrays += [v.numpy() for v in models.optimizer_state(model.optimizer)]
-    if info["has_lr"]:
-        arrays.append(model.optimizer._learning_rate.numpy())
-    return arrays

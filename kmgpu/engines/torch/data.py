@@ -1,0 +1,339 @@
+"""The user's data on the torch ranks: what is accepted, how it travels, how it is cut.
+
+Driver side: ``check`` refuses what the ranks cannot slice, ``ship`` turns a call's
+data into files for the pool's workers (``transport.CallFiles``), ``as_numpy`` keeps
+it in-process under torchrun, ``assemble`` puts the ranks' predictions back in order.
+
+Rank side: every rank sees the full arrays (memory-mapped in a pool worker, the
+script's own arrays under torchrun) and feeds Keras a ``keras.utils.PyDataset``
+(``RankSlices``) that yields, for global batch ``s``, the rank's contiguous slice
+of it (sizes differ by at most one row). Every rank therefore runs the same number
+of steps. A rank whose slice of a small last batch is empty gets one stand-in row
+and a weight of zero, so it still joins every collective.
+
+One rule says what a dataset is here (``is_dataset``): a ``keras.utils.PyDataset``.
+Everything else must be arrays (NumPy, torch tensors, or lists/dicts of them).
+"""
+
+import math
+import pickle
+
+import keras
+import numpy as np
+
+from kmgpu.engines.torch import transport
+
+#: the call arguments that hold data
+DATA_KEYS = ("x", "y", "sample_weight", "validation_data")
+#: a PyDataset is pickled to the workers up to this size; else read here and stored
+PICKLE_LIMIT = 16 << 20
+
+
+def is_dataset(x):
+    """True for a ``keras.utils.PyDataset`` (which the ranks index batch by batch)."""
+    return isinstance(x, keras.utils.PyDataset)
+
+
+def _is_array_like(x):
+    if x is None or isinstance(x, np.ndarray) or hasattr(x, "__array__"):
+        return True
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        return True
+    if isinstance(x, (list, tuple, dict)):
+        return all(_is_array_like(leaf) or np.isscalar(leaf) for leaf in keras.tree.flatten(x))
+    return False
+
+
+def check(name, x):
+    """Raise TypeError unless ``x`` is arrays or a PyDataset (what the ranks can slice)."""
+    if is_dataset(x) or _is_array_like(x):
+        return
+    raise TypeError(
+        f"kmgpu (torch): {name} is a {type(x).__name__}. kmgpu's torch workers take NumPy "
+        "arrays (or torch tensors, lists/dicts of them) or a keras.utils.PyDataset, which "
+        "each worker slices batch by batch. Convert the data to arrays, wrap it in a "
+        "PyDataset, or run the script under torchrun (each process then passes its data)."
+    )
+
+
+# -- driver side ----------------------------------------------------------------------
+def nbytes(kwargs):
+    """About how many bytes of arrays a call's data holds (datasets not counted)."""
+    total = 0
+    for key in DATA_KEYS:
+        value = kwargs.get(key)
+        if value is None or isinstance(value, bytes) or is_dataset(value):
+            continue
+        try:
+            for leaf in keras.tree.flatten(value):
+                total += int(getattr(leaf, "nbytes", 0) or 0)
+        except Exception:
+            pass
+    return total
+
+
+def ship(kwargs, files):
+    """A call's keyword arguments for the pool's workers.
+
+    Args:
+        kwargs: Keras's keyword arguments of the call.
+        files: the call's ``transport.CallFiles``.
+
+    Returns:
+        The same arguments with arrays as files and a PyDataset pickled (or stored).
+    """
+    out = dict(kwargs)
+    for key in DATA_KEYS:
+        value = kwargs.get(key)
+        if value is None:
+            continue
+        check(key, value)
+        if is_dataset(value):
+            out[key] = _ship_dataset(value, files)
+        else:
+            out[key] = files.put(tuple(value) if key == "validation_data" else value)
+    return out
+
+
+def _ship_dataset(dataset, files):
+    """A PyDataset for the workers: pickled (by reference, or by value with
+    cloudpickle) when that works and is small; else read here once and stored as
+    memory-mapped arrays (``StoredBatches``)."""
+    try:
+        blob = transport.dumps(dataset)
+        if len(blob) <= PICKLE_LIMIT:
+            return blob
+    except Exception:
+        pass
+    batches = []
+    for i in range(len(dataset)):
+        batch = dataset[i]
+        batches.append(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
+    bounds = [0]
+    for batch in batches:
+        bounds.append(bounds[-1] + int(keras.tree.flatten(batch[0])[0].shape[0]))
+    parts = keras.tree.map_structure(
+        lambda *leaves: None if leaves[0] is None else np.concatenate(
+            [transport.as_array(leaf) for leaf in leaves]), *batches)
+    return pickle.dumps(StoredBatches(files.put(parts), bounds))
+
+
+def receive(kwargs):
+    """In a worker: the call's arguments as ``ship`` sent them, ready for Keras."""
+    kwargs = transport.resolve(kwargs)
+    for key in ("x", "validation_data"):
+        if isinstance(kwargs.get(key), bytes):
+            kwargs[key] = pickle.loads(kwargs[key])
+    return kwargs
+
+
+def as_numpy(value):
+    """In-process: torch tensors / array-likes as NumPy (a PyDataset untouched)."""
+    if value is None or is_dataset(value):
+        return value
+    check("data", value)
+    return keras.tree.map_structure(transport.as_array, value)
+
+
+def assemble(pieces):
+    """Predictions in input order from every rank's ``messages.Predictions``."""
+    n = sum(len(p.positions) for p in pieces)
+    first = pieces[0].outputs
+    flats = [keras.tree.flatten(p.outputs) for p in pieces]
+    outputs = []
+    for j, leaf in enumerate(flats[0]):
+        leaf = np.asarray(leaf)
+        full = np.empty((n,) + leaf.shape[1:], leaf.dtype)
+        for p, flat in zip(pieces, flats):
+            full[p.positions] = flat[j]
+        outputs.append(full)
+    return keras.tree.pack_sequence_as(first, outputs)
+
+
+# -- rank side ------------------------------------------------------------------------
+def split(n, world, rank):
+    """Rows [lo, hi) of ``n`` that ``rank`` of ``world`` takes (contiguous, near-even)."""
+    q, rem = divmod(n, world)
+    lo = rank * q + min(rank, rem)
+    return lo, lo + q + (1 if rank < rem else 0)
+
+
+def num_rows(structure):
+    """The number of rows of a data structure (its first leaf's first axis)."""
+    leaves = [leaf for leaf in keras.tree.flatten(structure) if leaf is not None]
+    return int(leaves[0].shape[0]) if leaves else 0
+
+
+class ArraySource:
+    """Full arrays (x, y, sample_weight structures) cut into global batches."""
+
+    def __init__(self, x, y=None, sample_weight=None):
+        self.parts = tuple(p for p in (x, y, sample_weight))
+        while len(self.parts) > 1 and self.parts[-1] is None:
+            self.parts = self.parts[:-1]
+        self.n = num_rows(x)
+
+    def num_batches(self, batch_size):
+        return math.ceil(self.n / batch_size)
+
+    def batch(self, s, batch_size, order):
+        """The rows of global batch ``s``: a slice, or indices when shuffled."""
+        lo, hi = s * batch_size, min(self.n, (s + 1) * batch_size)
+        return (slice(lo, hi) if order is None else order[lo:hi]), hi - lo
+
+    def take(self, rows):
+        return keras.tree.map_structure(
+            lambda a: None if a is None else np.ascontiguousarray(a[rows]), self.parts
+        )
+
+
+class DatasetSource:
+    """A user's ``keras.utils.PyDataset``: its batches are the global batches."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def num_batches(self, batch_size):
+        return len(self.dataset)
+
+    def batch(self, s, batch_size, order):
+        index = s if order is None else int(order[s])
+        data = self.dataset[index]
+        if isinstance(data, np.ndarray) or not isinstance(data, (tuple, list)):
+            data = (data,)
+        self._data = tuple(data)
+        return slice(0, num_rows(self._data[0])), num_rows(self._data[0])
+
+    def take(self, rows):
+        return keras.tree.map_structure(
+            lambda a: None if a is None else np.ascontiguousarray(np.asarray(a)[rows]),
+            self._data,
+        )
+
+
+def source_of(x, y=None, sample_weight=None):
+    """The global batches of a call's data: a DatasetSource or an ArraySource."""
+    if is_dataset(x):
+        return DatasetSource(x)
+    return ArraySource(x, y, sample_weight)
+
+
+class StoredBatches(keras.utils.PyDataset):
+    """A user's PyDataset the driver read once and stored as arrays and batch bounds
+    (for datasets that cannot be pickled to the workers)."""
+
+    def __init__(self, parts, bounds):
+        super().__init__()
+        self.parts, self.bounds = parts, list(bounds)
+        self._loaded = False
+
+    def __len__(self):
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i):
+        if not self._loaded:
+            self.parts, self._loaded = transport.resolve(self.parts), True
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        return keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], self.parts)
+
+
+class RankSlices(keras.utils.PyDataset):
+    """This rank's contiguous slice of every global batch, as a Keras PyDataset.
+
+    ``current`` is (real rows here, rows in the global batch) of the batch handed
+    out last; Keras's torch trainer fetches a batch right before it runs the step
+    on it (no prefetch with ``workers=1``), so the step reads it from here.
+
+    Args:
+        source: an ArraySource or DatasetSource.
+        batch_size: the global batch (ignored by a DatasetSource).
+        rank: this rank.
+        world: the number of ranks.
+        shuffle: False, True, or "batch"; the permutation is the same on every rank.
+        seed: the shuffling seed (the same on every rank).
+    """
+
+    def __init__(self, source, batch_size, rank, world, shuffle=False, seed=0):
+        super().__init__()
+        self.source, self.batch_size = source, batch_size
+        self.rank, self.world = rank, world
+        self.shuffle, self.seed = shuffle, seed
+        self.current = (0, 0)
+        self._passes = 0
+        self._order = None
+        self._len = source.num_batches(batch_size)
+
+    def __len__(self):
+        return self._len
+
+    def on_epoch_begin(self):
+        self._passes += 1
+
+    def _new_order(self):
+        # The same permutation on every rank: the seed is shared, not per rank.
+        rng = np.random.default_rng([self.seed, self._passes])
+        if isinstance(self.source, DatasetSource) or self.shuffle == "batch":
+            if isinstance(self.source, DatasetSource):
+                return rng.permutation(self._len)
+            blocks = rng.permutation(self._len)
+            return np.concatenate([
+                np.arange(b * self.batch_size, min(self.source.n, (b + 1) * self.batch_size))
+                for b in blocks
+            ])
+        return rng.permutation(self.source.n)
+
+    def steps_rows(self, s):
+        """(lo, hi) within the global batch ``s`` for this rank, and its size."""
+        _, n_global = self._global(s)
+        return split(n_global, self.world, self.rank), n_global
+
+    def _global(self, s):
+        return self.source.batch(s, self.batch_size, self._order)
+
+    def __getitem__(self, s):
+        if s == 0 and self.shuffle:
+            self._order = self._new_order()
+        rows, n_global = self._global(s)
+        lo, hi = split(n_global, self.world, self.rank)
+        n_real = hi - lo
+        if n_real == 0:  # stand-in row, weight 0: the rank still joins the collectives
+            lo, hi = 0, 1
+        if isinstance(rows, slice):
+            local = slice(rows.start + lo, rows.start + hi)
+        else:
+            local = rows[lo:hi]
+        self.current = (n_real, n_global)
+        return self.source.take(local)
+
+
+def predict_positions(n, batch_size, world, rank, steps):
+    """Where this rank's predict rows go in the output, and which of them are real.
+
+    Returns:
+        (keep: bool array over the rows this rank predicted, positions: int array).
+    """
+    keep, where = [], []
+    for s in range(steps):
+        g_lo = s * batch_size
+        n_global = min(n, g_lo + batch_size) - g_lo
+        lo, hi = split(n_global, world, rank)
+        if hi > lo:
+            keep.append(np.ones(hi - lo, bool))
+            where.append(np.arange(g_lo + lo, g_lo + hi))
+        else:
+            keep.append(np.zeros(1, bool))
+    return np.concatenate(keep), (np.concatenate(where) if where else np.zeros(0, int))
+
+
+def dataset_positions(slices, steps):
+    """``predict_positions`` for a PyDataset (batch sizes read from ``slices``)."""
+    keep, where, offset = [], [], 0
+    for s in range(steps):
+        (lo, hi), n_global = slices.steps_rows(s)
+        if hi > lo:
+            keep.append(np.ones(hi - lo, bool))
+            where.append(np.arange(offset + lo, offset + hi))
+        else:
+            keep.append(np.zeros(1, bool))
+        offset += n_global
+    return np.concatenate(keep), (np.concatenate(where) if where else np.zeros(0, int))

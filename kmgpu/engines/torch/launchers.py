@@ -1,0 +1,369 @@
+"""How the torch ranks' processes come to exist, and how a call and its state reach them.
+
+As Lightning Fabric keeps launchers apart from strategies, the torch engine holds one
+launcher; what each rank runs is ``strategy.DDPStrategy`` either way.
+
+- ``PoolLauncher``: kmgpu starts one worker process per device (gloo on CPU and
+  simulated devices, NCCL on GPUs) and reuses it between calls and engines
+  (``pool.WorkerPool``). The model travels as config, the data once as
+  memory-mapped files, the state through the pool's state file; rank 0's
+  progress bar streams to this process's stdout.
+- ``InProcessLauncher``: torchrun (or ``kmgpu launch``, or the user's own
+  ``init_process_group``) already started this process as one rank. DDP runs
+  here; every process passes the same full data; the user's callbacks run on
+  rank 0 only and every rank returns the same History, metrics and predictions.
+
+``choose`` picks one; the engine drives both through the same methods.
+"""
+
+import abc
+import atexit
+import dataclasses
+import datetime
+import os
+import sys
+
+from kmgpu import models
+from kmgpu.engines.torch import collectives, data, relay, replicas, transport
+from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
+from kmgpu.engines.torch.pool import WorkerPool, start_method
+from kmgpu.engines.torch.strategy import DDPStrategy
+
+_SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
+MAX_POOLS = 2  # live pools kept; the least recently used beyond that is closed
+
+
+def in_distributed_job():
+    """True when this process is one rank of a job (torch.distributed or torchrun env)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    env = os.environ
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def choose(device_ids, available, sync_batchnorm):
+    """The launcher for this process: in-process inside a distributed job, else a pool.
+
+    Args:
+        device_ids: indices into ``available`` of the devices asked for.
+        available: [(kind, index), ...] from the backend's runtime.
+        sync_batchnorm: the option (an in-process rank prepares its replica with it).
+
+    Returns:
+        An InProcessLauncher or a PoolLauncher.
+    """
+    if in_distributed_job():
+        return InProcessLauncher(sync_batchnorm)
+    return PoolLauncher(device_ids, available)
+
+
+def close_pools():
+    """Close every worker pool (engines start a new one when next needed)."""
+    while _SHARED_POOLS:
+        _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
+
+
+class Launcher(abc.ABC):
+    """How ranks are started and reached: what the torch engine asks of it.
+
+    Attributes:
+        name: what runs the ranks, in words (for describe()).
+        device_ids, device_names: the replicas' devices.
+        is_interactive_compatible: works from a notebook or REPL.
+        runs_callbacks: this process runs the user's callbacks.
+    """
+
+    name = "?"
+    is_interactive_compatible = False
+    runs_callbacks = True
+
+    @abc.abstractmethod
+    def launch(self, call, template, driver, clock):
+        """Run ``call`` on every rank, from ``template``'s current state.
+
+        Args:
+            call: a ``messages.Call`` (its data as the user passed it).
+            template: the user's model: its weights, optimizer state and state rows
+                go to the ranks first.
+            driver: the ``relay.CallbackDriver`` answering rank 0's events.
+            clock: a ``timing.Clock`` to mark the call's parts on.
+
+        Returns:
+            One ``RankResult`` per rank, rank order. For fit and evaluate, the first
+            one's result is the call's (the same on every rank).
+        """
+
+    @abc.abstractmethod
+    def load_state(self, template):
+        """Put the ranks' latest consistent state (rank 0's) into ``template``; a
+        no-op before this call's state reached the ranks."""
+
+    @abc.abstractmethod
+    def push_state(self, template):
+        """Send ``template``'s state to the ranks during a call (the callbacks set it)."""
+
+    def end_call(self, failed):
+        """The call is over (``failed``: it raised); free what it held."""
+
+    @abc.abstractmethod
+    def rank_weights(self):
+        """Every rank's replica weights, rank order (for tests)."""
+
+    def worker_pids(self):
+        """The worker processes' ids (none in-process)."""
+        return []
+
+    def close(self):
+        """Free the processes and files (or leave the process group)."""
+
+
+class PoolLauncher(Launcher):
+    """kmgpu's worker pool: one process per device, shared by engines on the same devices.
+
+    Args:
+        device_ids: indices into ``available`` of the devices.
+        available: [(kind, index), ...].
+    """
+
+    is_interactive_compatible = True  # workers stream to the running cell
+
+    def __init__(self, device_ids, available):
+        kinds = [available[i] for i in device_ids]
+        gpu = kinds[0][0] == "gpu"
+        self.device_ids = list(device_ids)
+        self.device_names = [f"{k}:{i}" for k, i in kinds]
+        self.torch_devices = [f"cuda:{i}" if gpu else "cpu" for _, i in kinds]
+        self.backend = "nccl" if gpu else "gloo"
+        self.name = (f"torch DistributedDataParallel ({self.backend}, "
+                     f"{len(self.device_ids)} worker process(es), reused between calls)")
+        self.pool = None
+        self._files = None
+        self._state = None  # (StateFile, StateLayout) once this call's state is written
+
+    @property
+    def _key(self):
+        return (tuple(self.torch_devices), self.backend)
+
+    def _ensure_pool(self):
+        pool = _SHARED_POOLS.pop(self._key, None)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.kill()
+            while len(_SHARED_POOLS) >= MAX_POOLS:
+                _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
+            pool = WorkerPool(self.torch_devices, self.backend,
+                              _worker_settings(self.backend)).start()
+        _SHARED_POOLS[self._key] = pool  # most recently used last
+        self.pool = pool
+        return pool
+
+    def _fork_next(self):
+        """Custom objects that cannot be pickled reach workers forked after they exist."""
+        if start_method(self.torch_devices[0].startswith("cuda")) != "fork":
+            raise TypeError(
+                "kmgpu (torch): the model uses classes or functions that cannot be sent to "
+                "spawned worker processes (defined inside a function or in a notebook). "
+                "Move them to an importable module, or `pip install cloudpickle`.")
+        pool = _SHARED_POOLS.pop(self._key, None)
+        if pool is not None:
+            pool.close()  # the next pool is forked now, with the objects in memory
+
+    def launch(self, call, template, driver, clock):
+        pool = _SHARED_POOLS.get(self._key)
+        spec = None
+        if pool is None or not pool.alive() or pool.model_key != call.key:  # a new pool needs it
+            spec, inherit = replicas.model_spec(template)
+            if inherit:
+                self._fork_next()
+        pool = self._ensure_pool()
+        clock("pool")
+        self._files = transport.CallFiles(data.nbytes(call.kwargs))
+        kwargs = data.ship(call.kwargs, self._files)
+        clock("data out")
+        layout, arrays = replicas.state_of(template, with_optimizer=(call.method == "fit"))
+        state = pool.state_file(layout.arrays)
+        state.write(0, arrays)
+        self._state = (state, layout)
+        clock("state out")
+        call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
+                                   model=None if pool.model_key == call.key else spec)
+        try:
+            answers = pool.call([call] * pool.world, on_event=driver)
+        except BaseException:
+            pool.model_key = None
+            raise
+        pool.model_key = call.key
+        clock("call")
+        return answers
+
+    def load_state(self, template):
+        """The newest complete snapshot rank 0 wrote (final weights, or the last epoch's)."""
+        latest = self._state[0].latest() if self._state is not None else None
+        if latest is None:
+            return False
+        replicas.load_arrays(template, latest[0], self._state[1])
+        return True
+
+    def push_state(self, template):
+        state, layout = self._state
+        state.write(0, replicas.model_arrays(template, layout))
+
+    def end_call(self, failed):
+        files, self._files, self._state = self._files, None, None
+        if files is not None:
+            files.close()
+
+    def rank_weights(self):
+        return self.pool.call([WeightsQuery()] * self.pool.world)
+
+    def worker_pids(self):
+        return [] if self.pool is None or self.pool.closed else self.pool.pids
+
+    def close(self):
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            if _SHARED_POOLS.get(self._key) is pool:
+                del _SHARED_POOLS[self._key]
+            pool.close()
+
+
+def _worker_settings(backend):
+    import keras
+
+    from kmgpu import environment
+
+    env = {"KERAS_BACKEND": "torch"}
+    # one host: the workers talk over loopback only (the store listens on 127.0.0.1
+    # too), whatever interface the environment names for multi-host jobs
+    loopback = "lo0" if sys.platform == "darwin" else "lo"
+    env["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = loopback
+    if environment.simulated_count():
+        env[environment.SIMULATE_ENV] = str(environment.simulated_count())
+    config = {
+        "floatx": keras.config.floatx(),
+        "epsilon": keras.config.epsilon(),
+        "image_data_format": keras.config.image_data_format(),
+        "dtype_policy": keras.config.dtype_policy().name,
+    }
+    return {"env": env, "keras_config": config, "sync_batchnorm": False}
+
+
+class InProcessLauncher(Launcher):
+    """This process is already one rank (torchrun, ``kmgpu launch``, or the user's own
+    process group): nothing to start; the replica lives here.
+
+    Joins the group from torchrun's variables when the user has not (and then leaves
+    it together at exit: barrier, destroy). Keeps one replica between calls.
+
+    Args:
+        sync_batchnorm: compute BatchNormalization moments over the global batch.
+    """
+
+    def __init__(self, sync_batchnorm):
+        import torch
+        import torch.distributed as dist
+
+        from kmgpu import environment
+
+        self._owns_group, self._group_broken = False, False
+        gpu = torch.cuda.is_available() and not environment.simulated_count()
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if gpu else "gloo", init_method="env://")
+            self._owns_group = True
+            atexit.register(self._end_group)  # no gloo/NCCL abort at exit
+        self.backend = dist.get_backend()
+        world = dist.get_world_size()
+        kind = "gpu" if gpu else "cpu"
+        self.device_ids = list(range(world))
+        self.device_names = [f"{kind}:{r}" for r in range(world)]
+        self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
+                     f"{dist.get_rank()} of {world})")
+        device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+        self.strategy = DDPStrategy(device, sync_batchnorm)
+        self.runs_callbacks = self.strategy.rank == 0
+        self.replica, self._built_key = None, None
+        self._live = False  # the replica holds this call's state
+
+    def _replica_for(self, call, template):
+        if self.replica is None or call.key != self._built_key:
+            fixed = models.fixed_batch(template)
+            replica = (models.clone(template) if fixed is None
+                       else models.clone_at(template, fixed // self.strategy.world))
+            if template.compiled:
+                replica.compile(**models.compile_args(template, call.lr_scale))
+            self.replica, self._built_key = self.strategy.prepare(replica), call.key
+        return self.replica
+
+    def launch(self, call, template, driver, clock):
+        s = self.strategy
+        replica = self._replica_for(call, template)
+        self.push_state(template)
+        s.broadcast_state(replica)
+        s.write_state_rows(replica, call.rnn_states)
+        clock("replica")
+        # the others learn which hooks rank 0's callbacks take, and its shuffling seed
+        hooks, seed = collectives.broadcast_object((call.hooks, call.seed))
+        kwargs = {k: (data.as_numpy(v) if k in data.DATA_KEYS else v)
+                  for k, v in call.kwargs.items()}
+        self._live = True
+        result = s.run(replica, call.method, kwargs, seed=seed, hooks=hooks,
+                       relay=driver if s.rank == 0 else None, reset_states=call.reset_states)
+        rows = [[]] * s.world
+        if models.stateful_layers(template):  # every rank's rows, in rank order, everywhere
+            rows = collectives.all_gather_object(s.state_rows(replica))
+        if call.method == "fit":  # rank 0's History on every rank
+            record = None
+            if s.rank == 0 and driver.history is not None:
+                record = relay.record(driver.history)
+            result, record = collectives.broadcast_object((result, record))
+            if s.rank != 0 and record is not None and result is None:
+                driver.history = relay.history_from(template, record)
+        results = [result] + [None] * (s.world - 1)
+        if call.method == "predict" and not isinstance(result, Aborted):
+            results = collectives.all_gather_object(result)
+        clock("call")
+        return [RankResult(r, states) for r, states in zip(results, rows)]
+
+    def load_state(self, template):
+        if not self._live:
+            return False
+        models.copy_state(self.replica, template)
+        replicas.copy_lr(self.replica, template)
+        return True
+
+    def push_state(self, template):
+        models.copy_state(template, self.replica)
+        replicas.copy_lr(template, self.replica)
+
+    def end_call(self, failed):
+        self._live = False
+        # A rank that failed may have left its peers inside a collective: a barrier
+        # at exit would keep this process (and its sockets) alive, and they would
+        # wait on it. Ending without one lets them fail too.
+        self._group_broken |= failed
+
+    def rank_weights(self):
+        return collectives.all_gather_object(self.replica.get_weights())
+
+    def close(self):
+        self._end_group()
+
+    def _end_group(self):
+        """The group kmgpu started under torchrun: leave it together (barrier, destroy)."""
+        if self._owns_group:
+            import torch.distributed as dist
+
+            self._owns_group = False
+            if dist.is_initialized() and not self._group_broken:
+                try:  # bounded: after a peer died, a plain barrier can wait for 30 min
+                    if dist.get_backend() == "gloo":
+                        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+                    else:
+                        dist.barrier()
+                    dist.destroy_process_group()
+                except RuntimeError:
+                    pass  # a peer is gone: this process is ending anyway

@@ -1,0 +1,213 @@
+"""What travels between the driver (the process that called ``fit``) and the torch ranks.
+
+Typed records instead of dicts and tuples. A worker of kmgpu's pool receives them
+on its pipe (pickled by ``multiprocessing``); under torchrun the same records are
+passed in-process. Plain data only: nothing here imports Keras or torch.
+
+Driver -> worker: ``Port`` (rendezvous), ``Call``, ``WeightsQuery``, ``Reply``, ``Exit``.
+Worker -> driver: ``Port`` (rank 0), ``Ready``, ``Event``, ``Done``, ``Failed``.
+What the driver notes about a worker itself: ``Died``, ``TimedOut``.
+What a call returns per rank: ``RankResult`` holding ``None`` (fit), evaluate's value,
+``Predictions`` or ``Aborted``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+#: written by a worker to its output pipe at the end of every call
+END_MARK = b"\x1e\x1fkmgpu-call-end\x1f\x1e"
+
+
+# -- what describes a model and its state ---------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as config, for a worker to re-create it (``replicas.build``).
+
+    ``custom_objects`` is the pickled {name: class or function} the configs need,
+    or None when they could not be pickled: forked workers then inherit them
+    (``transport.INHERITED``).
+    """
+
+    config: dict
+    build_config: Optional[dict]
+    compile_config: Optional[dict]
+    custom_objects: Optional[bytes]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How a model's state is laid out as a flat list of arrays (``replicas.state_of``).
+
+    The list is the model's weights, then ``n_optimizer`` optimizer state variables,
+    then the learning rate when ``has_lr`` (a rate held in a variable).
+    """
+
+    arrays: tuple  # ((shape, dtype str), ...), one per array
+    n_weights: int
+    n_optimizer: int
+    has_lr: bool
+
+
+# -- driver -> worker -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Port:
+    """The rendezvous port: rank 0 -> driver, then driver -> every other rank."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``fit`` / ``evaluate`` / ``predict`` call, the same for every rank.
+
+    Args:
+        method: "fit", "evaluate" or "predict".
+        key: what the rank's cached replica must match (``replicas.replica_key``).
+        kwargs: Keras's keyword arguments, global batch sizes, without callbacks
+            (the pool replaces arrays by ``transport.Leaf`` files).
+        seed: the shuffling seed (the same on every rank).
+        sync_batchnorm: BatchNormalization moments over the global batch.
+        lr_scale: (factor, warmup_steps) for a LearningRateSchedule.
+        hooks: the hooks the user's callbacks implement (relayed to the driver).
+        epoch_weights: rank 0 saves its state at every epoch end (a callback reads it).
+        rnn_states: the template's stateful RNN states, all B rows each.
+        reset_states: zero the states now and at every epoch start.
+        model: the model for a worker that has no replica for ``key`` yet.
+        state_path: the pool's ``transport.StateFile``; slot 0 holds the state in.
+        layout: the arrays in that file.
+    """
+
+    method: str
+    key: Any
+    kwargs: dict
+    seed: int
+    sync_batchnorm: bool
+    lr_scale: tuple
+    hooks: tuple
+    epoch_weights: bool
+    rnn_states: list
+    reset_states: bool
+    model: Optional[ModelSpec] = None
+    state_path: Optional[str] = None
+    layout: Optional[StateLayout] = None
+
+
+@dataclass(frozen=True)
+class WeightsQuery:
+    """For tests: every rank answers with its replica's weights."""
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Leave the process group and end the process."""
+
+
+# -- callbacks: rank 0 -> driver and back ---------------------------------------------
+@dataclass(frozen=True)
+class Event:
+    """A callback hook on rank 0, for the user's callbacks on the driver (``relay``)."""
+
+    hook: str
+    index: Optional[int]  # the batch or epoch; None for begin/end hooks
+    logs: Any
+    params: dict
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The driver's answer to an Event; every rank applies it at the same point.
+
+    Args:
+        stop: a callback set ``model.stop_training``.
+        lr: the learning rate the callbacks left (None: not a variable).
+        abort: a callback raised; every rank leaves the call.
+        reload: the callbacks changed the model's state (BackupAndRestore): load it.
+        initial_epoch: the epoch fit resumes from, when a callback set one.
+        logs: the logs as the callbacks left them (for rank 0's progress bar).
+    """
+
+    stop: bool = False
+    lr: Optional[float] = None
+    abort: bool = False
+    reload: bool = False
+    initial_epoch: Optional[int] = None
+    logs: Any = None
+
+
+# -- worker -> driver -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The worker joined the process group."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """A call (or query) ended; ``value`` is a RankResult (or a weights list)."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker raised; it exits after sending this.
+
+    Args:
+        exception: the pickled exception, or None when it does not pickle.
+        traceback: the formatted traceback.
+        collective: it failed inside a collective (likely another rank's fault).
+    """
+
+    exception: Optional[bytes]
+    traceback: str
+    collective: bool
+
+
+@dataclass(frozen=True)
+class Died:
+    """Noted by the driver: the worker ended without answering."""
+
+    exitcode: Optional[int]
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """Noted by the driver: the worker did not answer in time."""
+
+
+# -- what a call returns --------------------------------------------------------------
+@dataclass(frozen=True)
+class Aborted:
+    """A user callback raised; every rank left the call at the same hook."""
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """One rank's predictions and where their rows go in the output."""
+
+    positions: Any  # int array
+    outputs: Any    # Keras's predict output structure, this rank's real rows only
+
+
+@dataclass
+class RankResult:
+    """One rank's answer to a Call.
+
+    Args:
+        result: fit: None; evaluate: Keras's return value (summed over ranks);
+            predict: Predictions; or Aborted.
+        states: this rank's stateful RNN state rows (empty list: none).
+    """
+
+    result: Any = None
+    states: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class HistoryRecord:
+    """A ``keras.callbacks.History``'s content, to send to other ranks."""
+
+    history: dict
+    params: dict
+    epoch: list

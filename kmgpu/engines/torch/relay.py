@@ -1,0 +1,254 @@
+"""The user's callbacks run once, on the driver, from events rank 0 relays.
+
+Both ends of one protocol:
+
+- rank side, ``SyncCallback``: the one callback every rank runs. At each hook the
+  user's callbacks implement, rank 0 sends an ``Event`` (hook, index, logs,
+  params) through ``relay`` and gets a ``Reply``; it broadcasts the reply, and
+  every rank applies it at the same point (stop, learning rate, abort, reload).
+- driver side, ``CallbackDriver``: runs the user's callbacks with the user's own
+  model, in the process that called ``fit`` (the pool's driver, or rank 0 under
+  torchrun), and answers each Event.
+
+Only the hooks the user's callbacks implement cost a collective.
+"""
+
+import keras
+import torch
+import torch.distributed as dist
+
+from kmgpu.engines.torch import keras_fixes
+from kmgpu.engines.torch.messages import Event, HistoryRecord, Reply
+
+TRAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+               "on_train_batch_begin", "on_train_batch_end")
+TEST_HOOKS = ("on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end")
+PREDICT_HOOKS = ("on_predict_begin", "on_predict_end", "on_predict_batch_begin",
+                 "on_predict_batch_end")
+_ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
+
+
+def implemented_hooks(callbacks):
+    """The hooks the user's callbacks implement (Keras's own ``is_default`` test).
+
+    Returns:
+        A set of hook names (``on_batch_*`` aliases as ``on_train_batch_*``).
+    """
+    out = set()
+    for cb in callbacks or []:
+        for hook in TRAIN_HOOKS + TEST_HOOKS + PREDICT_HOOKS + tuple(_ALIASES):
+            method = getattr(cb, hook, None)
+            if method is not None and not keras_fixes.is_default(method):
+                out.add(_ALIASES.get(hook, hook))
+    return out
+
+
+class Abort(Exception):
+    """A user callback raised (on the driver): every rank leaves the call at the same
+    point, so the pool stays usable."""
+
+
+def plain_logs(logs):
+    """Logs as plain Python numbers and NumPy arrays (picklable, device-free)."""
+    if not logs:
+        return logs
+    return keras.tree.map_structure(
+        lambda v: keras.ops.convert_to_numpy(v) if hasattr(v, "shape") and v.shape else v,
+        keras_fixes.pythonify_logs(logs),
+    )
+
+
+def record(history):
+    """A History's content, to send to other ranks (``HistoryRecord``)."""
+    return HistoryRecord(history.history, history.params, history.epoch)
+
+
+def history_from(template, rec):
+    """A ``keras.callbacks.History`` on ``template`` holding a HistoryRecord's content."""
+    history = keras.callbacks.History()
+    history.set_model(template)
+    history.history, history.params, history.epoch = rec.history, rec.params, rec.epoch
+    template.history = history
+    return history
+
+
+# -- rank side ------------------------------------------------------------------------
+class SyncCallback(keras.callbacks.Callback):
+    """The one callback every rank runs: the user's callbacks run elsewhere, once.
+
+    On rank 0, ``snapshot`` saves the replica's state at every epoch end and at the
+    end of training, before the hook is relayed, so the user's model holds the
+    current weights when its callbacks look at it.
+
+    Args:
+        rank: this rank.
+        device: the rank's torch device (for the reply's broadcast).
+        relayed: the hooks to relay (the same on every rank).
+        relay: on rank 0, ``relay(Event) -> Reply``.
+        snapshot: on rank 0, ``snapshot(model, epoch)`` (epoch -1: end of training).
+        reload: ``reload(model)`` on every rank when the reply says the driver's
+            callbacks changed the model's state (it loads and broadcasts it).
+    """
+
+    def __init__(self, rank, device, relayed=(), relay=None, snapshot=None, reload=None):
+        super().__init__()
+        self.rank, self.device = rank, device
+        self.relayed, self.relay, self.snapshot = set(relayed), relay, snapshot
+        self.reload = reload
+        hooks = set(self.relayed)
+        if snapshot is not None:
+            hooks |= {"on_epoch_end", "on_train_end"}
+        for hook in hooks:
+            setattr(self, hook, self._bind(hook))
+
+    def _bind(self, hook):
+        def call(*args, **kwargs):
+            self._event(hook, *args, **kwargs)
+
+        return call
+
+    def _lr(self):
+        opt = getattr(self.model, "optimizer", None)
+        lr = getattr(opt, "_learning_rate", None)
+        return lr if isinstance(lr, keras.Variable) else None
+
+    def _event(self, hook, *args, **kwargs):
+        indexed = "batch" in hook or "epoch" in hook
+        index = args[0] if indexed and args else None
+        rest = args[1:] if indexed else args
+        logs = rest[0] if rest else kwargs.get("logs")
+        if self.snapshot is not None and self.rank == 0 and hook in ("on_epoch_end",
+                                                                     "on_train_end"):
+            self.snapshot(self.model, index if hook == "on_epoch_end" else -1)
+        if hook not in self.relayed:
+            return
+        # stop, has lr, lr, abort, reload the state, initial epoch (-1: None)
+        values = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
+        if self.rank == 0:
+            reply = self.relay(Event(hook, index, plain_logs(logs), dict(self.params or {})))
+            values[0] = float(bool(reply.stop))
+            if reply.lr is not None:
+                values[1], values[2] = 1.0, float(reply.lr)
+            values[3] = float(bool(reply.abort))
+            values[4] = float(bool(reply.reload))
+            if reply.initial_epoch is not None:
+                values[5] = float(reply.initial_epoch)
+            if isinstance(logs, dict) and isinstance(reply.logs, dict):
+                logs.update(reply.logs)  # what the callbacks added, for the progress bar
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.broadcast(t, 0)
+        stop, has_lr, lr_value, abort, reload, initial_epoch = t.tolist()
+        if abort:
+            raise Abort(hook)
+        if hook == "on_train_begin":
+            # what the user's callbacks set on their model (BackupAndRestore: the
+            # restored weights and optimizer state, and the epoch to resume from)
+            self.model._initial_epoch = int(initial_epoch) if initial_epoch >= 0 else None
+            if reload and self.reload is not None:
+                self.reload(self.model)
+        if hook in TRAIN_HOOKS:
+            self.model.stop_training = bool(stop)
+        lr = self._lr()
+        if has_lr and lr is not None:
+            lr.assign(lr_value)
+
+
+# -- driver side ----------------------------------------------------------------------
+def _weight_free(callback):
+    """Callbacks known to read only logs and the learning rate, never the weights."""
+    cbs = keras.callbacks
+    if isinstance(callback, cbs.EarlyStopping):
+        return not callback.restore_best_weights
+    if isinstance(callback, (cbs.History, cbs.ProgbarLogger, cbs.CSVLogger,
+                             cbs.LearningRateScheduler, cbs.ReduceLROnPlateau,
+                             cbs.TerminateOnNaN, cbs.RemoteMonitor)):
+        return True
+    return type(callback).__module__ == "kmgpu.lr"  # kmgpu's learning-rate scaling
+
+
+class CallbackDriver:
+    """Runs the user's callbacks once, with the user's own model, as rank 0 relays hooks.
+
+    Called as ``driver(event) -> Reply``. The callbacks get one logs dict in turn, as
+    in Keras's CallbackList; a fit's ``History`` comes last, so it records what they
+    added (a learning rate, say), and the reply carries the logs back so rank 0's
+    progress bar shows them too. The reply also carries whether to stop and the
+    learning rate, or ``abort`` once a callback has raised: the exception is kept in
+    ``error`` and raised by the engine after every rank has left the call, so the
+    worker pool stays usable. KeyboardInterrupt propagates: the engine then kills
+    the workers, like a Ctrl-C anywhere else in the call. Before ``on_train_end``,
+    and before ``on_epoch_end`` unless every callback is known to leave the weights
+    alone (``_weight_free``), it loads rank 0's latest state into the model, so a
+    checkpoint or early-stopping callback sees current weights.
+
+    Args:
+        callbacks: the user's callbacks (None: none, e.g. on a rank other than 0).
+        template: the user's model.
+        method: "fit", "evaluate" or "predict".
+        load_state: ``load_state()`` puts rank 0's latest state in ``template``.
+        push_state: ``push_state()`` sends ``template``'s state to the ranks.
+    """
+
+    def __init__(self, callbacks, template, method, load_state, push_state=None):
+        self.template, self.load_state, self.push_state = template, load_state, push_state
+        self.error, self.final_loaded, self._params = None, False, None
+        callbacks = list(callbacks or [])
+        hooks = implemented_hooks(callbacks)
+        family = {"fit": TRAIN_HOOKS, "evaluate": TEST_HOOKS, "predict": PREDICT_HOOKS}[method]
+        if method == "fit":  # fit's validation runs the test hooks too
+            family = family + TEST_HOOKS
+            hooks |= {"on_train_begin", "on_epoch_end"}  # the History lives here
+        hooks &= set(family)
+        # A begin hook and its end hook travel together (Keras's CallbackList counts them).
+        for prefix, hooks_of in (("on_train", TRAIN_HOOKS), ("on_test", TEST_HOOKS),
+                                 ("on_predict", PREDICT_HOOKS)):
+            if hooks & set(hooks_of):
+                hooks |= {prefix + "_begin", prefix + "_end"}
+        self.hooks = hooks
+        # Rank 0 saves a snapshot and this side loads it at every epoch end only
+        # when a callback here may look at the weights.
+        self.needs_weights = any(
+            not _weight_free(cb) and "on_epoch_end" in implemented_hooks([cb])
+            for cb in callbacks)
+        # ... and sends the model's state back to the ranks after on_train_begin when a
+        # callback may have set it there (BackupAndRestore restores weights + epoch).
+        self.may_set_weights = any(
+            not _weight_free(cb) and "on_train_begin" in implemented_hooks([cb])
+            for cb in callbacks)
+        self.callbacks = keras.callbacks.CallbackList(
+            callbacks, add_history=(method == "fit"), model=template)
+        self.history = self.callbacks._history
+
+    def __call__(self, event):
+        if self.error is not None:
+            return Reply(abort=True)
+        hook, index, params = event.hook, event.index, event.params
+        logs = dict(event.logs) if isinstance(event.logs, dict) else event.logs
+        try:
+            if params and params != self._params:
+                self.callbacks.set_params(params)
+                self._params = params
+            if hook == "on_train_end" or (hook == "on_epoch_end" and self.needs_weights):
+                self.load_state()
+                self.final_loaded = hook == "on_train_end"
+            if hook == "on_train_begin":
+                self.template.stop_training = False
+            for callback in self.callbacks.callbacks:
+                fn = getattr(callback, hook)
+                fn(logs) if index is None else fn(index, logs)
+        except KeyboardInterrupt:
+            raise  # Ctrl-C: the engine stops every worker now
+        except BaseException as e:
+            self.error = e  # the workers leave the call together; the engine raises it
+            return Reply(abort=True)
+        initial_epoch, reload = None, False
+        if hook == "on_train_begin":
+            # Keras's fit starts at model._initial_epoch when a callback set it
+            initial_epoch = getattr(self.template, "_initial_epoch", None)
+            if self.may_set_weights and self.push_state is not None:
+                self.push_state()
+                reload = True
+        lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
+        return Reply(stop=bool(getattr(self.template, "stop_training", False)),
+                     lr=float(lr.numpy()) if isinstance(lr, keras.Variable) else None,
+                     reload=reload, initial_epoch=initial_epoch, logs=logs)

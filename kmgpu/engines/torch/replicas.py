@@ -1,0 +1,245 @@
+"""The user's model (the template) and its torch replicas: what must travel between them.
+
+``kmgpu.models`` copies state between two models in one process; a pool worker's
+replica lives in another process, so here the same things become data:
+
+- ``replica_key``: whether a rank's cached replica still matches the template;
+- ``model_spec`` / ``build``: the model as config (+ compile config, custom
+  objects) on the driver, a replica made from it in a worker;
+- ``state_of`` / ``model_arrays`` / ``load_arrays``: weights, optimizer state and
+  learning rate as one flat list of arrays (the ``transport.StateFile``'s slots);
+- ``states_of`` / ``states_back``: stateful RNN rows, all B in the template, B/N
+  per rank.
+"""
+
+import json
+import pickle
+
+import keras
+import numpy as np
+
+from kmgpu import models
+from kmgpu.engines.torch import transport
+from kmgpu.engines.torch.messages import ModelSpec, StateLayout
+
+
+def replica_key(template, sync_batchnorm, lr_scale):
+    """What a rank's cached replica must match to be reused for ``template``.
+
+    ``models.identity`` (as every engine), plus what a torch replica is built with
+    (sync BatchNorm, LR scaling), the model's class and its compile config: a pool
+    outlives the template and serves every ParallelModel on its devices, so an
+    optimizer's ``id()`` may come back for another model.
+
+    Returns:
+        A picklable, comparable key.
+    """
+    compiled = (json.dumps(template.get_compile_config(), sort_keys=True, default=repr)
+                if template.compiled else None)
+    cls = f"{type(template).__module__}.{type(template).__qualname__}"
+    return (models.identity(template), cls, compiled, bool(sync_batchnorm), tuple(lr_scale))
+
+
+# -- the model as config ----------------------------------------------------------------
+def _custom_objects(template):
+    """The classes and functions outside Keras that the model's config and its
+    compile() need: its layer classes, the objects its compile arguments hold and
+    whatever registered objects its serialized configs name (schedules,
+    initializers, regularizers...)."""
+    custom = {}
+
+    def add(obj):
+        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("keras") or module == "builtins" or not callable(cls):
+            return
+        try:
+            name = keras.saving.get_registered_name(cls)
+        except Exception:
+            name = getattr(cls, "__name__", None)
+        if name:
+            custom[name] = cls
+            custom.setdefault(getattr(cls, "__name__", name), cls)
+
+    def walk(node):
+        if isinstance(node, dict):
+            module, name = node.get("module"), node.get("registered_name")
+            if isinstance(module, str) and isinstance(name, str) and \
+                    not module.startswith("keras") and name != "function":
+                obj = keras.saving.get_registered_object(name)
+                if obj is not None:
+                    add(obj)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    for layer in template._flatten_layers(include_self=True):
+        add(layer)
+    walk(keras.saving.serialize_keras_object(template))
+    if template.compiled:
+        config = template._compile_config.config
+        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
+            value = config.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            for leaf in keras.tree.flatten(value):
+                if leaf is not None and not isinstance(leaf, (str, int, float)):
+                    add(leaf)
+        walk(template.get_compile_config())
+    return custom
+
+
+def model_spec(template):
+    """The template as a ``ModelSpec`` for the workers.
+
+    Custom objects that cannot be pickled (a class defined inside a function, or in
+    a notebook without cloudpickle) are left in ``transport.INHERITED``: only
+    workers forked after this call have them.
+
+    Returns:
+        (ModelSpec, whether the workers must inherit the custom objects).
+    """
+    serialized = keras.saving.serialize_keras_object(template)
+    serialized.pop("compile_config", None)
+    custom = _custom_objects(template)
+    try:
+        blob = transport.dumps(custom)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    spec = ModelSpec(config=serialized, build_config=template.get_build_config(),
+                     compile_config=template.get_compile_config() if template.compiled
+                     else None, custom_objects=blob)
+    if blob is None:
+        transport.INHERITED["custom_objects"] = custom
+    return spec, blob is None
+
+
+def build(spec, world, lr_scale):
+    """In a worker: a compiled replica from a ModelSpec, with this rank's B/N state rows.
+
+    The model is re-created with Keras's safe mode (as ``keras.saving.load_model``).
+
+    Args:
+        spec: the ModelSpec.
+        world: the number of ranks (a stateful model is built for B/N rows).
+        lr_scale: (factor, warmup_steps) for a LearningRateSchedule.
+
+    Returns:
+        The replica (its weights come next, from the state file).
+    """
+    if spec.custom_objects is not None:
+        custom = pickle.loads(spec.custom_objects)
+    else:  # they could not be pickled: this worker was forked after they existed
+        custom = dict(transport.INHERITED["custom_objects"])
+    with keras.saving.custom_object_scope(custom):
+        replica = keras.saving.deserialize_keras_object(spec.config)
+        if not replica.built and spec.build_config:
+            replica.build_from_config(spec.build_config)
+        fixed = models.fixed_batch(replica)
+        if fixed is not None:  # this rank's B/N state rows
+            replica = models.clone_at(replica, fixed // world)
+        if spec.compile_config is not None:
+            _compile(replica, spec.compile_config, lr_scale)
+    return replica
+
+
+def _compile(replica, compile_config, lr_scale):
+    """``compile_from_config``, with a LearningRateSchedule scaled as kmgpu.lr says."""
+    from kmgpu import lr
+
+    config = keras.saving.deserialize_keras_object(compile_config)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    factor, warmup_steps = lr_scale
+    if (factor != 1.0 or warmup_steps) and lr.is_schedule(optimizer):
+        optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
+                                                    warmup_steps)
+    config["optimizer"] = optimizer
+    replica.compile(**config)
+
+
+# -- weights, optimizer state, learning rate as arrays ----------------------------------
+def _lr_variable(model):
+    lr = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
+
+
+def state_of(model, with_optimizer):
+    """``model``'s state as arrays, and their layout.
+
+    Args:
+        model: a built model (its optimizer is built here when it is not yet).
+        with_optimizer: include the optimizer's state and learning rate.
+
+    Returns:
+        (StateLayout, list of arrays).
+    """
+    opt = getattr(model, "optimizer", None)
+    n_opt, has_lr = 0, False
+    if with_optimizer and opt is not None:
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        n_opt = len(models.optimizer_state(opt))
+        has_lr = _lr_variable(model) is not None
+    n_weights = len(model.weights)  # what get_weights() returns
+    arrays = model_arrays(model, StateLayout((), n_weights, n_opt, has_lr))
+    return StateLayout(tuple((a.shape, a.dtype.str) for a in arrays), n_weights, n_opt,
+                       has_lr), arrays
+
+
+def model_arrays(model, layout):
+    """``model``'s weights (+ optimizer state and learning rate, as ``layout`` says)."""
+    arrays = list(model.get_weights())
+    if layout.n_optimizer:
+        arrays += [v.numpy() for v in models.optimizer_state(model.optimizer)]
+    if layout.has_lr:
+        arrays.append(model.optimizer._learning_rate.numpy())
+    return [np.asarray(a) for a in arrays]
+
+
+def load_arrays(model, arrays, layout):
+    """Set ``model``'s weights (+ optimizer state and learning rate) from ``arrays``.
+
+    The optimizer is built first when it is not yet; its state is left alone when
+    its variables do not match (another optimizer).
+    """
+    nw, no = layout.n_weights, layout.n_optimizer
+    model.set_weights(arrays[:nw])
+    opt = getattr(model, "optimizer", None)
+    if no and opt is not None:
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        variables = models.optimizer_state(opt)
+        if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
+            for v, a in zip(variables, arrays[nw:nw + no]):
+                v.assign(a)
+    if layout.has_lr and opt is not None:
+        opt._learning_rate.assign(arrays[-1])
+
+
+def copy_lr(src, dst):
+    """Copy the learning rate ``src``'s optimizer holds in a variable to ``dst``'s."""
+    a, b = _lr_variable(src), _lr_variable(dst)
+    if a is not None and b is not None and a is not b:
+        b.assign(a.numpy())
+
+
+# -- stateful RNN rows ------------------------------------------------------------------
+def states_of(template):
+    """The template's stateful RNN states, all B rows each (empty list: none)."""
+    return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(template)]
+
+
+def states_back(template, rows):
+    """Put every rank's stateful RNN rows, in rank order, into the template.
+
+    Args:
+        template: the user's model.
+        rows: per rank, the list of its state arrays (B/N rows each).
+    """
+    for i, v in enumerate(models.state_variables(template)):
+        v.assign(np.concatenate([r[i] for r in rows]))

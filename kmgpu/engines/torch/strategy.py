@@ -1,0 +1,375 @@
+"""What each torch rank runs: DistributedDataParallel inside Keras's own ``fit``.
+
+``DDPStrategy`` is one rank of an initialised ``torch.distributed`` group, in a pool
+worker or in a process torchrun started (the launchers decide which; nothing here
+starts processes). It turns a compiled Keras model into this rank's replica
+(``prepare``) and runs one call on this rank's share of the data (``run``).
+
+How one global batch becomes N equal steps: every rank feeds Keras the same number
+of batches (``data.RankSlices``). The step (``train_step``, the documented Keras
+extension point) runs the forward pass through ``DistributedDataParallel`` and
+weights the rank's mean loss by ``n_local / n_global`` before ``backward``; DDP's
+buckets are summed (not averaged) by a comm hook, so the update equals the
+one-device update of the global batch, also for a partial last batch. Keras's loss
+tracker is updated with the rank's own loss and row count, and at the end of every
+epoch and evaluation the metric variables (Keras keeps additive totals and counts)
+are summed over ranks before Keras reads them. BatchNormalization moving statistics
+are averaged over ranks after every step (weighted by batch share), or with
+``sync_batchnorm`` the moments are computed over the global batch.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kmgpu import models
+from kmgpu.engines.torch import collectives, data, keras_fixes
+from kmgpu.engines.torch.messages import Aborted, Predictions
+from kmgpu.engines.torch.relay import Abort, SyncCallback
+
+
+class DDPStrategy:
+    """This rank's place in the group and what its replica's steps share.
+
+    Args:
+        device: the torch device the replica and the collectives live on.
+        sync_batchnorm: compute BatchNormalization moments over the global batch.
+    """
+
+    def __init__(self, device, sync_batchnorm):
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = torch.device(device)
+        self.sync_batchnorm = sync_batchnorm
+        self.train = None        # the RankSlices feeding the current fit
+        self.test = None         # ... the current evaluate (also fit's validation)
+        self.collective = False  # metric variables are summed over ranks when read
+        self.n_real = None       # real rows of this rank's current training batch
+        self.in_train_step = False
+
+    # -- state across ranks -------------------------------------------------------------
+    def broadcast_state(self, replica):
+        """Rank 0's weights and optimizer state on every rank (identical start, not seeding)."""
+        opt = getattr(replica, "optimizer", None)
+        if opt is not None and not opt.built:
+            opt.build(replica.trainable_variables)
+        variables = list(replica.weights)
+        if opt is not None and opt.built:
+            variables += list(opt.variables)
+        collectives.broadcast_tensors([v.value for v in variables], self.device)
+
+    def write_state_rows(self, replica, arrays):
+        """Set this rank's rows of the replica's stateful RNN states.
+
+        The replica is built for B/N rows; rank r owns rows r*B/N ... (r+1)*B/N - 1,
+        the rows of every global batch ``RankSlices`` gives it.
+
+        Args:
+            replica: this rank's replica.
+            arrays: the template's states, all B rows each.
+        """
+        for v, a in zip(models.state_variables(replica), arrays):
+            b = int(v.shape[0])
+            v.assign(np.asarray(a)[self.rank * b:(self.rank + 1) * b])
+
+    @staticmethod
+    def state_rows(replica):
+        """This rank's stateful RNN state rows, as arrays (empty list: none)."""
+        return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(replica)]
+
+    # -- the replica --------------------------------------------------------------------
+    def prepare(self, replica):
+        """Turn a built, compiled Keras model into this rank's replica (in place).
+
+        Installs the distributed train/test steps, sync BatchNorm, the metric
+        reduction and the evaluate wrapper as instance attributes; the model's class
+        and weights are untouched.
+
+        Returns:
+            ``replica``.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        bn_layers = [layer for layer in replica._flatten_layers()
+                     if isinstance(layer, keras.layers.BatchNormalization)]
+        averaged = []
+        if self.sync_batchnorm:
+            for layer in bn_layers:
+                keras_fixes.global_batch_moments(
+                    layer, collectives.SumOverRanks.apply,
+                    lambda: self.n_real if self.in_train_step else None)
+        else:
+            averaged = [v for layer in bn_layers for v in layer.non_trainable_weights
+                        if "float" in str(v.dtype)]
+        self._offset_seeds(replica)
+        for layer in models.stateful_layers(replica):
+            keras_fixes.copy_states_in(layer)
+        replica.jit_compile = False  # the step holds collectives; torch.compile stays out
+        if not keras_fixes.has_own_train_step(replica) and replica.trainable_weights:
+            ddp = DistributedDataParallel(
+                replica,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copies
+                **_no_buffer_sync(),
+            )
+            ddp.register_comm_hook(None, collectives.sum_gradients)
+            replica.train_step = self._train_step(replica, ddp, averaged)
+        else:
+            self._hook_optimizer(replica, averaged)
+        if not keras_fixes.has_own_test_step(replica):
+            replica.test_step = self._test_step(replica)
+        keras_fixes.read_logs_within(replica, lambda: self._summed_metrics(replica))
+        replica.evaluate = self._evaluate(replica)
+        return replica
+
+    def _offset_seeds(self, replica):
+        """Per-rank random streams (dropout etc.): each rank's SeedGenerators start apart."""
+        if self.rank == 0:
+            return
+        for layer in replica._flatten_layers():
+            for generator in getattr(layer, "_seed_generators", []) or []:
+                state = np.asarray(generator.state.numpy()).astype(np.int64)
+                state[0] = (state[0] + 1_000_003 * self.rank) % 2**32
+                generator.state.assign(state.astype(generator.state.dtype))
+
+    def _average_statistics(self, variables, share):
+        """Non-sync BatchNorm: moving statistics averaged over ranks, weighted by share."""
+        if not variables or self.world == 1:
+            return
+        with torch.no_grad():
+            sums = collectives.sum_tensors([v.value * share for v in variables], self.device)
+            for v, s in zip(variables, sums):
+                v.value.copy_(s)
+
+    def _train_step(self, replica, ddp, averaged):
+        def train_step(batch):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            if self.train is None:
+                raise RuntimeError(
+                    "kmgpu: this replica trains only inside a distributed fit (a callback "
+                    "on rank 0 cannot call fit on it)."
+                )
+            n_real, n_global = self.train.current
+            self.n_real, self.in_train_step = n_real, True
+            try:
+                if replica._call_has_training_arg:
+                    y_pred = ddp(x, training=True)
+                else:
+                    y_pred = ddp(x)
+            finally:
+                self.in_train_step = False
+            replica.zero_grad()
+            loss = keras_fixes.compute_loss(replica, x, y, y_pred, sample_weight, training=True)
+            if n_real:
+                replica._loss_tracker.update_state(loss, sample_weight=n_real)
+            share = n_real / n_global
+            loss = replica.optimizer.scale_loss(loss) * share
+            trainable = replica.trainable_weights[:]
+            loss.backward()  # DDP sums the weighted gradients over ranks
+            gradients = [v.value.grad for v in trainable]
+            with torch.no_grad():
+                replica.optimizer.apply(gradients, trainable)
+            self._average_statistics(averaged, share)
+            if n_real:
+                return replica.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return replica.get_metrics_result()
+
+        return train_step
+
+    def _hook_optimizer(self, replica, averaged):
+        """A model with its own ``train_step``: average gradients in ``optimizer.apply``.
+
+        Exact for even splits; kmgpu cannot weight a custom step's loss by batch share.
+        """
+        opt = getattr(replica, "optimizer", None)
+        if opt is None:  # not compiled: predict only
+            return
+        apply = opt.apply
+
+        def apply_synced(grads, trainable_variables=None):
+            grads = list(grads)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            sums = collectives.sum_tensors([grads[i] for i in present], self.device)
+            for i, s in zip(present, sums):
+                grads[i] = s / self.world
+            result = apply(grads, trainable_variables)
+            self._average_statistics(averaged, 1.0 / self.world)
+            return result
+
+        opt.apply = apply_synced
+
+    def _test_step(self, replica):
+        def test_step(batch):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            n_real = self.test.current[0] if self.test is not None else data.num_rows(x)
+            if replica._call_has_training_arg:
+                y_pred = replica(x, training=False)
+            else:
+                y_pred = replica(x)
+            loss = keras_fixes.compute_loss(replica, x, y, y_pred, sample_weight,
+                                            training=False)
+            if not n_real:
+                return replica.get_metrics_result()
+            replica._loss_tracker.update_state(loss, sample_weight=n_real)
+            return replica.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        return test_step
+
+    @contextlib.contextmanager
+    def _summed_metrics(self, replica):
+        """Within the block the metric variables hold their sums over ranks (when a
+        distributed call is running; yields whether they do)."""
+        if not self.collective:
+            yield False
+            return
+        seen, variables = set(), []
+        for m in replica.metrics:
+            for v in m.variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    variables.append(v)
+        local = [v.value.detach().clone() for v in variables]
+        try:
+            with torch.no_grad():
+                sums = collectives.sum_tensors([v.value for v in variables], self.device)
+                for v, s in zip(variables, sums):
+                    v.value.copy_(s)
+            yield True
+        finally:
+            with torch.no_grad():
+                for v, s in zip(variables, local):
+                    v.value.copy_(s)
+
+    def _evaluate(self, replica):
+        evaluate = keras_fixes.keras_evaluate(replica)
+
+        def evaluate_(x=None, *args, **kwargs):
+            mine = isinstance(x, data.RankSlices)
+            saved = self.test, self.collective
+            self.test, self.collective = (x, True) if mine else (None, False)
+            try:
+                return evaluate(x, *args, **kwargs)
+            finally:
+                self.test, self.collective = saved
+
+        return evaluate_
+
+    # -- one call -----------------------------------------------------------------------
+    def run(self, replica, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None,
+            reload=None, reset_states=False):
+        """Run ``replica.<method>`` on this rank's share of the data.
+
+        Args:
+            replica: a model made by ``prepare``, with rank 0's state already broadcast.
+            method: "fit", "evaluate" or "predict".
+            kwargs: Keras's keyword arguments with full (global) data and batch sizes,
+                without ``callbacks`` (those run where ``relay`` sends the hooks).
+            seed: the shuffling seed, the same on every rank.
+            hooks: the hooks the user's callbacks implement (the same on every rank).
+            relay: on rank 0, ``relay(Event) -> Reply`` runs them.
+            snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
+                with epoch -1 at the end of training (it decides whether to save).
+            reload: on rank 0 in a pool worker, ``reload(replica)`` loads the state
+                the driver wrote after its on_train_begin callbacks changed the model.
+            reset_states: zero the stateful RNN states now and, in fit, at the start
+                of every epoch.
+
+        Returns:
+            ``Aborted()`` if a user callback raised; else fit: None (the History is
+            kept where the user's callbacks run); evaluate: Keras's return value
+            (metrics summed over ranks); predict: this rank's ``Predictions`` with
+            stand-in rows dropped.
+        """
+        kwargs = dict(kwargs)
+        kwargs.pop("callbacks", None)
+        verbose = kwargs.pop("verbose", "auto") if self.rank == 0 else 0
+        kwargs.pop("verbose", None)
+        replica.stop_training = False
+
+        def reload_everywhere(model):
+            if self.rank == 0 and reload is not None:
+                reload(model)
+            self.broadcast_state(model)
+
+        sync = SyncCallback(self.rank, self.device, hooks, relay,
+                            snapshot if method == "fit" else None, reload_everywhere)
+        callbacks = [sync]
+        if reset_states:
+            models.reset_states(replica)
+            callbacks.insert(0, models.reset_callback(replica))
+        try:
+            if method == "fit":
+                return self._fit(replica, kwargs, verbose, callbacks, seed)
+            if method == "evaluate":
+                slices = data.RankSlices(
+                    data.source_of(kwargs.pop("x"), kwargs.pop("y", None),
+                                   kwargs.pop("sample_weight", None)),
+                    kwargs.pop("batch_size"), self.rank, self.world)
+                return replica.evaluate(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
+            if method == "predict":
+                return self._predict(replica, kwargs, verbose, sync)
+        except Abort:
+            return Aborted()
+        raise ValueError(method)
+
+    def _predict(self, replica, kwargs, verbose, sync):
+        x = kwargs.pop("x")
+        batch_size = kwargs.pop("batch_size")
+        slices = data.RankSlices(data.source_of(x), batch_size, self.rank, self.world)
+        steps = min(kwargs.get("steps") or len(slices), len(slices))
+        out = replica.predict(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
+        if data.is_dataset(x):
+            keep, where = data.dataset_positions(slices, steps)
+        else:
+            keep, where = data.predict_positions(data.num_rows(x), batch_size, self.world,
+                                                 self.rank, steps)
+        return Predictions(where, keras.tree.map_structure(lambda a: np.asarray(a)[keep], out))
+
+    def _fit(self, replica, kwargs, verbose, callbacks, seed):
+        x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
+        batch_size = kwargs.pop("batch_size")
+        validation_data = kwargs.pop("validation_data", None)
+        validation_split = kwargs.pop("validation_split", 0.0)
+        validation_batch_size = kwargs.pop("validation_batch_size", None) or batch_size
+        shuffle = kwargs.pop("shuffle", True)
+        if validation_split and validation_data is None:
+            if data.is_dataset(x):
+                raise ValueError("validation_split needs arrays, not a PyDataset: pass "
+                                 "validation_data instead.")
+            (x, y, sw), validation_data = keras_fixes.train_validation_split(
+                (x, y, sw), validation_split)
+        train = data.RankSlices(data.source_of(x, y, sw), batch_size, self.rank, self.world,
+                                shuffle=shuffle, seed=seed)
+        val = None
+        if validation_data is not None:
+            if data.is_dataset(validation_data):
+                vsource = data.DatasetSource(validation_data)
+            else:
+                vsource = data.ArraySource(*keras.utils.unpack_x_y_sample_weight(
+                    validation_data))
+            val = data.RankSlices(vsource, validation_batch_size, self.rank, self.world)
+        self.train, self.collective = train, True
+        try:
+            replica.fit(x=train, validation_data=val, shuffle=False, verbose=verbose,
+                        callbacks=callbacks, **kwargs)
+        finally:
+            self.train, self.collective = None, False
+        return None  # the History is kept where the callbacks run
+
+
+def _no_buffer_sync():
+    """Keras keeps no torch buffers; the argument's name changed in torch 2.13."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
