@@ -41,6 +41,14 @@ class TorchEngine(Engine):
 
     # -- the Engine interface ---------------------------------------------------------
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        """One call, the same way whichever launcher runs the ranks.
+
+        The launcher gives the ranks the template's state and runs the call; rank 0
+        relays the hooks of the user's callbacks to a CallbackDriver here (the
+        driver loads the ranks' state into the template when a callback needs it);
+        then the stateful RNN rows, the trained state and the result come back. A
+        failed fit leaves the last consistent state in the template.
+        """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         resets = bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
         if resets:

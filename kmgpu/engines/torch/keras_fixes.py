@@ -4,6 +4,13 @@ Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
 ``tests/unit/test_structure.py`` checks every name still exists. Keras 3.15 has no
 DDP in its torch trainer (keras master has), so kmgpu's rank step works through the
 documented ``train_step`` / ``test_step`` extension points and these few internals.
+
+Private *instance* attributes the torch engine also reads or sets (no module name
+to check, so not in ``PATCHES``; look at them when the pin moves): a model's
+``_loss_tracker``, ``_call_has_training_arg``, ``_compile_config`` and
+``_initial_epoch`` (Keras's fit resumes from it; BackupAndRestore sets it), an
+optimizer's ``_learning_rate``, a layer's ``_seed_generators`` and
+``_reduction_axes``, ``CallbackList._history``.
 """
 
 KERAS = "3.15.1"

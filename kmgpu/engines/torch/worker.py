@@ -239,15 +239,16 @@ class Worker:
             s.write_state_rows(replica, call.rnn_states)
             clock("state in")
             kwargs = data.receive(call.kwargs)
-            snapshot = reload = None
+
+            def reload(model):  # the driver's callbacks set the model's state: slot 0
+                replicas.load_arrays(model, state.read(0), call.layout)
+
+            snapshot = None
             if call.method == "fit" and self.rank == 0:
                 snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
-
-                def reload(model):  # the driver's callbacks set the model's state
-                    replicas.load_arrays(model, state.read(0), call.layout)
-
             result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
-                           relay=self.relay, snapshot=snapshot, reload=reload,
+                           relay=self.relay, snapshot=snapshot,
+                           reload=reload if snapshot is not None else None,
                            reset_states=call.reset_states)
             clock(call.method)
             clock.report()
