@@ -2,8 +2,14 @@
 
 A standalone script (not a pytest file). On a machine with 2 GPUs:
 
-    KERAS_BACKEND=jax .venv/bin/python tests/jax/gpu_bn_check.py
-    KERAS_BACKEND=jax .venv/bin/python tests/jax/gpu_bn_check.py --runs plain,local --collectives
+    KERAS_BACKEND=jax .venv/bin/python tests/jax/gpu_bn_check.py --runs plain,local,sync,dp
+    KERAS_BACKEND=jax .venv/bin/python tests/jax/gpu_bn_check.py \
+        --runs plain,plain-device,local,local-device,sync,dp --collectives
+
+(each run is one process of about a minute, most of it ResNet-50's XLA compile;
+``--collectives`` adds a compile to each 2-GPU run: split the runs over two commands
+where a command may last at most 10 minutes). ``KMGPU_GPU_CHECK_SMOKE=1`` runs the
+plumbing on 2 simulated CPU devices with a small model instead.
 
 Each run is its own Python process (a fresh JAX, nothing left on the GPUs), one after
 the other: ``keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3),
