@@ -15,6 +15,7 @@ PyDatasets are fed per replica (``data``); after fit, local BatchNorm moving
 statistics are the mean over the replicas.
 """
 
+import contextlib
 import functools
 import types
 
@@ -52,8 +53,10 @@ class TensorFlowEngine(InProcessEngine):
     def scope(self):
         return self.strategy.scope()
 
+    @contextlib.contextmanager
     def call_context(self, method):
-        return keras_fixes.reduce_fix(self.strategy)
+        with keras_fixes.reduce_fix(self.strategy), keras_fixes.all_reduce_without_walk():
+            yield
 
     def replica_batch(self, global_batch):
         return global_batch // self.num_replicas  # each replica runs the model on its rows
@@ -125,6 +128,7 @@ class TensorFlowEngine(InProcessEngine):
             for layer in replica._flatten_layers():
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
+                    keras_fixes.synced_moments(layer)
         if keras_fixes.keeps_keras_train_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:

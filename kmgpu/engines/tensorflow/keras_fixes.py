@@ -43,6 +43,18 @@ PATCHES = [
      "replaced on replica optimizers with gradient_accumulation_steps "
      "(accumulate_across_replicas): under tf.distribute it fails with merge_call inside "
      "its Cond (keras-team/keras#17429)"),
+    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization._moments",
+     "replaced on replica BatchNorm layers with sync_batchnorm (synced_moments): Keras's "
+     "synchronized moments take 3 all-reduces per layer and var = E[x^2] - E[x]^2, "
+     "which loses float32 digits that one device's two-pass tf.nn.moments keeps"),
+    ("tensorflow.python.ops.custom_gradient", "_graph_mode_decorator",
+     "wrapped during calls (all_reduce_without_walk): tracing a replica's all_reduce "
+     "walks the graph back from its merged output, which reaches every replica's whole "
+     "graph, to find variables it cannot use; per all-reduce, so synchronized "
+     "BatchNorm traced in time quadratic in depth (MobileNetV2: over 400 s)"),
+    ("tensorflow.python.ops.custom_gradient", "_get_dependent_variables", "same"),
+    ("tensorflow.python.distribute.distribute_lib", "ReplicaContextBase.all_reduce",
+     "its grad_wrapper is what all_reduce_without_walk recognises"),
     ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
      "made a direct call in cross-replica context while accumulate_across_replicas runs "
      "the optimizer's apply there (it would ask a missing replica context to merge)"),
@@ -76,6 +88,76 @@ def reduce_fix(strategy):
         yield
     finally:
         trainer.reduce_per_replica = original
+
+
+def synced_moments(layer):
+    """BatchNorm moments over the global batch, as one device computes them
+    (``tf.nn.moments``: the mean, then the mean squared difference from it), in two
+    all-reduces per layer: [sum, count], then the sum of squared differences.
+    Masked calls and calls outside a multi-replica step keep Keras's own.
+    """
+    import tensorflow as tf
+
+    moments = layer._moments
+
+    def two_pass(inputs, mask):
+        context = tf.distribute.get_replica_context()
+        if mask is not None or context is None or context.num_replicas_in_sync == 1:
+            return moments(inputs, mask)
+        axes = list(layer._reduction_axes)
+        x = tf.cast(inputs, "float32") if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
+        local = tf.reduce_sum(x, axes, keepdims=True)
+        count = tf.cast(tf.size(x) // tf.size(local), x.dtype)
+        total = context.all_reduce("sum", tf.concat([tf.reshape(local, [-1]), [count]], 0))
+        rows = total[-1]
+        mean = tf.math.divide_no_nan(tf.reshape(total[:-1], tf.shape(local)), rows)
+        squares = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(mean)), axes,
+                                keepdims=True)
+        variance = tf.math.divide_no_nan(context.all_reduce("sum", squares), rows)
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+    layer._moments = two_pass
+
+
+@contextlib.contextmanager
+def all_reduce_without_walk():
+    """Within the block, tracing ``ReplicaContext.all_reduce`` skips TensorFlow's search
+    for variables used inside its custom gradient (it uses none). Under MirroredStrategy
+    that search walks back from the merged output through every replica's graph, once
+    per all-reduce in the forward and the backward pass: synchronized BatchNorm then
+    traces in time quadratic in the number of layers.
+    """
+    import threading
+
+    from tensorflow.python.ops import custom_gradient
+
+    decorate, dependent = custom_gradient._graph_mode_decorator, \
+        custom_gradient._get_dependent_variables
+    local = threading.local()  # replica threads trace concurrently
+
+    def graph_mode_decorator(f, args, kwargs):
+        name = getattr(f, "__qualname__", "")
+        if not (name.startswith("ReplicaContext") and ".all_reduce.<locals>." in name):
+            return decorate(f, args, kwargs)
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            return decorate(f, args, kwargs)
+        finally:
+            local.depth -= 1
+
+    def get_dependent_variables(input_ops, output_ops):
+        if getattr(local, "depth", 0):
+            return []
+        return dependent(input_ops, output_ops)
+
+    custom_gradient._graph_mode_decorator = graph_mode_decorator
+    custom_gradient._get_dependent_variables = get_dependent_variables
+    try:
+        yield
+    finally:
+        custom_gradient._graph_mode_decorator = decorate
+        custom_gradient._get_dependent_variables = dependent
 
 
 def repeating_datasets(kwargs):
