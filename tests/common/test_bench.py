@@ -1,10 +1,12 @@
-"""``kmgpu bench``: the --quick smoke run (as CI runs it), the report, skipped backends.
+"""``kmgpu bench`` (``kmgpu/bench/``): the --quick smoke run as CI runs it, the installed
+wheel, the plan and time budget, the projection's arithmetic, FLOP counts, the report.
 
-The quick run is split over the backend sessions of scripts/test.sh, one workload
-each, so the suite runs every backend and every workload once:
-tensorflow -> sine, jax -> lstm, torch -> cnn32 (all runners, 1 and 2 devices).
+The quick run is split over the backend sessions of scripts/test.sh, so the suite runs
+every backend and every workload once: tensorflow -> sine, xception; jax -> lstm,
+resnet50, transformer; torch -> cnn32, resnet50_small.
 """
 
+import glob
 import json
 import os
 import subprocess
@@ -13,60 +15,145 @@ import time
 
 import pytest
 
+from kmgpu.bench import derive, plan, projection, report, workloads
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICK_WORKLOAD = {"tensorflow": "sine", "jax": "lstm", "torch": "cnn32"}
+QUICK_WORKLOADS = {"tensorflow": ("sine", "xception"), "jax": ("lstm", "resnet50", "transformer"),
+                   "torch": ("cnn32", "resnet50_small")}
+NO_BATCHNORM = ("lstm", "sine")  # exact parity on 2 devices (see workloads.py)
 
 
-def _benchmarks():
-    from kmgpu import bench
+def _backend():
+    import keras
 
-    bench._benchmarks()
-    import benchmarks.main
-    import benchmarks.report
+    return keras.config.backend()
 
-    return benchmarks
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KMGPU_SIMULATE_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(extra)
+    return env
+
+
+def _kmgpu(args, cwd, env, timeout=300):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "kmgpu"] + args, cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - start
 
 
 def test_quick_bench_smoke(tmp_path):
-    import keras
-
-    backend = keras.config.backend()
-    workload = QUICK_WORKLOAD[backend]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KMGPU_SIMULATE_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")}
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kmgpu", "bench", "--quick", "--backends", backend,
-         "--workloads", workload, "--out", str(tmp_path), "--name", "smoke"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    seconds = time.perf_counter() - start
-    sys.stderr.write(f"\nkmgpu bench --quick ({backend}, {workload}): {seconds:.1f} s\n")
+    backend = _backend()
+    names = QUICK_WORKLOADS[backend]
+    proc, seconds = _kmgpu(["bench", "--quick", "--backends", backend, "--workloads",
+                            ",".join(names), "--out", str(tmp_path), "--name", "smoke"],
+                           ROOT, _clean_env())
+    sys.stderr.write(f"\nkmgpu bench --quick ({backend}, {','.join(names)}): {seconds:.1f} s\n")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "5/5" in out, out  # the progress bar over the runs reached the end
-    assert "kmgpu overhead vs plain fit" in out
+    expected = plan.plan([backend], list(names), [1, 2], lean=True)
+    assert f"{len(expected)}/{len(expected)}" in out  # the progress bar reached the end
+    assert "share this machine's" in out and "not speedups" in out
+    assert "kmgpu overhead vs plain fit" in out and "**missed**" not in out
+    tail = out.rstrip().splitlines()
+    assert tail[-1].startswith("| ") and any("2 simulated devices vs 1" in line for line in tail)
     results = json.loads((tmp_path / "smoke.json").read_text())
-    assert (tmp_path / "smoke.md").exists() and (tmp_path / "smoke.png").exists()
-    runs = {(r["runner"], r["devices"]): r for r in results["runs"]}
-    assert set(runs) == {("plain", 1), ("kmgpu", 1), ("peer", 1), ("kmgpu", 2), ("peer", 2)}
-    failed = {k: r.get("error") for k, r in runs.items() if r["status"] != "ok"}
+    for ext in ("md", "png", "log"):
+        assert (tmp_path / f"smoke.{ext}").exists(), ext
+    runs = {plan.key(r): r for r in results["runs"]}
+    assert set(runs) == {plan.key(r) for r in expected}
+    failed = {k: r.get("error") for k, r in runs.items()
+              if r["status"] == "error" or (r["status"] == "skipped"
+                                            and r["runner"] != "reference")}
     assert not failed, failed
-    for r in runs.values():
-        assert r["samples_per_s"] > 0 and r["first_epoch_s"] > 0 and r["peak_memory"] > 0
-        assert len(r["epoch_seconds"]) == results["workloads"][workload]["epochs"]
-    assert runs[("plain", 1)]["parity"] == 0.0
-    assert runs[("kmgpu", 1)]["vs_peer"] > 0 and runs[("kmgpu", 2)]["efficiency"] > 0
-    if workload != "cnn32":  # BatchNorm statistics per replica: not exact by design
-        assert runs[("kmgpu", 2)]["parity"] < 1e-4, runs[("kmgpu", 2)]["parity"]
-    if workload == "sine":
-        assert abs(runs[("kmgpu", 2)]["rmse"] - runs[("plain", 1)]["rmse"]) < 1e-3
+    for k, r in runs.items():
+        if r["runner"] in ("allreduce", "reference") or r["status"] != "ok":
+            continue
+        workload = results["workloads"][r["workload"]]
+        assert r["samples_per_s"] > 0 and r["first_epoch_s"] > 0 and r["peak_memory"] > 0, k
+        assert len(r["epoch_seconds"]) == workload["epochs"], k
+        assert r["flops_per_sample"] > 0 and r["mfu"] is None, k  # no GPU peak on a CPU
+        factor = 2 if r["policy"] == "per_replica" else 1
+        assert r["global_batch"] == workload["batch"] * factor, k
+    for name in names:
+        plain = runs[(backend, name, "plain", 1, "global")]
+        assert plain["parity"] == 0.0 and plain["params"] > 0
+        assert plain["flops_source"]
+        assert runs[(backend, name, "kmgpu", 1, "global")]["parity"] < 1e-5
+        two = runs[(backend, name, "kmgpu", 2, "global")]
+        assert two["vs_peer"] > 0 and two["vs_plain"] > 0
+        if name in NO_BATCHNORM:
+            assert two["parity"] < 1e-4, (name, two["parity"])
+        if name == "sine":
+            assert abs(two["rmse"] - plain["rmse"]) < 1e-3
+    if backend in plan.SWEEP_BACKENDS:
+        sweep = runs[(backend, "allreduce", "allreduce", 2, "global")]
+        assert len(sweep["points"]) == 7 and all(t > 0 for _, t in sweep["points"])
     assert results["backends"][backend]["status"] == "ok"
 
 
+@pytest.mark.skipif("os.environ.get('KERAS_BACKEND', 'jax') != 'jax'",
+                    reason="backend-neutral: once, in the JAX session")
+def test_installed_wheel_runs_outside_the_checkout(tmp_path):
+    """pip wheel + pip install --target outside the checkout: kmgpu bench --help and a
+    tiny --quick run work from the installed copy, results in ./kmgpu-bench."""
+    import shutil
+
+    src = tmp_path / "src"  # a copy: the build writes nothing into the checkout
+    shutil.copytree(os.path.join(ROOT, "kmgpu"), src / "kmgpu",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("README.md", "pyproject.toml"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    wheels, site, cwd = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
+    cwd.mkdir()
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                          str(src)], check=True, capture_output=True, timeout=300)
+    wheel = glob.glob(str(wheels / "kmgpu-*.whl"))
+    assert len(wheel) == 1, wheel
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(site), wheel[0]], check=True,
+                   capture_output=True, timeout=300)
+    env = _clean_env(PYTHONPATH=str(site), KERAS_BACKEND="jax")
+    where = subprocess.run(
+        [sys.executable, "-c", "import kmgpu.bench.paths as p; print(p.__file__); "
+         "print(p.default_out()); print(p.results_folder())"],
+        cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert where[0].startswith(str(site)), where  # the installed copy, not the checkout
+    assert where[1:] == [str(cwd / "kmgpu-bench"), "None"]
+
+    proc, _ = _kmgpu(["bench", "--help"], cwd, env, timeout=60)
+    assert proc.returncode == 0 and "--quick" in proc.stdout and "--budget" in proc.stdout
+
+    proc, seconds = _kmgpu(["bench", "--quick", "--backends", "jax", "--workloads", "sine",
+                            "--runners", "plain,kmgpu", "--name", "wheel"], cwd, env)
+    sys.stderr.write(f"\nkmgpu bench --quick from the wheel: {seconds:.1f} s\n")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((cwd / "kmgpu-bench" / "wheel.json").read_text())
+    assert [r["status"] for r in results["runs"]] == ["ok"] * 4
+    assert not os.path.exists(os.path.join(str(site), "benchmarks"))
+
+
+def test_importing_the_bench_imports_no_backend():
+    code = ("import sys, kmgpu.bench, kmgpu.bench.cli, kmgpu.bench.report, kmgpu.bench.figure;"
+            "print(sorted(m for m in ('keras', 'tensorflow', 'jax', 'torch') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(),
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_no_bench_module_over_500_lines():
+    for path in glob.glob(os.path.join(ROOT, "kmgpu", "bench", "*.py")):
+        with open(path) as f:
+            assert sum(1 for _ in f) <= 500, path
+
+
 def test_missing_backends_are_skipped_with_one_line(monkeypatch, capsys):
-    b = _benchmarks()
-    monkeypatch.setattr(b.main, "installed", lambda name: False)
-    assert b.main.main(["--quick", "--backends", "tensorflow,jax,torch"]) == 1
+    from kmgpu.bench import cli
+
+    monkeypatch.setattr(cli, "installed", lambda name: False)
+    assert cli.main(["--quick", "--backends", "tensorflow,jax,torch"]) == 1
     lines = capsys.readouterr().out.splitlines()
     for name in ("tensorflow", "jax", "torch"):
         assert lines.count(f"kmgpu bench: skipping {name} (not installed)") == 1
@@ -74,53 +161,261 @@ def test_missing_backends_are_skipped_with_one_line(monkeypatch, capsys):
 
 
 def test_bench_arguments(capsys):
-    b = _benchmarks()
+    from kmgpu.bench import cli
+
     with pytest.raises(ValueError, match="unknown workload"):
-        b.main.main(["--workloads", "resnet"])
-    assert b.main.main(["--backends", "mxnet"]) == 2
-    args = b.main.parse(["--quick", "--devices", "1,2"])
-    assert args.quick and args.devices == "1,2"
-    runs = b.main.plan(["jax"], ["sine"], [1, 2], replay=True)
-    assert [(r["runner"], r["devices"]) for r in runs] == [
-        ("plain", 1), ("kmgpu", 1), ("peer", 1), ("replay", 1), ("kmgpu", 2), ("peer", 2)]
+        cli.main(["--workloads", "resnet"])
+    assert cli.main(["--backends", "mxnet"]) == 2
+    assert cli.main(["--policies", "local"]) == 2
+    assert cli.main(["--runners", "horovod"]) == 2
+    with pytest.raises(SystemExit):
+        cli.parse(["--epochs", "1"])
+    args = cli.parse(["--quick", "--devices", "1,2", "--epochs", "3", "--steps", "12",
+                      "--budget", "480", "--lean"])
+    assert args.quick and args.devices == "1,2" and (args.epochs, args.steps) == (3, 12)
+    assert args.budget == 480 and args.lean
+    w = workloads.get("resnet50", epochs=3, steps=12)
+    assert (w.epochs, w.steps, w.batch, w.samples()) == (3, 12, 256, 3072)
+    assert workloads.get("xception", devices=2).batch == 64  # 32 per GPU at the top count
+    assert workloads.get("xception", devices=4).batch == 128
+    assert workloads.get("sine", steps=5).samples() == 106  # sine: its own data
+
+
+def test_plan_tiers_and_order():
+    runs = plan.plan(["jax"], ["xception", "sine"], [1, 2], replay=True)
+    keys = [(r["workload"], r["runner"], r["devices"], r["policy"]) for r in runs]
+    assert keys == [
+        ("xception", "plain", 1, "global"), ("xception", "kmgpu", 2, "global"),
+        ("xception", "kmgpu", 2, "per_replica"),
+        ("sine", "plain", 1, "global"), ("sine", "kmgpu", 2, "global"),
+        ("sine", "kmgpu", 2, "per_replica"),
+        ("xception", "peer", 2, "global"), ("xception", "kmgpu", 1, "global"),
+        ("sine", "peer", 2, "global"), ("sine", "kmgpu", 1, "global"),
+        ("allreduce", "allreduce", 2, "global"),
+        ("xception", "peer", 2, "per_replica"), ("xception", "peer", 1, "global"),
+        ("xception", "replay", 1, "global"),
+        ("sine", "peer", 2, "per_replica"), ("sine", "peer", 1, "global"),
+        ("sine", "replay", 1, "global")]
+    lean = plan.plan(["torch"], ["resnet50"], [1, 2], lean=True,
+                     runners=("plain", "kmgpu", "peer", "reference"))
+    assert [(r["runner"], r["devices"], r["policy"]) for r in lean] == [
+        ("plain", 1, "global"), ("kmgpu", 2, "global"), ("kmgpu", 2, "per_replica"),
+        ("peer", 2, "global"), ("kmgpu", 1, "global"), ("reference", 1, "global")]
+    one = plan.plan(["tensorflow"], ["sine"], [1], policies=("global",))
+    assert [(r["runner"], r["devices"]) for r in one] == [("plain", 1), ("kmgpu", 1),
+                                                          ("peer", 1)]
+
+
+def test_time_budget():
+    now = [0.0]
+    budget = plan.Budget(100, reserve=10, clock=lambda: now[0])
+    a = {"backend": "jax", "workload": "xception"}
+    b = {"backend": "jax", "workload": "sine"}
+    assert budget.refuse([a, b]) is None  # nothing known yet: try
+    budget.record(a, 30.0)
+    budget.record(a, 20.0)
+    assert budget.estimate(a) == 30.0 and budget.estimate(b) is None
+    now[0] = 55.0  # 100 - 10 - 55 = 35 s left
+    assert budget.left() == 35.0
+    assert budget.refuse([a]) is None
+    assert budget.refuse([a, a]) == "time budget: about 60 s needed, 35 s left"
+    now[0] = 95.0
+    assert budget.refuse([b]) == "time budget spent"
+    assert plan.Budget(None).refuse([a]) is None
+
+
+def test_projection_by_hand():
+    # alpha 10 us, busbw 100 GB/s, M = 100 MB: one host
+    alpha, bw, m = 10e-6, 100e9, 100e6
+    assert projection.ring_time(1, m, alpha, bw) == 0.0
+    assert projection.ring_time(2, m, alpha, bw) == pytest.approx(20e-6 + 1e-3)
+    assert projection.ring_time(4, m, alpha, bw) == pytest.approx(60e-6 + 1.5e-3)
+    assert projection.ring_time(8, m, alpha, bw) == pytest.approx(140e-6 + 1.75e-3)
+    # 2 hosts of 8: inside 1.89 ms, between 2 x 10 us + 1 x 100 MB / 50 GB/s = 2.02 ms
+    assert projection.allreduce_time(16, m, alpha, bw) == pytest.approx(1.89e-3 + 2.02e-3)
+    # 8 hosts: 7/4 x 2 ms + 14 x 10 us
+    assert projection.allreduce_time(64, m, alpha, bw) == pytest.approx(
+        1.89e-3 + 140e-6 + 3.5e-3)
+    assert projection.allreduce_time(16, m, alpha, bw, net_gbps=800, net_latency_us=0) == \
+        pytest.approx(1.89e-3 + 1e-3)
+    # steps: 9 ms of compute, 3 ms all-reduce: 12 ms, or hidden under the 6 ms backward
+    assert projection.step_time(9e-3, 3e-3, False) == pytest.approx(12e-3)
+    assert projection.step_time(9e-3, 3e-3, True) == pytest.approx(9e-3)
+    assert projection.step_time(3e-3, 3e-3, True) == pytest.approx(4e-3)
+    # global batch, 2 GPUs, 20 ms of compute on one: 10 / (10 + 1.02) and 10 / 10
+    eff = projection.project(20e-3, m, alpha, bw, "global", counts=(2, 4))
+    assert eff[2] == pytest.approx((10 / 11.02, 1.0))
+    # 4 GPUs: 5 ms compute, 1.56 ms all-reduce; overlapped: 1.56 - 3.33 < 0
+    assert eff[4] == pytest.approx((5 / 6.56, 1.0))
+    weak = projection.project(20e-3, m, alpha, bw, "per_replica", counts=(8,))
+    assert weak[8] == pytest.approx((20 / 21.89, 1.0))
+    tight = projection.efficiency(8, "global", 6e-3, m, alpha, bw, True)
+    assert tight == pytest.approx(0.75e-3 / (0.75e-3 + 1.89e-3 - 0.5e-3))
+    assert projection.bus_bandwidth(100e6, 1e-3, 2) == pytest.approx(100e9)
+    assert projection.bus_bandwidth(100e6, 1e-3, 4) == pytest.approx(150e9)
+
+
+def test_alpha_beta_fit_recovers_the_model():
+    for p in (2, 4):
+        points = [(m, projection.ring_time(p, m, 8e-6, 200e9)) for m in (4096, 2**20, 2**26)]
+        alpha, busbw = projection.fit_alpha_beta(points, p)
+        assert alpha == pytest.approx(8e-6) and busbw == pytest.approx(200e9)
+    with pytest.raises(ValueError, match="does not grow"):
+        projection.fit_alpha_beta([(1024, 2e-3), (2**20, 1e-3)], 2)
+    with pytest.raises(ValueError):
+        projection.fit_alpha_beta([(1024, 2e-3)], 2)
+
+
+def test_flops_by_hand():
+    import keras
+
+    from kmgpu.bench import flops
+
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(20),
+                              keras.layers.Dense(1)])
+    assert flops.analytic(model) == 3 * 2 * (10 * 20 + 20 * 1)
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)  # 2 x 27 x 4 x 64 positions
+    h = keras.layers.DepthwiseConv2D(3, strides=2, padding="same")(h)  # 2 x 36 x 16
+    h = keras.layers.SeparableConv2D(6, 3, padding="same")(h)  # 2 x (36 + 24) x 16
+    conv = keras.Model(inputs, h)
+    assert flops.analytic(conv) == 3 * (2 * 108 * 64 + 2 * 36 * 16 + 2 * 60 * 16)
+    rnn = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4)])
+    assert flops.analytic(rnn) == 3 * 5 * 2 * (3 * 16 + 4 * 16)
+    counted, source = flops.per_sample(model, _DenseWorkload(), keras.config.backend())
+    assert 0.5 < counted / flops.analytic(model) < 2.0, (counted, source)
+    assert flops.peak_flops("NVIDIA H200", "tf32") == 495e12
+    assert flops.peak_flops("NVIDIA H200", "bf16") == 989e12
+    assert flops.peak_flops("NVIDIA H200", "fp32") == 67e12
+    assert flops.peak_flops("cpu", "fp32") is None
+    assert flops.mfu(1e9, 1000, 2, 1e12) == pytest.approx(0.5)
+    assert flops.mfu(1e9, 1000, 2, None) is None
+
+
+class _DenseWorkload:
+    loss = "mse"
+
+    def data(self):
+        import numpy as np
+
+        return np.ones((4, 10), "float32"), np.ones((4, 1), "float32")
+
+
+@pytest.mark.skipif("os.environ.get('KERAS_BACKEND') != 'tensorflow'",
+                    reason="builds the full-size models once: TensorFlow builds them fastest")
+def test_full_size_workloads_as_issue_14_says():
+    from kmgpu.bench import flops, runners
+
+    expected = {  # trainable parameters; the transformer's and its FLOPs by hand
+        "xception": 22_855_952, "resnet50": 25_583_592, "resnet50_small": 23_555_082,
+        # 8192 x 512 + (512^2 + 256 x 512) + 4 x (2048 + 4 x 512^2 + 2048
+        # + 2 x 512 x 2048 + 2048 + 512) + 1024 + 512 x 8192 + 8192
+        "transformer": 21_400_576}
+    for name, params in expected.items():
+        w = workloads.get(name, steps=1)
+        model = w.build()
+        assert runners.trainable_count(model) == params, name
+        x, y = w.data()
+        assert len(x) == w.samples() == w.batch and model(x[:2]).shape[0] == 2
+        assert y.dtype.kind == "i" and w.loss == "sparse_ce_logits"
+        if name == "transformer":
+            assert model.output.shape[1:] == (256, 8192) and (x[:, 1:] == y[:, :-1]).all()
+            t, d = 256, 512
+            forward = (2 * t * d * d + 4 * (2 * t * 4 * d * d + 4 * t * t * d
+                                           + 2 * t * 2 * d * 2048) + 2 * t * d * 8192)
+            assert flops.analytic(model) == 3 * forward
+        else:
+            assert model.input.shape[1:3] == ((64, 64) if name == "resnet50_small"
+                                              else (224, 224))
+    assert [workloads.get("xception").batch, workloads.get("resnet50").batch,
+            workloads.get("resnet50_small").batch, workloads.get("transformer").batch] == \
+        [64, 256, 256, 64]
 
 
 def _synthetic():
-    def run(backend, runner, n, sps, **extra):
-        return {"backend": backend, "workload": "sine", "runner": runner, "devices": n,
-                "status": "ok", "samples_per_s": sps, "first_epoch_s": 1.0,
-                "epoch_seconds": [1.0, 0.5, 0.5], "peak_memory": 2**30, "memory_kind": "nvml",
-                "loss": 0.01, "rmse": 4.86, "parity": 0.0, **extra}
+    def run(backend, runner, n, sps, policy="global", **extra):
+        return {"backend": backend, "workload": "resnet50", "runner": runner, "devices": n,
+                "policy": policy, "status": "ok", "samples_per_s": sps, "first_epoch_s": 40.0,
+                "epoch_seconds": [40.0, 0.5, 0.5], "peak_memory": 2**34,
+                "memory_kind": "nvml", "loss": 6.9, "global_batch": 256 * (
+                    2 if policy == "per_replica" else 1), "precision": "tf32",
+                "peak_flops": 495e12, **extra}
 
+    sweep = [(m, projection.ring_time(2, m, 10e-6, 100e9)) for m in (4096, 2**20, 2**26)]
     return {
         "name": "synthetic", "quick": False, "isolate": "run", "simulate": 0,
-        "created": "2026-01-01T00:00:00+00:00", "command": ["kmgpu", "bench"],
+        "created": "2026-12-01T00:00:00+00:00", "command": ["kmgpu", "bench"],
         "machine": {"gpus": ["NVIDIA H200", "NVIDIA H200"], "cpu_count": 16, "python": "3.12"},
         "backends": {"jax": {"status": "ok", "backend_version": "0.11", "keras": "3.15.1",
                              "devices": ["gpu:0", "gpu:1"], "peer_name": "DataParallel"},
                      "tensorflow": {"status": "skipped", "reason": "not installed"}},
-        "workloads": {"sine": {"description": "sine", "batch": 8, "epochs": 100}},
-        "runs": [run("jax", "plain", 1, 1000.0), run("jax", "replay", 1, 990.0),
-                 run("jax", "kmgpu", 1, 995.0), run("jax", "peer", 1, 1010.0),
-                 run("jax", "kmgpu", 2, 1800.0, efficiency=0.9),
-                 {"backend": "jax", "workload": "sine", "runner": "peer", "devices": 2,
-                  "status": "error", "error": "IndivisibleError: batch 2 over 4 devices"}],
+        "workloads": {"resnet50": {"description": "ResNet50", "batch": 256, "epochs": 3,
+                                   "steps": 10}},
+        "runs": [run("jax", "plain", 1, 3600.0, flops_per_sample=24e9, params=25_000_000,
+                     grad_bytes=100_000_000, flops_source="XLA cost analysis"),
+                 run("jax", "kmgpu", 1, 3564.0),
+                 run("jax", "kmgpu", 2, 6480.0, runs_before=1),
+                 run("jax", "kmgpu", 2, 7020.0, "per_replica"),
+                 run("jax", "peer", 2, 6000.0),
+                 {"backend": "jax", "workload": "resnet50", "runner": "peer", "devices": 1,
+                  "policy": "global", "status": "error",
+                  "error": "IndivisibleError: batch 2 over 4 devices"},
+                 {"backend": "jax", "workload": "resnet50", "runner": "peer", "devices": 2,
+                  "policy": "per_replica", "status": "skipped",
+                  "reason": "time budget spent"},
+                 {"backend": "jax", "workload": "allreduce", "runner": "allreduce",
+                  "devices": 2, "policy": "global", "status": "ok", "method": "psum",
+                  "points": sweep, "alpha_s": 10e-6, "busbw": 100e9,
+                  "busbw_points": [projection.bus_bandwidth(m, t, 2) for m, t in sweep]}],
     }
 
 
-def test_report_tables_and_plot(tmp_path):
-    report = _benchmarks().report
+def test_report_leads_with_the_speedup_table(tmp_path):
     results = _synthetic()
+    derive.derive(results)
+    runs = derive.index(results)
+    two = runs[("jax", "resnet50", "kmgpu", 2, "global")]
+    assert two["vs_plain"] == pytest.approx(1.8) and two["vs_peer"] == pytest.approx(1.08)
+    assert two["mfu"] == pytest.approx(24e9 * 6480 / (2 * 495e12))
+    assert runs[("jax", "resnet50", "kmgpu", 2, "per_replica")]["efficiency"] == \
+        pytest.approx(7020 / (2 * 3564))
     text = report.markdown(results)
-    assert "2 x NVIDIA H200" in text and "tensorflow: skipped (not installed)" in text
-    row = next(line for line in text.splitlines() if line.startswith("| sine | jax | 1 |"))
-    assert "+0.5% met" in row and "+1.0%" in row and "0.985 **missed**" in row
-    assert "peer failed: IndivisibleError" in text
-    assert "failed: IndivisibleError" in report.runs_table(results)
+    lines = text.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("## "))
+    assert lines[first_table] == ("## 2 H200s vs 1: speedup per workload, backend and batch "
+                                  "policy")
+    row = next(line for line in lines if line.startswith("| resnet50 | jax | global |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[3:9] == ["256 -> 256", "3,600", "6,480", "1.80x", "0.90", "1.08"]
+    assert cells[9] == f"{24e9 * 3600 / 495e12 * 100:.1f}% -> {24e9 * 6480 / 990e12 * 100:.1f}%"
+    assert cells[10] == "40.0 -> 40.0*" and cells[11] == "16.00 GiB"
+    row = next(line for line in lines if line.startswith("| resnet50 | jax | per_replica |"))
+    assert "256 -> 512" in row and "1.95x" in row
+    assert "tensorflow: skipped (not installed)" in text and "**missed**" in text
+    assert "peer failed: IndivisibleError" in text and "time budget spent" in text
+    assert "TF32 (495 TFLOP/s)" in text and "XLA cost analysis" in text
+    # projection: t_c = 256 / 3600 s; M = 100 MB; 2 GPUs: 35.6 ms / (35.6 + 1.02) ms
+    proj = next(line for line in lines if line.startswith("| resnet50 | jax | global | 71.11"))
+    t_c = 256 / 3600 / 2
+    assert f"{t_c / (t_c + 1.02e-3):.2f} / 1.00" in proj and "| 0.90 |" in proj
+    assert "alpha-beta" in text and "busbw 100.0 GB/s" in text
     paths = report.write(results, str(tmp_path))
     assert [os.path.basename(p) for p in paths] == ["synthetic.json", "synthetic.md",
                                                     "synthetic.png"]
     assert os.path.getsize(paths[-1]) > 10_000
+
+
+def test_merge_one_file_per_backend():
+    a, b = _synthetic(), _synthetic()
+    for r in b["runs"]:
+        r["backend"] = "torch"
+    b["backends"] = {"torch": dict(a["backends"]["jax"], peer_name="DDP loop")}
+    b["name"] = "torch-run"
+    merged = report.merge([a, b])
+    derive.derive(merged)
+    assert merged["name"] == "synthetic+torch-run" and len(merged["runs"]) == 16
+    assert set(merged["backends"]) == {"jax", "tensorflow", "torch"}
+    assert "| workload | Keras/jax | Keras/torch |" in report.markdown(merged)
 
 
 def test_committed_results_load():
@@ -130,3 +425,5 @@ def test_committed_results_load():
     assert files, "benchmarks/results holds no results"
     results = bench.load_results()
     assert results["runs"] and "kmgpu against plain fit" in bench.markdown(results)
+    for path in files:  # every committed file, old format included, still renders
+        assert "## Every run" in bench.markdown(bench.load_results(path))

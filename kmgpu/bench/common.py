@@ -1,0 +1,38 @@
+"""What the Keras-based runners (``runners.py``) and the torch-only loops (``ddp.py``)
+share: the peers' names, the global batch of a policy, whether there is a real GPU, and
+how a run's timings and memory become its result."""
+
+PEER_NAMES = {
+    "tensorflow": "tf.distribute.MirroredStrategy + fit",
+    "jax": "keras.distribution.DataParallel + fit",
+    "torch": "hand-written DDP loop (keras.io guide)",
+}
+SIMULATED = [0]  # simulated devices in this process (the worker sets it)
+
+
+def global_batch(workload, n, policy):
+    """The global batch of ``workload`` on ``n`` devices under batch ``policy``."""
+    return workload.batch * n if policy == "per_replica" else workload.batch
+
+
+def has_gpu():
+    """A real NVIDIA GPU runs this process's work (not simulated devices)."""
+    from kmgpu.callbacks import nvidia_gpus
+
+    return bool(nvidia_gpus()) and not SIMULATED[0]
+
+
+def collect(epoch_seconds, peak, kind, monitor, loss):
+    """Peak memory: the GPU's memory in use as nvidia-smi shows it (NVML, sampled every
+    0.2 s; the most loaded GPU), where there is one; else ``peak`` (the allocator's or
+    the process's RSS). The allocator's own peak is kept as ``allocator_peak``."""
+    result = {"epoch_seconds": [float(s) for s in epoch_seconds], "loss": loss,
+              "peak_memory": int(peak), "memory_kind": kind or "rss"}
+    if kind == "gpu":
+        result["allocator_peak"] = int(peak)
+    if monitor is not None and monitor.per_gpu:
+        gpus = list(monitor.per_gpu.values())
+        result["peak_memory"] = int(max(g["mem_peak_mib"] for g in gpus) * 2**20)
+        result["memory_kind"] = "nvml"
+        result["gpu_util"] = sum(g["util_mean"] for g in gpus) / len(gpus)
+    return result

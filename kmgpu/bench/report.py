@@ -1,0 +1,245 @@
+"""Benchmark results (the JSON ``kmgpu bench`` writes) -> markdown tables; ``write`` also
+draws the plot (``plot.py``).
+
+Imports neither Keras nor a backend: a notebook or a reader of the results can use it
+anywhere. Older results files (no batch policy, no FLOPs) read as well.
+"""
+
+import json
+import math
+import os
+
+from kmgpu.bench import tables
+from kmgpu.bench.tables import BACKEND_ORDER, fmt, mem, pct, workload_rank
+
+RUNNER_ORDER = {"plain": 0, "replay": 1, "reference": 2, "kmgpu": 3, "peer": 4}
+# Targets of issue 6, on one device.
+OVERHEAD_TARGET = 0.01  # kmgpu's time per epoch at most 1% above plain model.fit
+PEER_TARGET = 1.0  # kmgpu samples/s at least the peer's
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def simulated(results):
+    return bool(results.get("simulate")) or not (results.get("machine") or {}).get("gpus")
+
+
+def sorted_runs(results):
+    return sorted(results["runs"], key=lambda r: (
+        workload_rank(r["workload"]), BACKEND_ORDER.get(r["backend"], 9), r["devices"],
+        r.get("policy", "global") != "global", RUNNER_ORDER.get(r["runner"], 9)))
+
+
+def runner_label(r):
+    if r["runner"] == "peer":
+        return r.get("peer_name") or "peer"
+    return {"plain": "plain fit", "replay": "plain fit, again", "kmgpu": "kmgpu",
+            "reference": "torchvision + PyTorch loop"}.get(r["runner"], r["runner"])
+
+
+def _status(r):
+    if r.get("status") == "skipped":
+        return f"skipped: {r.get('reason', '?')}"
+    return f"failed: {r.get('error', '?')}"
+
+
+def runs_table(results):
+    """Every run: samples/s, first epoch, efficiency, parity, MFU, memory, loss/RMSE."""
+    head = ("| workload | backend | runner | N | policy | global batch | samples/s | 1st epoch (s) "
+            "| efficiency | parity vs 1 device | MFU | peak memory | GPU util | loss | sine RMSE |")
+    lines = [head, "|" + "---|" * 15]
+    for r in sorted_runs(results):
+        if r["runner"] == "allreduce":
+            continue
+        start = (f"| {r['workload']} | {r['backend']} | {runner_label(r)} | {r['devices']} | "
+                 f"{r.get('policy', 'global')} |")
+        if r.get("status") != "ok":
+            lines.append(start + f" {_status(r)} |" + "  |" * 9)
+            continue
+        util = r.get("gpu_util")
+        lines.append(
+            start + f" {r.get('global_batch', '-')} | {fmt(r['samples_per_s'], ',.0f')} | "
+            f"{tables.first_epoch(r)} | {fmt(r.get('efficiency'), '.2f')} | "
+            f"{fmt(r.get('parity'), '.1e')} | {pct(r.get('mfu'))} | {mem(r)} | "
+            f"{fmt(util, '.0f')}{'%' if util is not None else ''} | "
+            f"{fmt(r.get('loss'), '.4g')} | {fmt(r.get('rmse'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def comparison_rows(results):
+    """Per backend, workload, N and policy: kmgpu, plain fit and peer samples/s, ratios."""
+    runs = tables.index(results)
+    rows = []
+    keys = sorted({(r["backend"], r["workload"], r["devices"], r.get("policy", "global"))
+                   for r in results["runs"] if r["runner"] == "kmgpu"},
+                  key=lambda k: (workload_rank(k[1]), BACKEND_ORDER.get(k[0], 9), k[2],
+                                 k[3] != "global"))
+    for backend, workload, n, policy in keys:
+        k = runs.get((backend, workload, "kmgpu", n, policy))
+        plain = runs.get((backend, workload, "plain", 1, "global"))
+        replay = runs.get((backend, workload, "replay", 1, "global"))
+        peer = runs.get((backend, workload, "peer", n, policy))
+        row = {"backend": backend, "workload": workload, "devices": n, "policy": policy,
+               "kmgpu": k and k["samples_per_s"], "plain": plain and plain["samples_per_s"],
+               "peer": peer and peer["samples_per_s"], "peer_error": None,
+               "overhead": None, "vs_peer": None, "noise": None}
+        if plain and replay and n == 1:
+            row["noise"] = plain["samples_per_s"] / replay["samples_per_s"] - 1
+        if peer is None:
+            failed = [r for r in results["runs"] if (
+                r["backend"], r["workload"], r["runner"], r["devices"],
+                r.get("policy", "global")) == (backend, workload, "peer", n, policy)]
+            row["peer_error"] = (_status(failed[0]) if failed else "not run")
+        if k and plain and n == 1:
+            row["overhead"] = plain["samples_per_s"] / k["samples_per_s"] - 1
+        if k and peer:
+            row["vs_peer"] = k["samples_per_s"] / peer["samples_per_s"]
+        rows.append(row)
+    return rows
+
+
+def comparison_table(results):
+    marks = not simulated(results)  # targets mean nothing where devices share cores
+
+    def mark(met):
+        return (" met" if met else " **missed**") if marks else ""
+
+    head = ("| workload | backend | N | policy | kmgpu samples/s | plain fit (1 device) | peer | "
+            "kmgpu overhead vs plain fit (target <= 1%) | plain vs plain again (noise) "
+            "| kmgpu / peer (target >= 1.0) |")
+    lines = [head, "|" + "---|" * 10]
+    for row in comparison_rows(results):
+        over = row["overhead"]
+        over_text = "-" if over is None else (
+            f"{over * 100:+.1f}%" + mark(over <= OVERHEAD_TARGET))
+        if row["vs_peer"] is not None:
+            ratio = f"{row['vs_peer']:.3f}" + mark(row["vs_peer"] >= PEER_TARGET)
+        else:
+            ratio = f"peer {row['peer_error']}" if row["peer_error"] else "-"
+        noise = "-" if row["noise"] is None else f"{row['noise'] * 100:+.1f}%"
+        lines.append(
+            f"| {row['workload']} | {row['backend']} | {row['devices']} | {row['policy']} | "
+            f"{fmt(row['kmgpu'], ',.0f')} | {fmt(row['plain'], ',.0f')} | "
+            f"{fmt(row['peer'], ',.0f')} | {over_text} | {noise} | {ratio} |")
+    return "\n".join(lines)
+
+
+def headline(results, toys=False):
+    """The leading table: N GPUs against 1 for each workload, backend and batch policy
+    (``toys``: the same table for the toy workloads)."""
+    return tables.headline(results, toys, simulated(results))
+
+
+def _machine(results):
+    m = results.get("machine", {})
+    gpus = m.get("gpus") or []
+    text = (f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU") + \
+        f"; {m.get('cpu_count', '?')} CPU cores; Python {m.get('python', '?')}"
+    if results.get("simulate"):
+        text += f"; {results['simulate']} simulated devices"
+    return text
+
+
+def markdown(results):
+    """The whole report as markdown: the speedup table first."""
+    isolate = {"run": "a fresh process for every run",
+               "workload": "one process per backend and workload (later runs find warm "
+                           "caches; memory figures accumulate)",
+               "backend": "one process per backend (later runs find warm caches; memory "
+                          "figures accumulate)"}.get(results.get("isolate"), "?")
+    commands = results.get("commands") or [results.get("command", [])]
+    lines = [f"# kmgpu bench: {results.get('name', '')}", "",
+             f"- machine: {_machine(results)}",
+             f"- created: {results.get('created', '?')}; command: "
+             + "; ".join(f"`{' '.join(c)}`" for c in commands),
+             f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"]
+    for name, b in sorted(results.get("backends", {}).items(),
+                          key=lambda kv: BACKEND_ORDER.get(kv[0], 9)):
+        if b.get("status") == "ok":
+            lines.append(f"- {name}: {name} {b.get('backend_version')}, keras "
+                         f"{b.get('keras')}, devices {', '.join(b.get('devices', []))}"
+                         + (f" ({', '.join(b['device_kinds'])})" if b.get("device_kinds")
+                            else "") + f"; peer: {b.get('peer_name', '-')}")
+        else:
+            lines.append(f"- {name}: skipped ({b.get('reason', b.get('status'))})")
+    lines.append("- workloads: " + "; ".join(
+        f"{w}: {d.get('description', '')}, batch {d['batch']}, {d['epochs']} epochs"
+        + (f" x {d['steps']} steps" if d.get("steps") else "")
+        for w, d in sorted(results.get("workloads", {}).items(),
+                           key=lambda kv: workload_rank(kv[0]))))
+    if simulated(results):
+        lines += ["", "**On a CPU the simulated devices share the same cores: these figures "
+                  "test the code path; they are not speedups.**"]
+    if results.get("quick"):
+        lines += ["", "Quick mode: JAX runs share a persistent compilation cache, so their "
+                  "first epochs are not compile times; on a CPU, XLA compiles without "
+                  "LLVM optimisation (`--xla_backend_optimization_level=0`)."]
+    lines += ["", headline(results), "", tables.legend(results), ""]
+    toys = headline(results, toys=True)
+    if toys:
+        lines += ["### Toy workloads (launch-bound)", "", toys, ""]
+    lines += tables.backend_section(results)
+    lines += tables.projection_section(results)
+    lines += ["## kmgpu against plain fit and the peer", "", comparison_table(results), "",
+              "## Every run", "", runs_table(results), ""]
+    return "\n".join(lines)
+
+
+def plot(results, path=None, show=False):
+    from kmgpu.bench import figure
+
+    return figure.plot(results, path, show=show)
+
+
+def merge(many):
+    """One results dict from several (e.g. one ``gpu_run.sh`` per backend on the same
+    machine): runs, backends and workloads together; a later file's run replaces an
+    earlier one with the same identity."""
+    if not many:
+        raise ValueError("nothing to merge")
+    first = many[0]
+    merged = {k: v for k, v in first.items() if k not in ("runs",)}
+    merged["name"] = "+".join(r.get("name", "?") for r in many)
+    merged["created"] = max(r.get("created", "") for r in many)
+    merged["commands"] = [r.get("command", []) for r in many]
+    merged["backends"], merged["workloads"], merged["projection"] = {}, {}, {}
+    runs = {}
+    for r in many:
+        merged["backends"].update(r.get("backends", {}))
+        merged["workloads"].update(r.get("workloads", {}))
+        merged["projection"].update(r.get("projection") or {})
+        merged["quick"] = merged.get("quick") or r.get("quick")
+        for run in r["runs"]:
+            runs[(run["backend"], run["workload"], run["runner"], run["devices"],
+                  run.get("policy", "global"))] = run
+    merged["runs"] = list(runs.values())
+    gpus = {tuple((r.get("machine") or {}).get("gpus") or []) for r in many}
+    if len(gpus) > 1:
+        merged["machine"] = dict(merged["machine"], note="merged from different machines")
+    return merged
+
+
+def write(results, folder):
+    """Write <name>.json, <name>.md and <name>.png into ``folder``; return their paths."""
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, results["name"])
+    with open(base + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=_json_default)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(results))
+    paths = [base + ".json", base + ".md"]
+    try:
+        plot(results, base + ".png")
+        paths.append(base + ".png")
+    except ImportError:
+        pass  # no matplotlib: the table and JSON are still there
+    return paths
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return str(value)

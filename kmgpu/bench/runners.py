@@ -1,0 +1,167 @@
+"""The ways to train a workload that ``kmgpu bench`` compares, all measured alike.
+
+    plain      ``model.fit`` on one device: the reference for speedup, overhead, parity.
+    replay     plain ``model.fit`` once more: how much two identical runs differ (timing
+               noise, and the parity floor where GPU kernels are not deterministic).
+    kmgpu      ``kmgpu.parallelize(model, gpus=n, batch=policy)`` then ``fit``.
+    peer       the framework's own data-parallel way, written by hand:
+               tensorflow  ``tf.distribute.MirroredStrategy`` (model built and compiled
+                           in the scope, as the Keras/TF guides do), then ``fit``;
+               jax         ``keras.distribution.DataParallel`` scope, then ``fit``;
+               torch       the DistributedDataParallel loop of the keras.io guide
+                           "Multi-GPU distributed training with PyTorch" (``ddp.py``).
+    reference  torch only: torchvision's ResNet-50 in a plain PyTorch loop, channels_last,
+               one GPU (``ddp.py``): what the same network costs without Keras.
+
+Batch policies: "global" (the workload's batch is the global batch at every N) and
+"per_replica" (each of the N devices takes the workload's batch; global N x batch; the
+learning rate is scaled by N, as kmgpu does by default, for kmgpu and the peer alike).
+
+Every run starts from the same initial weights (the workload's seed), sees the same data
+in the same order (``shuffle=False``) and records each epoch's wall time, peak memory, the
+last loss and the final weights.
+"""
+
+import numpy as np
+
+from kmgpu.bench.common import collect, global_batch, has_gpu
+
+
+def run(runner, workload, n, policy="global"):
+    """Train ``workload`` on ``n`` devices with ``runner`` and batch ``policy``.
+
+    Returns:
+        dict(epoch_seconds=[...], peak_memory=bytes, memory_kind="nvml"|"gpu"|"rss",
+        allocator_peak=bytes (where known), gpu_util=% (with NVML), loss=float,
+        weights=[np.ndarray, ...], samples_per_epoch, global_batch, and for the plain
+        run the model's FLOPs per sample).
+    """
+    import keras
+
+    backend = keras.config.backend()
+    if policy not in ("global", "per_replica"):
+        raise ValueError(f"unknown batch policy {policy!r}")
+    if runner == "reference":
+        from kmgpu.bench import ddp
+
+        return ddp.reference(workload, n, cuda=has_gpu())
+    model = workload.build()  # outside any scope: the same weights in every process
+    init = model.get_weights()
+    if runner in ("plain", "replay"):  # replay: plain fit again, for the noise floor
+        if n != 1 or policy != "global":
+            raise ValueError("plain model.fit runs on one device at the global batch")
+        return _plain(workload, model, backend, flops=runner == "plain")
+    if runner == "kmgpu":
+        return _kmgpu(workload, n, model, policy)
+    if runner == "peer":
+        if backend == "torch":
+            from kmgpu.bench import ddp
+
+            return ddp.peer(workload, n, init, policy, cuda=has_gpu())
+        return {"tensorflow": _mirrored, "jax": _data_parallel}[backend](
+            workload, n, init, policy)
+    raise ValueError(f"unknown runner {runner!r}")
+
+
+def compile_args(workload, lr_scale=1):
+    args = workload.compile_args()
+    if lr_scale != 1:
+        import keras
+
+        args["optimizer"] = keras.optimizers.Adam(learning_rate=1e-3 * lr_scale)
+    return args
+
+
+# -- Keras fit based ---------------------------------------------------------------
+def _fit(fit, x, y, batch_size, workload):
+    from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
+
+    reset_peak_memory()
+    timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
+    history = fit(x, y, batch_size=batch_size, epochs=workload.epochs, shuffle=False,
+                  verbose=0, callbacks=[timer, monitor])
+    # Read the callbacks themselves: an engine that trains in worker processes runs
+    # them here but need not copy what they add to the logs into its History.
+    result = collect(timer.epoch_seconds, timer.peak_memory, timer.memory_kind, monitor,
+                     float(history.history["loss"][-1]))
+    result["samples_per_epoch"] = len(x)
+    return result
+
+
+def _plain(workload, model, backend, flops):
+    from kmgpu.bench import flops as flop_count
+
+    model.compile(**compile_args(workload))
+    x, y = workload.data()
+    result = _fit(model.fit, x, y, workload.batch, workload)
+    result["weights"] = model.get_weights()
+    result["params"] = trainable_count(model)
+    if flops:  # after training and after the weights are taken: never timed, never kept
+        result["flops_per_sample"], result["flops_source"] = flop_count.per_sample(
+            model, workload, backend)
+        result["flops_analytic"] = flop_count.analytic(model)
+    return result
+
+
+def _kmgpu(workload, n, model, policy):
+    import warnings
+
+    import kmgpu
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "one device - running as a single replica"
+        parallel = kmgpu.parallelize(model, gpus=n, batch=policy)
+    parallel.compile(**workload.compile_args())  # per_replica: kmgpu scales the LR by N
+    x, y = workload.data(global_batch(workload, n, policy))
+    try:
+        result = _fit(parallel.fit, x, y, workload.batch, workload)
+    finally:
+        if has_gpu():
+            parallel.close()  # free the GPUs for the next run's memory figures
+        # else: the torch engine's worker pool stays for the next run on as many devices
+    result["weights"] = model.get_weights()  # the user's model holds the trained weights
+    result["params"] = trainable_count(model)
+    return result
+
+
+def _mirrored(workload, n, init, policy):
+    """The hand-written MirroredStrategy script."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))[:n]]
+    if len(devices) < n:
+        raise ValueError(f"{n} devices asked for, {len(devices)} exist")
+    # On GPUs MirroredStrategy's default all-reduce (NCCL); logical CPUs need another.
+    ops = None if gpus else tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    scale = n if policy == "per_replica" else 1
+    with strategy.scope():
+        model = workload.build()
+        model.set_weights(init)
+        model.compile(**compile_args(workload, scale))
+    x, y = workload.data(global_batch(workload, n, policy))
+    result = _fit(model.fit, x, y, global_batch(workload, n, policy), workload)
+    result["weights"] = model.get_weights()
+    return result
+
+
+def _data_parallel(workload, n, init, policy):
+    """keras.distribution.DataParallel, as the Keras distribution guide shows it."""
+    import jax
+    import keras
+
+    distribution = keras.distribution.DataParallel(devices=jax.devices()[:n])
+    scale = n if policy == "per_replica" else 1
+    with distribution.scope():
+        model = workload.build()
+        model.set_weights(init)
+        model.compile(**compile_args(workload, scale))
+        x, y = workload.data(global_batch(workload, n, policy))
+        result = _fit(model.fit, x, y, global_batch(workload, n, policy), workload)
+        result["weights"] = model.get_weights()
+    return result
+
+
+def trainable_count(model):
+    return int(sum(np.prod(w.shape, dtype=np.int64) for w in model.trainable_weights))

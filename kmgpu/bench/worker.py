@@ -1,0 +1,195 @@
+"""One backend's benchmark runs, in one process (``KERAS_BACKEND`` is fixed per process).
+
+    KERAS_BACKEND=jax python -m kmgpu.bench.worker SPEC.json
+
+SPEC: {"runs": [{"workload", "runner", "devices", "policy"}, ...], "quick": bool,
+"simulate": int (0: real devices), "weights_dir": folder for the final weights,
+"max_devices": int, "epochs": int|null, "steps": int|null}.
+Prints one line ``KMGPU-BENCH {json}`` for the environment, then one per run, as each
+finishes; everything else it prints is log.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+TAG = "KMGPU-BENCH "
+
+
+def emit(record):
+    sys.stdout.write(TAG + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def environment():
+    import keras
+
+    import kmgpu
+    from kmgpu.bench import common
+
+    backend = keras.config.backend()
+    version = getattr(sys.modules.get(backend) or __import__(backend), "__version__", "?")
+    info = {"kind": "env", "backend": backend, "keras": keras.__version__,
+            "backend_version": version, "devices": kmgpu.devices(),
+            "dtype_policy": keras.config.dtype_policy().name}
+    try:
+        if common.has_gpu():
+            from kmgpu.callbacks import nvidia_gpus
+
+            info["gpu_name"] = nvidia_gpus()[0]
+        if backend == "jax":
+            import jax
+
+            info["device_kinds"] = sorted({d.device_kind for d in jax.devices()})
+        elif backend == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                info["device_kinds"] = [torch.cuda.get_device_name(0)]
+                info["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    return info
+
+
+def measure(spec_run, spec, env):
+    import numpy as np
+
+    from kmgpu.bench import allreduce, common, flops, projection, runners, workloads
+
+    runner, n = spec_run["runner"], spec_run["devices"]
+    backend = env["backend"]
+    started = time.perf_counter()
+    if runner == "allreduce":
+        result = allreduce.sweep(backend, n, common.has_gpu())
+        points = result["points"]
+        record = {"kind": "run", **spec_run, "status": "ok", "method": result["method"],
+                  "points": points, "wall_s": time.perf_counter() - started,
+                  "busbw_points": [projection.bus_bandwidth(m, t, n) for m, t in points]}
+        try:
+            record["alpha_s"], record["busbw"] = projection.fit_alpha_beta(points, n)
+        except ValueError as e:
+            record["fit_error"] = str(e)
+        return record
+
+    workload = workloads.get(spec_run["workload"], spec.get("quick", False),
+                             spec.get("max_devices", 2), spec.get("epochs"), spec.get("steps"))
+    policy = spec_run.get("policy", "global")
+    result = runners.run(runner, workload, n, policy)
+    wall = time.perf_counter() - started
+    seconds = result["epoch_seconds"]
+    steady = seconds[1:] or seconds
+    samples = result["samples_per_epoch"]
+    gbatch = common.global_batch(workload, n, policy) if runner != "reference" \
+        else workload.batch
+    precision = flops.precision(backend if runner != "reference" else "torch", workload.kind)
+    record = {
+        "kind": "run", **spec_run, "status": "ok",
+        "global_batch": gbatch, "per_device_batch": gbatch // n,
+        "samples_per_epoch": samples, "steps_per_epoch": -(-samples // gbatch),
+        "epoch_seconds": seconds,
+        "first_epoch_s": seconds[0],
+        "samples_per_s": samples / statistics.median(steady),
+        "wall_s": wall,
+        "peak_memory": result["peak_memory"],
+        "memory_kind": result["memory_kind"],
+        "allocator_peak": result.get("allocator_peak"),
+        "gpu_util": result.get("gpu_util"),
+        "loss": result["loss"],
+        "precision": precision,
+        "peak_flops": flops.peak_flops(env.get("gpu_name"), precision)
+        if common.has_gpu() else None,
+    }
+    for key in ("flops_per_sample", "flops_source", "flops_analytic", "params"):
+        if result.get(key) is not None:
+            record[key] = result[key]
+    weights = result["weights"]
+    if record.get("params"):
+        record["grad_bytes"] = record["params"] * projection.BYTES_PER_GRADIENT
+    if weights and spec.get("weights_dir"):
+        path = os.path.join(spec["weights_dir"], weights_name(spec_run))
+        np.savez(path, *weights)
+        record["weights_file"] = path
+    if workload.name == "sine":
+        from kmgpu import sine
+
+        model = workload.build()
+        model.set_weights(weights)
+        _, (xs, ys), scale = sine.data()
+        record["rmse"] = sine.rmse(model, xs, ys, scale)
+    return record
+
+
+def _release_memory():
+    """Between runs in one process: hand cached GPU memory back (torch), collect garbage."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def weights_name(spec_run):
+    return "{workload}-{runner}-{devices}-{policy}.npz".format(
+        **{"policy": "global", **spec_run})
+
+
+def _share_compiled_code(folder):
+    """--quick: JAX's persistent compilation cache for every program, so runs that
+    compile the same program (plain fit and kmgpu on one device, kmgpu and the peer)
+    compile it once. First epochs then are not compile times (nor are they meant to be
+    on a CPU)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    if spec.get("simulate"):
+        import kmgpu
+
+        kmgpu.simulate_devices(int(spec["simulate"]))
+    if spec.get("jax_cache") and os.environ.get("KERAS_BACKEND") == "jax":
+        _share_compiled_code(spec["jax_cache"])
+    from kmgpu.bench import common
+
+    common.SIMULATED[0] = int(spec.get("simulate") or 0)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    env = environment()
+    emit(env)
+    from kmgpu.bench.ddp import Skip
+
+    for before, spec_run in enumerate(spec["runs"]):
+        try:
+            record = measure(spec_run, spec, env)
+            record["runs_before"] = before  # > 0: this process's caches were warm
+        except Skip as e:
+            record = {"kind": "run", **spec_run, "status": "skipped", "reason": str(e)}
+        except Exception as e:
+            traceback.print_exc()
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            record = {"kind": "run", **spec_run, "status": "error",
+                      "error": f"{type(e).__name__}: {message}"[:300]}
+        emit(record)
+        _release_memory()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # torch gloo / TF threads can abort at interpreter exit; the results are out.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
