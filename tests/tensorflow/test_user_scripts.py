@@ -211,6 +211,36 @@ def test_pydataset_evaluate_sees_every_row_once():
         assert got[key] == pytest.approx(want[key], rel=TOL), key
 
 
+def test_pydataset_validation_data_equals_one_device():
+    import keras
+
+    x, y = data("mlp", 45)
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def __len__(self):
+            return -(-self.rows // 12)
+
+        def __getitem__(self, i):
+            return x[i * 12:min((i + 1) * 12, self.rows)], y[i * 12:min((i + 1) * 12, self.rows)]
+
+    ref = mlp()
+    ref.compile(optimizer="sgd", loss="mse")
+    want = ref.fit(Batches(45), validation_data=Batches(21), epochs=2, shuffle=False,
+                   verbose=0).history
+    model = mlp()
+    parallel = kmgpu.parallelize(model, gpus=4)
+    parallel.compile(optimizer="sgd", loss="mse")
+    got = parallel.fit(Batches(45), validation_data=Batches(21), epochs=2, shuffle=False,
+                       verbose=0).history
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=TOL, err_msg=key)
+
+
 # -- gradient accumulation ------------------------------------------------------------
 @pytest.mark.parametrize("samples", [48, 45])
 def test_gradient_accumulation_equals_one_device(samples):
