@@ -337,8 +337,9 @@ def weigh_output_losses(model):
     Needs the model's compile loss built (after the symbolic build).
     """
     compile_loss = getattr(model, "_compile_loss", None)
-    if compile_loss is None or not compile_loss.built or hasattr(compile_loss, "_kmgpu_share"):
-        return
+    if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
+            or hasattr(compile_loss, "_kmgpu_share")):
+        return  # no per-output trackers (one loss): no extra all-reduce per step
     shares, call = [], compile_loss.call
 
     def weighed_call(y_true, y_pred, sample_weight=None):
