@@ -50,9 +50,11 @@ def identity(template):
 
 def clone(template):
     """A new model with the template's architecture (weights are copied separately)."""
+    replica = None
     if isinstance(template, keras.Sequential) or getattr(template, "_is_graph_network", False):
         replica = keras.models.clone_model(template)
-    else:
+    if type(replica) is not type(template):  # subclassed; or a Sequential subclass, which
+        # clone_model turns into a plain Sequential (dropping the user's train_step)
         replica = template.__class__.from_config(template.get_config())
     if not replica.built:
         build_config = template.get_build_config()
