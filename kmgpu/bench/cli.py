@@ -153,7 +153,7 @@ def _main(argv, child_env):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from kmgpu.callbacks import nvidia_gpus, visible_gpu_indices
 
-    gpus = nvidia_gpus()
+    gpus = nvidia_gpus() or _nvidia_smi_gpus()
     gpus = [gpus[i] for i in _visible(child_env, len(gpus), visible_gpu_indices)]
     simulate = args.simulate
     if simulate is None:
@@ -306,6 +306,17 @@ def _worker_env(child_env, backend, quick_cpu=False):
     # The worker imports this very kmgpu, wherever it is installed.
     env["PYTHONPATH"] = paths.PACKAGE_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def _nvidia_smi_gpus():
+    """GPU names from ``nvidia-smi -L`` where NVML's Python binding is not installed."""
+    try:
+        text = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(":", 1)[1].split("(UUID")[0].strip() for line in text.splitlines()
+            if line.startswith("GPU ") and ":" in line]
 
 
 def _save_partial(results, folder):

@@ -16,10 +16,26 @@ def global_batch(workload, n, policy):
 
 
 def has_gpu():
-    """A real NVIDIA GPU runs this process's work (not simulated devices)."""
+    """A real GPU runs this process's work (not simulated devices): NVML sees one, or the
+    backend already imported here does (when nvidia-ml-py is missing)."""
+    import sys
+
     from kmgpu.callbacks import nvidia_gpus
 
-    return bool(nvidia_gpus()) and not SIMULATED[0]
+    if SIMULATED[0]:
+        return False
+    if nvidia_gpus():
+        return True
+    try:
+        if "jax" in sys.modules:
+            return any(d.platform == "gpu" for d in sys.modules["jax"].devices())
+        if "torch" in sys.modules:
+            return sys.modules["torch"].cuda.is_available()
+        if "tensorflow" in sys.modules:
+            return bool(sys.modules["tensorflow"].config.list_physical_devices("GPU"))
+    except Exception:
+        pass
+    return False
 
 
 def collect(epoch_seconds, peak, kind, monitor, loss):

@@ -30,8 +30,8 @@ def workload_flops(results):
 def derive(results):
     """Add to each successful run: parity (against plain fit, where both saved weights),
     vs_plain (= speedup over plain fit on one device), efficiency (samples/s over N x the
-    same runner's one-device samples/s; per_replica: kmgpu's global one-device run, the
-    same run), vs_peer (kmgpu over the peer at the same N and policy), flops_per_sample
+    same runner's one-device samples/s; per_replica: its global one-device run, the same
+    run; plain fit's where the runner has no one-device run), vs_peer (kmgpu over the peer at the same N and policy), flops_per_sample
     and mfu (where the GPU's peak is known)."""
     runs = index(results)
     counted = workload_flops(results)
@@ -46,7 +46,7 @@ def derive(results):
             r["parity"] = rel_diff([a[k] for k in sorted(a.files, key=_arr_index)],
                                    [b[k] for k in sorted(b.files, key=_arr_index)])
         one = (runs.get((backend, workload, runner, 1, policy))
-               or runs.get((backend, workload, runner, 1, "global")))
+               or runs.get((backend, workload, runner, 1, "global")) or plain)
         if one:
             r["efficiency"] = r["samples_per_s"] / (n * one["samples_per_s"])
         if plain:

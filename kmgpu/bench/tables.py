@@ -190,7 +190,7 @@ def sweeps(results):
 def _size(b):
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= scale:
-            return f"{b / scale:g} {unit}"
+            return f"{b / scale:.3g} {unit}"
     return f"{b} B"
 
 
@@ -219,7 +219,7 @@ def projection_section(results):
     net = {k: v for k, v in (results.get("projection") or {}).items()}
     counts = projection.COUNTS
     runs = index(results)
-    head = ("| workload | backend | policy | t_c (ms) | M (MB) | measured at 2 | "
+    head = ("| workload | backend | policy | t_c (ms) | M | measured at 2 | "
             + " | ".join(f"{p}" for p in counts) + " |")
     lines += ["Efficiency without / with overlap of the all-reduce and the backward pass:", "",
               head, "|" + "---|" * (6 + len(counts))]
@@ -238,5 +238,5 @@ def projection_section(results):
             measured = fmt(k2["vs_plain"] / 2, ".2f") if k2 and k2.get("vs_plain") else "-"
             cells = " | ".join(f"{a:.2f} / {b:.2f}" for a, b in (proj[p] for p in counts))
             lines.append(f"| {workload} | {backend}{note} | {pol} | {compute * 1e3:.2f} | "
-                         f"{plain['grad_bytes'] / 1e6:.1f} | {measured} | {cells} |")
+                         f"{_size(plain['grad_bytes'])} | {measured} | {cells} |")
     return lines + [""]

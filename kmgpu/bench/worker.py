@@ -36,10 +36,6 @@ def environment():
             "backend_version": version, "devices": kmgpu.devices(),
             "dtype_policy": keras.config.dtype_policy().name}
     try:
-        if common.has_gpu():
-            from kmgpu.callbacks import nvidia_gpus
-
-            info["gpu_name"] = nvidia_gpus()[0]
         if backend == "jax":
             import jax
 
@@ -50,6 +46,11 @@ def environment():
             if torch.cuda.is_available():
                 info["device_kinds"] = [torch.cuda.get_device_name(0)]
                 info["cuda"] = torch.version.cuda
+        if common.has_gpu():
+            from kmgpu.callbacks import nvidia_gpus
+
+            names = nvidia_gpus() or info.get("device_kinds") or [""]
+            info["gpu_name"] = names[0]
     except Exception:
         pass
     return info
@@ -85,7 +86,9 @@ def measure(spec_run, spec, env):
     samples = result["samples_per_epoch"]
     gbatch = common.global_batch(workload, n, policy) if runner != "reference" \
         else workload.batch
-    precision = flops.precision(backend if runner != "reference" else "torch", workload.kind)
+    gpu = common.has_gpu()
+    precision = (flops.precision(backend if runner != "reference" else "torch", workload.kind)
+                 if gpu else "fp32")
     record = {
         "kind": "run", **spec_run, "status": "ok",
         "global_batch": gbatch, "per_device_batch": gbatch // n,
@@ -100,8 +103,7 @@ def measure(spec_run, spec, env):
         "gpu_util": result.get("gpu_util"),
         "loss": result["loss"],
         "precision": precision,
-        "peak_flops": flops.peak_flops(env.get("gpu_name"), precision)
-        if common.has_gpu() else None,
+        "peak_flops": flops.peak_flops(env.get("gpu_name"), precision) if gpu else None,
     }
     for key in ("flops_per_sample", "flops_source", "flops_analytic", "params"):
         if result.get(key) is not None:

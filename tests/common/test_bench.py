@@ -2,8 +2,9 @@
 wheel, the plan and time budget, the projection's arithmetic, FLOP counts, the report.
 
 The quick run is split over the backend sessions of scripts/test.sh, so the suite runs
-every backend and every workload once: tensorflow -> sine, xception; jax -> lstm,
-resnet50, transformer; torch -> cnn32, resnet50_small.
+every backend and every workload once: tensorflow -> sine, xception; jax -> resnet50,
+transformer through benchmarks/gpu_run.sh (the GPU command, --quick); torch -> cnn32, lstm,
+resnet50_small.
 """
 
 import glob
@@ -18,8 +19,9 @@ import pytest
 from kmgpu.bench import derive, plan, projection, report, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICK_WORKLOADS = {"tensorflow": ("sine", "xception"), "jax": ("lstm", "resnet50", "transformer"),
-                   "torch": ("cnn32", "resnet50_small")}
+QUICK_WORKLOADS = {"tensorflow": ("sine", "xception"), "jax": ("resnet50", "transformer"),
+                   "torch": ("cnn32", "lstm", "resnet50_small")}
+GPU_RUN = "jax"  # this session runs benchmarks/gpu_run.sh --quick
 NO_BATCHNORM = ("lstm", "sine")  # exact parity on 2 devices (see workloads.py)
 
 
@@ -46,15 +48,24 @@ def _kmgpu(args, cwd, env, timeout=300):
 def test_quick_bench_smoke(tmp_path):
     backend = _backend()
     names = QUICK_WORKLOADS[backend]
-    proc, seconds = _kmgpu(["bench", "--quick", "--backends", backend, "--workloads",
-                            ",".join(names), "--out", str(tmp_path), "--name", "smoke"],
-                           ROOT, _clean_env())
+    args = ["--quick", "--workloads", ",".join(names), "--out", str(tmp_path), "--name", "smoke"]
+    if backend == GPU_RUN:  # the GPU command itself, at CPU sizes
+        env = _clean_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        start = time.perf_counter()
+        proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_run.sh"), backend]
+                              + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        seconds = time.perf_counter() - start
+    else:
+        proc, seconds = _kmgpu(["bench", "--backends", backend] + args, ROOT, _clean_env())
     sys.stderr.write(f"\nkmgpu bench --quick ({backend}, {','.join(names)}): {seconds:.1f} s\n")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     expected = plan.plan([backend], list(names), [1, 2], lean=True)
     assert f"{len(expected)}/{len(expected)}" in out  # the progress bar reached the end
     assert "share this machine's" in out and "not speedups" in out
+    if backend == GPU_RUN:
+        assert "budget 520 s" in out and "one process per workload" in out
     assert "kmgpu overhead vs plain fit" in out and "**missed**" not in out
     tail = out.rstrip().splitlines()
     assert tail[-1].startswith("| ") and any("2 simulated devices vs 1" in line for line in tail)

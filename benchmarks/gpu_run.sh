@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One `kmgpu bench` run of one backend on a 2 x H200 machine, sized for a 10-minute limit
+# (issue 14): the four workloads people train (transformer, resnet50_small, xception,
+# resnet50) x {plain fit on 1 GPU, kmgpu on 2 GPUs with batch global and per_replica, the
+# peer on 2 GPUs, kmgpu on 1 GPU}, the all-reduce sweep (projection), and with torch the
+# torchvision reference; 3 epochs of the workload's steps (the first epoch compiles; pass
+# --steps N to change them), one process per workload. Runs that would not fit
+# the time budget (KMGPU_BENCH_BUDGET seconds, default 520) are skipped and say so in the
+# report; the workloads run cheapest first. The leading table is printed last.
+#
+# On the device machine, from the repository root (keras, namex, optree wheels in .whl/):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \
+#     && bash benchmarks/gpu_run.sh jax            # then the same with torch
+# Writes $OUT/nvidia-h200-x2-<backend>.{json,md,png,log} (./kmgpu-bench without $OUT).
+# One report from both runs, on any machine:
+#   python -m kmgpu bench --report nvidia-h200-x2-jax.json nvidia-h200-x2-torch.json \
+#     --name nvidia-h200-x2 --out benchmarks/results
+# The same code path on a CPU (CI sizes, simulated devices): add --quick.
+set -eu
+backend=${1:?usage: bash benchmarks/gpu_run.sh jax|torch [more kmgpu bench options]}
+shift
+case $backend in
+  jax|torch|tensorflow) ;;
+  *) echo "gpu_run.sh: the backend is jax, torch or tensorflow, not '$backend'" >&2; exit 2 ;;
+esac
+out=${OUT:-$PWD/kmgpu-bench}
+exec python3 -m kmgpu bench --backends "$backend" \
+  --workloads transformer,resnet50_small,xception,resnet50 --devices 1,2 \
+  --lean --isolate workload --no-replay --epochs 3 \
+  --budget "${KMGPU_BENCH_BUDGET:-520}" --out "$out" \
+  --name "${KMGPU_BENCH_NAME:-nvidia-h200-x2-$backend}" "$@"
