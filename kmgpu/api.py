@@ -215,7 +215,7 @@ class ParallelModel:
                 if size is not None and (isinstance(size, bool) or not isinstance(size, int)
                                          or size < 1):
                     raise ValueError(f"{key}={size!r}: pass a positive int.")
-                if size is None and _is_dataset(call.get("x")):
+                if size is None and checks.is_dataset(call.get("x")):
                     continue  # the dataset brings its own batches
                 call[key] = plan.global_batch(self._options, size, self.num_replicas)
         return call
@@ -236,14 +236,10 @@ def _steps(x, samples, global_batch):
     return n if n is not None and n > 0 else None
 
 
-def _is_dataset(x):
-    return x is not None and not hasattr(x, "shape") and not isinstance(x, (list, tuple, dict))
-
-
 def _num_samples(x):
     import keras
 
-    if x is None or _is_dataset(x):
+    if x is None or checks.is_dataset(x):
         return None
     leaves = keras.tree.flatten(x)
     return int(leaves[0].shape[0]) if leaves and hasattr(leaves[0], "shape") else None
