@@ -1,7 +1,7 @@
 """The user's data on the torch ranks: what is accepted, how it travels, how it is cut.
 
 Driver side: ``check`` refuses what the ranks cannot slice, ``ship`` turns a call's
-data into files for the pool's workers (``transport.CallFiles``), ``as_numpy`` keeps
+data into files for the pool's workers (``transport.CallFiles``), ``local`` keeps
 it in-process under torchrun, ``assemble`` puts the ranks' predictions back in order.
 
 Rank side: every rank sees the full arrays (memory-mapped in a pool worker, the
@@ -11,8 +11,10 @@ of it (sizes differ by at most one row). Every rank therefore runs the same numb
 of steps. A rank whose slice of a small last batch is empty gets one stand-in row
 and a weight of zero, so it still joins every collective.
 
-One rule says what a dataset is here (``is_dataset``): a ``keras.utils.PyDataset``.
-Everything else must be arrays (NumPy, torch tensors, or lists/dicts of them).
+What a dataset is follows kmgpu's one rule (``checks.is_dataset``). A
+``keras.utils.PyDataset`` is indexed by every rank; any other dataset (``tf.data``, a
+generator, a DataLoader) is read for the ranks by ``feeds``; everything else must be
+arrays (NumPy, torch tensors, or lists/dicts of them).
 """
 
 import math
@@ -21,17 +23,13 @@ import pickle
 import keras
 import numpy as np
 
-from kmgpu.engines.torch import transport
+from kmgpu.checks import is_dataset
+from kmgpu.engines.torch import feeds, transport
 
 #: the call arguments that hold data
 DATA_KEYS = ("x", "y", "sample_weight", "validation_data")
 #: a PyDataset is pickled to the workers up to this size; else read here and stored
 PICKLE_LIMIT = 16 << 20
-
-
-def is_dataset(x):
-    """True for a ``keras.utils.PyDataset`` (which the ranks index batch by batch)."""
-    return isinstance(x, keras.utils.PyDataset)
 
 
 def _is_array_like(x):
@@ -45,14 +43,13 @@ def _is_array_like(x):
 
 
 def check(name, x):
-    """Raise TypeError unless ``x`` is arrays or a PyDataset (what the ranks can slice)."""
+    """Raise TypeError unless ``x`` is arrays or a dataset (what the ranks can be fed)."""
     if is_dataset(x) or _is_array_like(x):
         return
     raise TypeError(
         f"kmgpu (torch): {name} is a {type(x).__name__}. kmgpu's torch workers take NumPy "
-        "arrays (or torch tensors, lists/dicts of them) or a keras.utils.PyDataset, which "
-        "each worker slices batch by batch. Convert the data to arrays, wrap it in a "
-        "PyDataset, or run the script under torchrun (each process then passes its data)."
+        "arrays (or torch tensors, lists/dicts of them) or a dataset (keras.utils.PyDataset, "
+        "tf.data.Dataset, a generator, a torch DataLoader). Convert the data to arrays."
     )
 
 
@@ -72,27 +69,66 @@ def nbytes(kwargs):
     return total
 
 
-def ship(kwargs, files):
+def _read_for_ranks(method, kwargs, make_feed, keep, template):
+    """Replace the datasets the ranks cannot index (``feeds.reads_itself``) in a call's
+    arguments: fit's training data by ``make_feed(x, steps_per_epoch, passes)`` (one
+    pass per epoch, not shuffled: Keras does not shuffle these), every other one by
+    ``keep(batches)`` of one pass (``steps`` / ``validation_steps`` batches). The
+    user's ``template`` is built from them as Keras's fit and evaluate build it."""
+    out = dict(kwargs)
+    x = kwargs.get("x")
+    if feeds.reads_itself(x):
+        if method == "fit":
+            passes = int(kwargs.get("epochs", 1)) - int(kwargs.get("initial_epoch", 0) or 0)
+            out["x"] = make_feed(x, out.pop("steps_per_epoch", None), max(passes, 1))
+            out["shuffle"] = False
+        else:
+            out["x"] = keep(feeds.one_pass(x, kwargs.get("steps"),
+                                           template if method == "evaluate" else None))
+    vd = kwargs.get("validation_data")
+    if feeds.reads_itself(vd):
+        out["validation_data"] = keep(feeds.one_pass(vd, kwargs.get("validation_steps")))
+    return out
+
+
+def ship(kwargs, files, method, template):
     """A call's keyword arguments for the pool's workers.
 
     Args:
         kwargs: Keras's keyword arguments of the call.
         files: the call's ``transport.CallFiles``.
+        method: "fit", "evaluate" or "predict".
+        template: the user's model.
 
     Returns:
-        The same arguments with arrays as files and a PyDataset pickled (or stored).
+        (the same arguments with arrays as files, a PyDataset pickled (or stored) and
+        other datasets read here; the ``feeds.Feed`` of fit's training data or None).
+        The caller closes the feed after the call.
     """
-    out = dict(kwargs)
-    for key in DATA_KEYS:
-        value = kwargs.get(key)
-        if value is None:
-            continue
-        check(key, value)
-        if is_dataset(value):
-            out[key] = _ship_dataset(value, files)
-        else:
-            out[key] = files.put(tuple(value) if key == "validation_data" else value)
-    return out
+    made = []
+
+    def make_feed(x, steps_per_epoch, passes):
+        made.append(feeds.Feed(x, steps_per_epoch, passes, files, template))
+        return pickle.dumps(made[-1].remote())
+
+    try:
+        out = _read_for_ranks(method, kwargs, make_feed,
+                              lambda batches: pickle.dumps(feeds.store(batches, files)),
+                              template)
+        for key in DATA_KEYS:
+            value = out.get(key)
+            if value is None or isinstance(value, bytes):
+                continue
+            check(key, value)
+            if is_dataset(value):
+                out[key] = _ship_dataset(value, files)
+            else:
+                out[key] = files.put(tuple(value) if key == "validation_data" else value)
+    except BaseException:
+        for feed in made:
+            feed.close()
+        raise
+    return out, (made[0] if made else None)
 
 
 def _ship_dataset(dataset, files):
@@ -109,13 +145,7 @@ def _ship_dataset(dataset, files):
     for i in range(len(dataset)):
         batch = dataset[i]
         batches.append(tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
-    bounds = [0]
-    for batch in batches:
-        bounds.append(bounds[-1] + int(keras.tree.flatten(batch[0])[0].shape[0]))
-    parts = keras.tree.map_structure(
-        lambda *leaves: None if leaves[0] is None else np.concatenate(
-            [transport.as_array(leaf) for leaf in leaves]), *batches)
-    return pickle.dumps(StoredBatches(files.put(parts), bounds))
+    return pickle.dumps(feeds.store(batches, files))
 
 
 def receive(kwargs):
@@ -128,11 +158,20 @@ def receive(kwargs):
 
 
 def as_numpy(value):
-    """In-process: torch tensors / array-likes as NumPy (a PyDataset untouched)."""
+    """In-process: torch tensors / array-likes as NumPy (a dataset untouched)."""
     if value is None or is_dataset(value):
         return value
     check("data", value)
     return keras.tree.map_structure(transport.as_array, value)
+
+
+def local(kwargs, method, template):
+    """In-process: a call's arguments for this rank: arrays as NumPy, datasets other
+    than a PyDataset read here (each process has the same data)."""
+    out = _read_for_ranks(method, kwargs,
+                          lambda x, steps, passes: feeds.LocalStream(x, steps, template),
+                          feeds.Batches, template)
+    return {k: (as_numpy(v) if k in DATA_KEYS else v) for k, v in out.items()}
 
 
 def assemble(pieces):
@@ -218,25 +257,6 @@ def source_of(x, y=None, sample_weight=None):
     return ArraySource(x, y, sample_weight)
 
 
-class StoredBatches(keras.utils.PyDataset):
-    """A user's PyDataset the driver read once and stored as arrays and batch bounds
-    (for datasets that cannot be pickled to the workers)."""
-
-    def __init__(self, parts, bounds):
-        super().__init__()
-        self.parts, self.bounds = parts, list(bounds)
-        self._loaded = False
-
-    def __len__(self):
-        return len(self.bounds) - 1
-
-    def __getitem__(self, i):
-        if not self._loaded:
-            self.parts, self._loaded = transport.resolve(self.parts), True
-        lo, hi = self.bounds[i], self.bounds[i + 1]
-        return keras.tree.map_structure(lambda a: None if a is None else a[lo:hi], self.parts)
-
-
 class RankSlices(keras.utils.PyDataset):
     """This rank's contiguous slice of every global batch, as a Keras PyDataset.
 
@@ -268,6 +288,12 @@ class RankSlices(keras.utils.PyDataset):
 
     def on_epoch_begin(self):
         self._passes += 1
+        if isinstance(self.source, DatasetSource):  # as Keras calls it on one device
+            self.source.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        if isinstance(self.source, DatasetSource):
+            self.source.dataset.on_epoch_end()
 
     def _new_order(self):
         # The same permutation on every rank: the seed is shared, not per rank.

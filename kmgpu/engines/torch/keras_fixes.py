@@ -45,6 +45,12 @@ PATCHES = [
      "logs as plain Python numbers, to relay them to the driver's callbacks"),
     ("keras.src.utils", "is_default",
      "which hooks a user's callback implements (the test Keras's CallbackList uses)"),
+    ("keras.src.trainers.epoch_iterator", "EpochIterator",
+     "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "
+     "exactly as Keras's fit takes it (steps_per_epoch continues one iterator)"),
+    ("keras.src.trainers.trainer", "Trainer._symbolic_build",
+     "run on the user's model with that iterator, as Keras's fit and evaluate do first: "
+     "it builds the compile metrics and, the first time, starts (and drops) one pass"),
 ]
 
 
@@ -82,7 +88,14 @@ def read_logs_within(model, context):
 
     def get_metrics_result_or_logs(logs):
         with context() as changed:
-            return pythonify_logs(read(logs)) if changed else read(logs)
+            out = read(logs)
+            if changed and out is logs and isinstance(logs, dict):
+                # a step of the user's own returned other keys than model.metrics (the
+                # guide's {m.name: m.result()}): what it named after a metric is that
+                # metric's result over every rank, not this rank's last step
+                results = {m.name: m.result() for m in model.metrics}
+                out = {k: results.get(k, v) for k, v in logs.items()}
+            return pythonify_logs(out) if changed else out
 
     model._get_metrics_result_or_logs = get_metrics_result_or_logs
 
@@ -177,3 +190,17 @@ def is_default(method):
     from keras.src import utils
 
     return utils.is_default(method)
+
+
+def epoch_iterator(x, steps_per_epoch=None, build=None):
+    """Keras's own ``EpochIterator`` over a dataset (NumPy batches), made as fit makes
+    it: ``build``'s symbolic build first (a model: fit and evaluate; None: predict),
+    then reset. Iterating it once gives one epoch's batches as ``(step, step, [batch])``.
+    """
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    iterator = EpochIterator(x=x, steps_per_epoch=steps_per_epoch)
+    if build is not None:
+        build._symbolic_build(iterator=iterator)
+    iterator.reset()
+    return iterator

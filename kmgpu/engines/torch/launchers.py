@@ -24,7 +24,7 @@ import os
 import sys
 
 from kmgpu import models
-from kmgpu.engines.torch import collectives, data, relay, replicas, transport
+from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, transport
 from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.pool import WorkerPool, start_method
 from kmgpu.engines.torch.strategy import DDPStrategy
@@ -141,6 +141,7 @@ class PoolLauncher(Launcher):
         self.pool = None
         self._files = None
         self._state = None  # (StateFile, StateLayout) once this call's state is written
+        self._feed = None  # fit's training data read pass by pass (feeds.Feed)
 
     @property
     def _key(self):
@@ -180,7 +181,7 @@ class PoolLauncher(Launcher):
         pool = self._ensure_pool()
         clock("pool")
         self._files = transport.CallFiles(data.nbytes(call.kwargs))
-        kwargs = data.ship(call.kwargs, self._files)
+        kwargs, self._feed = data.ship(call.kwargs, self._files, call.method, template)
         clock("data out")
         layout, arrays = replicas.state_of(template, with_optimizer=(call.method == "fit"))
         state = pool.state_file(layout.arrays)
@@ -189,10 +190,12 @@ class PoolLauncher(Launcher):
         clock("state out")
         call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
                                    model=None if pool.model_key == call.key else spec)
+        stop = state.request_stop if call.method == "fit" else None
         try:
-            answers = pool.call([call] * pool.world, on_event=driver)
+            answers = pool.call([call] * pool.world, on_event=driver, on_interrupt=stop)
         except BaseException:
-            pool.model_key = None
+            # a Ctrl-C the workers answered leaves them and their replicas as they were
+            pool.model_key = call.key if pool.alive() else None
             raise
         pool.model_key = call.key
         clock("call")
@@ -212,6 +215,9 @@ class PoolLauncher(Launcher):
 
     def end_call(self, failed):
         files, self._files, self._state = self._files, None, None
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
         if files is not None:
             files.close()
 
@@ -307,11 +313,11 @@ class InProcessLauncher(Launcher):
         clock("replica")
         # the others learn which hooks rank 0's callbacks take, and its shuffling seed
         hooks, seed = collectives.broadcast_object((call.hooks, call.seed))
-        kwargs = {k: (data.as_numpy(v) if k in data.DATA_KEYS else v)
-                  for k, v in call.kwargs.items()}
+        kwargs = data.local(call.kwargs, call.method, template)
         self._live = True
         result = s.run(replica, call.method, kwargs, seed=seed, hooks=hooks,
-                       relay=driver if s.rank == 0 else None, reset_states=call.reset_states)
+                       relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
+                       fit_callbacks=[feeds.NextPass(kwargs.get("x"))])
         rows = [[]] * s.world
         if models.stateful_layers(template):  # every rank's rows, in rank order, everywhere
             rows = collectives.all_gather_object(s.state_rows(replica))

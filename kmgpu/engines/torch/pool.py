@@ -6,7 +6,9 @@ streams rank 0's output to ``sys.stdout`` (a Jupyter cell too), sends each call'
 ``messages``, and waits for the answers in a loop that also watches every worker's
 liveness: a worker that dies or raises ends the call within a second, with its
 traceback, and the whole pool is killed (the next call starts a fresh one). Ctrl-C
-kills the pool too. What travels besides messages (data files, the state file)
+during a fit asks the workers to stop after the current step (``Interrupts``), so
+the pool lives on and rank 0 hands back that step's state; a second Ctrl-C, or
+Ctrl-C in another call, kills the pool. What travels besides messages (data files, the state file)
 is ``transport``'s; which pool serves an engine is ``launchers.PoolLauncher``'s.
 """
 
@@ -269,27 +271,35 @@ class WorkerPool:
                 raise WorkerError(f"kmgpu: torch worker rank {rank} did not start within "
                                   f"{timeout} s.\n{self._tail(rank)}")
 
-    def call(self, messages, on_event=None):
+    def call(self, messages, on_event=None, on_interrupt=None):
         """Send one message per rank (a ``Call`` or a ``WeightsQuery``); return the
         ranks' answers (the ``Done`` values, rank order).
 
         ``on_event(Event) -> Reply`` answers rank 0's callback events while the call
         runs. Raises the worker's own exception (chained to a WorkerError holding its
         traceback) or WorkerError if a worker died; the pool is dead afterwards.
-        KeyboardInterrupt (also from ``on_event``) kills the pool and propagates.
+        With ``on_interrupt``, a first Ctrl-C calls it (the workers are asked to stop)
+        and the call goes on until they answer, then KeyboardInterrupt is raised with
+        the pool alive; otherwise, or on a second Ctrl-C or after ``Interrupts.GRACE``
+        seconds, KeyboardInterrupt kills the pool and propagates.
         """
         marks = [m + 1 for m in self._marks]
+        interrupts = Interrupts(on_interrupt)
         try:
             for conn, msg in zip(self.conns, messages):
                 conn.send(msg)
-            results = [done.value for done in self.gather(Done, on_event=on_event)]
+            with interrupts:
+                results = [done.value for done in
+                           self.gather(Done, on_event=on_event, interrupts=interrupts)]
         except BaseException:
             self.kill()
             raise
         self._wait_output(marks)
+        if interrupts.pressed:
+            raise KeyboardInterrupt
         return results
 
-    def gather(self, expected, timeout=None, on_event=None):
+    def gather(self, expected, timeout=None, on_event=None, interrupts=None):
         """One message of type ``expected`` from every rank (rank order), watching
         liveness; answers Events with ``on_event`` on the way."""
         from multiprocessing.connection import wait
@@ -302,6 +312,8 @@ class WorkerPool:
             waitables = ([self.conns[r] for r in pending]
                          + [self.procs[r].sentinel for r in pending] + list(self._open_outs()))
             ready = set(wait(waitables, timeout=0.25))
+            if interrupts is not None:
+                interrupts.check()
             self._drain(ready)
             for r in sorted(pending):
                 conn, proc = self.conns[r], self.procs[r]
@@ -423,6 +435,46 @@ class WorkerPool:
         self._drop_state()
         self.closed = True
         _POOLS.discard(self)
+
+
+class Interrupts:
+    """Ctrl-C while a call runs: the first one calls ``on_interrupt`` (and is noted in
+    ``pressed``) instead of raising; a second one, or ``GRACE`` seconds without an
+    answer, raises KeyboardInterrupt (from ``check``). Without ``on_interrupt``, or off
+    the main thread, Ctrl-C raises at once as usual.
+    """
+
+    GRACE = 60.0
+
+    def __init__(self, on_interrupt):
+        self.on_interrupt, self.pressed, self.deadline = on_interrupt, False, None
+        self._saved = None
+
+    def __enter__(self):
+        import threading
+
+        if self.on_interrupt is not None and threading.current_thread() is \
+                threading.main_thread():
+            self._saved = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            signal.signal(signal.SIGINT, self._saved)
+            self._saved = None
+
+    def _handle(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed, self.deadline = True, time.monotonic() + self.GRACE
+        print("\nkmgpu: Ctrl-C: the workers stop after the current step and hand back its "
+              "weights (Ctrl-C again stops them now).", file=sys.stderr, flush=True)
+        self.on_interrupt()
+
+    def check(self):
+        """Raise KeyboardInterrupt once the workers had their time to stop."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise KeyboardInterrupt
 
 
 @atexit.register

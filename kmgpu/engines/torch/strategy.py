@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kmgpu import models
-from kmgpu.engines.torch import collectives, data, keras_fixes
+from kmgpu.engines.torch import collectives, data, keras_fixes, own_steps
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.relay import Abort, SyncCallback
 
@@ -180,26 +180,9 @@ class DDPStrategy:
         return train_step
 
     def _hook_optimizer(self, replica, averaged):
-        """A model with its own ``train_step``: average gradients in ``optimizer.apply``.
-
-        Exact for even splits; kmgpu cannot weight a custom step's loss by batch share.
-        """
-        opt = getattr(replica, "optimizer", None)
-        if opt is None:  # not compiled: predict only
-            return
-        apply = opt.apply
-
-        def apply_synced(grads, trainable_variables=None):
-            grads = list(grads)
-            present = [i for i, g in enumerate(grads) if g is not None]
-            sums = collectives.sum_tensors([grads[i] for i in present], self.device)
-            for i, s in zip(present, sums):
-                grads[i] = s / self.world
-            result = apply(grads, trainable_variables)
-            self._average_statistics(averaged, 1.0 / self.world)
-            return result
-
-        opt.apply = apply_synced
+        """A model with its own ``train_step``: gradients summed in ``optimizer.apply``
+        weighted by this rank's rows, its loss tracker likewise (``own_steps``)."""
+        own_steps.OwnSteps(self).prepare(replica, averaged)
 
     def _test_step(self, replica):
         def test_step(batch):
@@ -259,7 +242,7 @@ class DDPStrategy:
 
     # -- one call -----------------------------------------------------------------------
     def run(self, replica, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None,
-            reload=None, reset_states=False):
+            reload=None, reset_states=False, fit_callbacks=()):
         """Run ``replica.<method>`` on this rank's share of the data.
 
         Args:
@@ -274,6 +257,9 @@ class DDPStrategy:
                 with epoch -1 at the end of training (it decides whether to save).
             reload: on rank 0 in a pool worker, ``reload(replica)`` loads the state
                 the driver wrote after its on_train_begin callbacks changed the model.
+            fit_callbacks: more Keras callbacks every rank runs in fit (the launcher's:
+                the next pass of data read for the ranks, a stop request); one that
+                raises ``relay.Abort`` ends the call on every rank at that point.
             reset_states: zero the stateful RNN states now and, in fit, at the start
                 of every epoch.
 
@@ -296,7 +282,7 @@ class DDPStrategy:
 
         sync = SyncCallback(self.rank, self.device, hooks, relay,
                             snapshot if method == "fit" else None, reload_everywhere)
-        callbacks = [sync]
+        callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
         if reset_states:
             models.reset_states(replica)
             callbacks.insert(0, models.reset_callback(replica))

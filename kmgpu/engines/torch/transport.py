@@ -196,7 +196,9 @@ class StateFile:
 
     Slot 0 carries the driver's state in; slots 1 and 2 take rank 0's snapshots in
     turn. A slot's header (sequence number, complete flag, epoch) is written after
-    its data, so a reader never takes a half-written slot.
+    its data, so a reader never takes a half-written slot. Slot 0's header also holds
+    a stop request (the driver's Ctrl-C) and the step every rank stops before
+    (``request_stop``, ``stop_before``).
 
     Args:
         path: the file (None: only compute the slot size).
@@ -228,9 +230,28 @@ class StateFile:
             self.mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(3 * size,))
 
     def reset(self):
-        """Mark the snapshot slots empty (a new call begins)."""
+        """Mark the snapshot slots empty and clear any stop request (a new call begins)."""
         for slot in (1, 2):
             self._header(slot)[:] = 0
+        self._control()[:] = (0, -1)
+
+    def _control(self):
+        return self.mm[32:48].view(np.int64)  # slot 0's header: stop requested, stop step
+
+    def request_stop(self):
+        """The driver: ask the ranks to stop training after the current step."""
+        self._control()[0] = 1
+
+    def stop_requested(self):
+        return bool(self._control()[0])
+
+    def stop_before(self, step=None):
+        """The step (counted from the fit's start) every rank stops before; -1: none.
+        With ``step``, rank 0 sets it first (once)."""
+        control = self._control()
+        if step is not None and control[1] < 0:
+            control[1] = step
+        return int(control[1])
 
     def _header(self, slot):
         return self.mm[slot * self.slot_size: slot * self.slot_size + 24].view(np.int64)

@@ -20,8 +20,8 @@ import traceback
 # Keras is imported only once the worker has set its environment (KERAS_BACKEND,
 # threads, device): data, replicas and strategy, which import it, are imported late.
 from kmgpu.engines.torch import timing, transport
-from kmgpu.engines.torch.messages import (END_MARK, Call, Done, Exit, Failed, Port,
-                                          RankResult, Ready, Reply, WeightsQuery)
+from kmgpu.engines.torch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed,
+                                          Port, RankResult, Ready, Reply, WeightsQuery)
 
 
 def _redirect(out_conn):
@@ -225,7 +225,7 @@ class Worker:
             return None if self.replica is None else self.replica.get_weights()
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
-        from kmgpu.engines.torch import data, replicas
+        from kmgpu.engines.torch import data, feeds, replicas
 
         call, s = msg, self.strategy
         clock = timing.Clock("worker", self.rank == 0)
@@ -249,7 +249,11 @@ class Worker:
             result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
                            relay=self.relay, snapshot=snapshot,
                            reload=reload if snapshot is not None else None,
-                           reset_states=call.reset_states)
+                           reset_states=call.reset_states,
+                           fit_callbacks=[feeds.NextPass(kwargs.get("x")),
+                                          _stop_on_request(state, self.rank)])
+            if isinstance(result, Aborted) and snapshot is not None:
+                snapshot(replica, -2)  # stopped: the last completed step's state goes back
             clock(call.method)
             clock.report()
             # this rank's stateful RNN rows go back to the user's model, like the weights
@@ -272,10 +276,12 @@ class _Snapshots:
         self.seq, self.cost, self.last = 0, 0.0, None
 
     def __call__(self, model, epoch):
+        """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
+        (a callback raised, or Ctrl-C on the driver): both always save."""
         from kmgpu.engines.torch import replicas
 
         now = time.perf_counter()
-        if (epoch != -1 and not self.every_epoch and self.last is not None
+        if (epoch >= 0 and not self.every_epoch and self.last is not None
                 and now - self.last < 20 * self.cost):
             return
         self.seq += 1
@@ -284,3 +290,33 @@ class _Snapshots:
         self.last = time.perf_counter()
         self.cost = self.last - now
         self.clock("snapshots", since=now)
+
+
+def _stop_on_request(state, rank):
+    """Rank side of the driver's Ctrl-C (``transport.StateFile.request_stop``)."""
+    import keras
+
+    from kmgpu.engines.torch.relay import Abort
+
+    class StopOnRequest(keras.callbacks.Callback):
+        """At every training step's start: rank 0, once it sees the driver's request at
+        step t, sets "stop before t + 1"; every rank raises ``Abort`` there.
+
+        Every step holds a collective, so no rank completes step t before rank 0
+        starts it: each reaches step t + 1's start after the mark is set, and none
+        has passed it. Only a read of shared memory per step; no collective.
+        """
+
+        def __init__(self):
+            super().__init__()
+            self.step = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            step, self.step = self.step, self.step + 1
+            if rank == 0 and state.stop_requested():
+                state.stop_before(step + 1)
+            stop = state.stop_before()
+            if 0 <= stop <= step:
+                raise Abort("stopped by the driver (Ctrl-C)")
+
+    return StopOnRequest()

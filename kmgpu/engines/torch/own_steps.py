@@ -1,0 +1,111 @@
+"""A model with its own ``train_step`` / ``test_step`` on the torch ranks.
+
+kmgpu's own steps weight each rank's loss by its share of the global batch. A
+user's step (the Keras guide's pattern: ``compute_loss``, ``loss.backward()``,
+``optimizer.apply``, a loss tracker updated with the loss) is kept as written, and
+made equal to one device around it:
+
+- ``optimizer.apply`` sums the ranks' gradients weighted by each rank's rows
+  (``n_rank / n_global``): the gradient of the global batch's mean loss, also when
+  the last batch splits unevenly;
+- a loss tracker (a ``keras.metrics.Mean`` given one value per step, no weight)
+  counts each rank's value with weight ``N * n_rank / n_global``: summed over the
+  ranks, it holds the mean over steps of the global batch's loss;
+- a rank whose share of a small last batch is empty (one stand-in row) runs the
+  step for the collectives, and its metrics are put back as they were after it.
+
+The metric variables are summed over ranks before Keras reads them (``strategy``),
+and logs a step returns under a metric's name are read from that metric.
+"""
+
+import keras
+import torch
+
+from kmgpu.engines.torch import collectives
+
+
+class OwnSteps:
+    """The rows of the step running now, for the hooks below.
+
+    Args:
+        strategy: the rank's ``DDPStrategy`` (its ``train`` / ``test`` RankSlices).
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.rows = None  # (real rows here, rows in the global batch) inside a step
+
+    def prepare(self, replica, averaged):
+        """Install the hooks on ``replica`` (instance attributes; its class untouched).
+
+        Args:
+            replica: the rank's replica, with its own train_step or test_step.
+            averaged: BatchNorm moving statistics to average after every update.
+        """
+        from kmgpu.engines.torch import keras_fixes
+
+        if keras_fixes.has_own_train_step(replica):
+            replica.train_step = self._step(replica, replica.train_step, "train")
+            self._hook_optimizer(replica, averaged)
+        if keras_fixes.has_own_test_step(replica):
+            replica.test_step = self._step(replica, replica.test_step, "test")
+        for metric in replica.metrics:
+            if type(metric) is keras.metrics.Mean:
+                self._weigh(metric)
+
+    def _current(self, which):
+        slices = getattr(self.strategy, which)
+        return slices.current if slices is not None else None
+
+    def _step(self, replica, step, which):
+        def own_step(data):
+            rows = self._current(which)
+            saved = None
+            if rows is not None and rows[0] == 0:  # a stand-in row: keep it out
+                saved = [(v, v.value.detach().clone()) for m in replica.metrics
+                         for v in m.variables]
+            self.rows = rows
+            try:
+                logs = step(data)
+            finally:
+                self.rows = None
+            if saved is not None:
+                with torch.no_grad():
+                    for v, value in saved:
+                        v.value.copy_(value)
+            return logs
+
+        return own_step
+
+    def _weigh(self, metric):
+        update = metric.update_state
+        world = self.strategy.world
+
+        def update_state(values, sample_weight=None):
+            rows = self.rows
+            if (rows is not None and sample_weight is None and rows[1]
+                    and len(getattr(values, "shape", ())) == 0):
+                sample_weight = rows[0] * world / rows[1]
+            return update(values, sample_weight=sample_weight)
+
+        metric.update_state = update_state
+
+    def _hook_optimizer(self, replica, averaged):
+        opt = getattr(replica, "optimizer", None)
+        if opt is None:  # not compiled: predict only
+            return
+        apply, s = opt.apply, self.strategy
+
+        def apply_synced(grads, trainable_variables=None):
+            rows = self.rows or self._current("train")
+            share = rows[0] / rows[1] if rows and rows[1] else 1.0 / s.world
+            grads = list(grads)
+            present = [i for i, g in enumerate(grads) if g is not None]
+            sums = collectives.sum_tensors([grads[i] * share for i in present], s.device)
+            for i, total in zip(present, sums):
+                grads[i] = total
+            result = apply(grads, trainable_variables)
+            s._average_statistics(averaged, share)
+            return result
+
+        opt.apply = apply_synced
