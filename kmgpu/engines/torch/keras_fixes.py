@@ -10,8 +10,12 @@ to check, so not in ``PATCHES``; look at them when the pin moves): a model's
 ``_loss_tracker``, ``_call_has_training_arg``, ``_compile_config`` and
 ``_initial_epoch`` (Keras's fit resumes from it; BackupAndRestore sets it), an
 optimizer's ``_learning_rate``, a layer's ``_seed_generators`` and
-``_reduction_axes``, ``CallbackList._history``.
+``_reduction_axes``, ``CallbackList._history``; for the captured step a model's
+``train_function`` / ``test_function`` / ``predict_function`` (set to None so Keras
+makes them again without torch.compile).
 """
+
+import threading
 
 KERAS = "3.15.1"
 
@@ -45,6 +49,19 @@ PATCHES = [
      "logs as plain Python numbers, to relay them to the driver's callbacks"),
     ("keras.src.utils", "is_default",
      "which hooks a user's callback implements (the test Keras's CallbackList uses)"),
+    ("keras.src.backend.torch.core", "convert_to_tensor",
+     "its code is swapped while a captured train step runs (graphs.py, "
+     "compile(jit_compile=True)): Keras 3.15.1 makes a python scalar or a constant list "
+     "a device tensor with torch.as_tensor(x, device=cuda), a blocking copy from "
+     "pageable memory that CUDA-graph capture refuses (\"Cannot copy between CPU and "
+     "CUDA tensors during CUDA graph capture\": the loss's reduce_values, BatchNorm's "
+     "momentum, the optimizer's iterations.assign_add(1) and beta casts); the swap fills "
+     "scalars on the device (torch.full) and caches constant lists: the same values "
+     "(upstream: no issue known to kmgpu)"),
+    ("keras.src.trainers.trainer", "Trainer.jit_compile",
+     "read on a compiled model: True asks kmgpu's torch engines for the captured step "
+     "(Keras's meaning, torch.compile, measured 0.73x of eager: profiles/torch/RESULTS.md);"
+     " set False on the model that runs it, so Keras never wraps the step in torch.compile"),
     ("keras.src.trainers.epoch_iterator", "EpochIterator",
      "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "
      "exactly as Keras's fit takes it (steps_per_epoch continues one iterator)"),
@@ -204,3 +221,104 @@ def epoch_iterator(x, steps_per_epoch=None, build=None):
         build._symbolic_build(iterator=iterator)
     iterator.reset()
     return iterator
+
+
+# -- the captured step (graphs.py) --------------------------------------------------------
+_SWAP = {"depth": 0, "code": None, "kwdefaults": None}
+_SWAP_LOCK = threading.Lock()
+_CONSTANTS = {}
+_CONSTANTS_MAX = 1024
+
+
+def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _torch=None,
+                   _to_dtype=None, _floatx=None, _device=None, _constants=None, _limit=0):
+    """What ``convert_to_tensor`` runs inside ``device_scalars()``: the same values,
+    made on the device without a host copy. It runs with Keras's module globals, so
+    everything it needs comes in through its keyword-only defaults."""
+    kind = type(x)
+    if sparse or ragged:
+        return _original(x, dtype, sparse, ragged)
+    if kind is bool or kind is int or kind is float:
+        device = _device()
+        if str(device) == "meta":
+            return _original(x, dtype, sparse, ragged)
+        if dtype is not None:
+            dt = _to_dtype(dtype)
+        elif kind is bool:
+            dt = _torch.bool
+        elif kind is int:
+            dt = _torch.int64 if x < -(2**31) or x >= 2**31 else _torch.int32
+        else:
+            dt = _to_dtype(_floatx())
+        return _torch.full((), x, dtype=dt, device=device)
+    if (kind is tuple or kind is list) and x and all(
+            type(e) is int or type(e) is float or type(e) is bool for e in x):
+        key = (kind, tuple(x), tuple(type(e) for e in x), str(dtype), str(_device()))
+        made = _constants.get(key)
+        if made is None:
+            made = _original(x, dtype, sparse, ragged)
+            if len(_constants) >= _limit:
+                return made
+            _constants[key] = made
+        return made.clone()  # a device copy: capturable, and the cache stays unmutated
+    return _original(x, dtype, sparse, ragged)
+
+
+def _swap_in():
+    import types
+
+    import torch
+    from keras.src.backend.config import floatx
+    from keras.src.backend.torch import core
+
+    f = core.convert_to_tensor
+    original = types.FunctionType(f.__code__, f.__globals__, "convert_to_tensor",
+                                  f.__defaults__, f.__closure__)
+    _SWAP["code"], _SWAP["kwdefaults"] = f.__code__, f.__kwdefaults__
+    f.__code__ = _device_scalar.__code__
+    f.__kwdefaults__ = dict(_original=original, _torch=torch, _to_dtype=core.to_torch_dtype,
+                            _floatx=floatx, _device=core.get_device, _constants=_CONSTANTS,
+                            _limit=_CONSTANTS_MAX)
+
+
+def _swap_out():
+    from keras.src.backend.torch import core
+
+    f = core.convert_to_tensor
+    f.__code__, f.__kwdefaults__ = _SWAP["code"], _SWAP["kwdefaults"]
+    _SWAP["code"] = _SWAP["kwdefaults"] = None
+
+
+class device_scalars:
+    """Within the block, Keras's torch ``convert_to_tensor`` makes python scalars on
+    the device (``torch.full``) and constant lists once (then a device copy each
+    call), so a step has no host-to-device copy and can be captured as a CUDA
+    graph; the values are Keras's own. The function's code object is swapped (not
+    the module attribute: Keras's modules import it by name). Re-entrant."""
+
+    def __enter__(self):
+        with _SWAP_LOCK:
+            if _SWAP["depth"] == 0:
+                _swap_in()
+            _SWAP["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with _SWAP_LOCK:
+            _SWAP["depth"] -= 1
+            if _SWAP["depth"] == 0:
+                _swap_out()
+        return False
+
+
+def wants_captured_step(model):
+    """True for a model compiled with ``jit_compile=True`` (on torch, kmgpu's captured
+    step), read before the engine sets the flag False on the model that runs it."""
+    return bool(getattr(model, "compiled", False)) and model.jit_compile is True
+
+
+def set_jit_compile(model, value):
+    """Set ``model.jit_compile`` and drop Keras's cached step functions, so the next
+    fit / evaluate / predict makes them again with this setting."""
+    model.jit_compile = value
+    model.train_function = model.test_function = model.predict_function = None
