@@ -36,7 +36,7 @@ def connect(model, gpus, options):
     if environment.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
         from kmgpu.engines.local import LocalEngine
 
-        cls = LocalEngine
+        cls = cls.local_engine or LocalEngine
     engine = cls(ids, available, options)
     plan.check_stateful_split(model, engine.num_replicas)  # all processes' devices under launch
     return engine, backend

@@ -98,6 +98,7 @@ def describe(*, backend, engine, options, template, samples=None, batch_size=Non
         ("steps/epoch", steps),
         ("learning rate", lr),
         ("BatchNorm", engine.batchnorm_mode()),
+        *([("train step", step)] if (step := engine.train_step_mode(template)) else []),
         ("stateful RNNs", stateful),
         ("all-reduce/step", f"{_bytes(reduced)} (params {_bytes(params)} x 2(N-1)/N)"),
     ]

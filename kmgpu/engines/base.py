@@ -31,6 +31,8 @@ class Engine(abc.ABC):
     name = "?"
     #: whether stateful RNN models train with per-replica state rows here
     supports_stateful = False
+    #: the one-device engine when ``plain_fit_serves`` (None: ``local.LocalEngine``)
+    local_engine = None
 
     def __init__(self, device_ids, available, options):
         self.device_ids = list(device_ids)
@@ -62,6 +64,10 @@ class Engine(abc.ABC):
         Returns:
             What Keras returns: a History, a loss/metrics list or dict, or predictions.
         """
+
+    def train_step_mode(self, template):
+        """How each replica's train step runs, for describe() (None: say nothing)."""
+        return None
 
     def batchnorm_mode(self):
         """How BatchNormalization statistics are computed, for describe()."""

@@ -257,6 +257,95 @@ def source_of(x, y=None, sample_weight=None):
     return ArraySource(x, y, sample_weight)
 
 
+class DeviceArraySource(ArraySource):
+    """An ArraySource copied once to a GPU: each batch is gathered there (a slice, or
+    ``index_select`` by the epoch's order, itself copied once per epoch), so a step
+    has no host slicing and no blocking host-to-device copy. Same values and dtypes.
+
+    Args:
+        source: the ArraySource.
+        device: the torch device.
+    """
+
+    def __init__(self, source, device):
+        import warnings
+
+        import torch
+
+        def put(a):
+            with warnings.catch_warnings():  # read-only memory maps: torch only reads them
+                warnings.simplefilter("ignore")
+                return torch.as_tensor(np.asarray(a)).to(device)
+
+        self.n, self.device = source.n, device
+        self.parts = keras.tree.map_structure(lambda a: None if a is None else put(a),
+                                              source.parts)
+        self._order, self._on_device = None, None
+
+    def batch(self, s, batch_size, order):
+        rows, n = super().batch(s, batch_size, order)
+        if order is None:
+            return rows, n
+        if order is not self._order:
+            import torch
+
+            self._order, self._on_device = order, torch.as_tensor(order).to(self.device)
+        return self._on_device[s * batch_size:s * batch_size + n], n
+
+    def take(self, rows):
+        if isinstance(rows, slice):
+            return keras.tree.map_structure(lambda a: None if a is None else a[rows],
+                                            self.parts)
+        return keras.tree.map_structure(
+            lambda a: None if a is None else a.index_select(0, rows), self.parts)
+
+
+def on_device(source, device, fraction=0.25):
+    """``source`` kept on ``device`` (a ``DeviceArraySource``) when it is an
+    ArraySource on a CUDA device whose arrays take at most ``fraction`` of the free
+    device memory; else ``source`` itself. ``KMGPU_TORCH_RESIDENT=0`` turns it off."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if (not isinstance(source, ArraySource) or device.type != "cuda"
+            or os.environ.get("KMGPU_TORCH_RESIDENT", "1") == "0"):
+        return source
+    leaves = [a for a in keras.tree.flatten(source.parts) if a is not None]
+    try:
+        size = sum(int(np.asarray(a).nbytes) for a in leaves
+                   if np.asarray(a).dtype.kind in "biuf")
+        if len(leaves) != sum(np.asarray(a).dtype.kind in "biuf" for a in leaves):
+            return source
+        if size > fraction * torch.cuda.mem_get_info(device)[0]:
+            return source
+        return DeviceArraySource(source, device)
+    except (RuntimeError, TypeError, ValueError):
+        return source
+
+
+def device_feed(kwargs, device):
+    """One device's fit arguments with the arrays kept on ``device`` (``on_device``):
+    ``x`` becomes a one-replica ``RankSlices`` over them, shuffled the same way.
+    Unchanged when they do not fit, or with validation_split, class_weight or
+    steps_per_epoch (Keras's own array path then)."""
+    x = kwargs.get("x")
+    if (x is None or is_dataset(x) or not _is_array_like(x) or kwargs.get("validation_split")
+            or kwargs.get("class_weight") is not None or kwargs.get("steps_per_epoch")):
+        return kwargs
+    source = on_device(ArraySource(x, kwargs.get("y"), kwargs.get("sample_weight")), device)
+    if not isinstance(source, DeviceArraySource):
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k not in ("y", "sample_weight")}
+    batch_size = out.pop("batch_size", None) or 32
+    out["validation_batch_size"] = out.get("validation_batch_size") or batch_size
+    out["x"] = RankSlices(source, batch_size, 0, 1, shuffle=out.get("shuffle", True),
+                          seed=int(np.random.randint(0, 2**31 - 1)))
+    out["shuffle"] = False
+    return out
+
+
 class RankSlices(keras.utils.PyDataset):
     """This rank's contiguous slice of every global batch, as a Keras PyDataset.
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from kmgpu import models
 from kmgpu.engines.base import Engine
-from kmgpu.engines.torch import data, launchers, relay, replicas, timing
+from kmgpu.engines.local import LocalEngine
+from kmgpu.engines.torch import data, graphs, keras_fixes, launchers, relay, replicas, timing
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -101,6 +102,12 @@ class TorchEngine(Engine):
             return data.assemble(results)
         return results[0]
 
+    def train_step_mode(self, template):
+        return graphs.describe(keras_fixes.wants_captured_step(template),
+                               self.device_names[0].startswith("gpu"), self.num_replicas,
+                               self.options.sync_batchnorm,
+                               keras_fixes.has_own_train_step(template))
+
     def batchnorm_mode(self):
         if self.num_replicas == 1:
             return "one device"
@@ -120,3 +127,40 @@ class TorchEngine(Engine):
     def rank_weights(self):
         """Every rank's replica weights (trainable and non-trainable), rank order."""
         return self.launcher.rank_weights()
+
+
+class TorchLocalEngine(LocalEngine):
+    """One device: the user's own ``fit``; compiled with ``jit_compile=True``, its train
+    step is ``graphs.CapturedStep`` (CUDA graphs on a GPU) and Keras compiles nothing."""
+
+    def __init__(self, device_ids, available, options):
+        super().__init__(device_ids, available, options)
+        self._step, self._key = None, None
+
+    def train_step_mode(self, template):
+        return graphs.describe(keras_fixes.wants_captured_step(template),
+                               self.device_names[0].startswith("gpu"), 1,
+                               own_step=keras_fixes.has_own_train_step(template))
+
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        if not keras_fixes.wants_captured_step(template):
+            return super().run(method, template, kwargs, lr_scale)
+        if method != "fit":
+            with graphs.eager_keras(template):
+                return super().run(method, template, kwargs, lr_scale)
+        key = models.identity(template)
+        if self._step is None or key != self._key:  # graphs live across fits of one model
+            self._step, self._key = None, None
+            self._step, self._key = graphs.local_step(template), key
+        if self._step is None:  # its own train_step: Keras's, uncompiled
+            with graphs.eager_keras(template):
+                return super().run(method, template, kwargs, lr_scale)
+        device = template.trainable_weights[0].value.device
+        with graphs.installed(template, self._step):
+            return template.fit(**data.device_feed(kwargs, device))
+
+    def close(self):
+        self._step, self._key = None, None
+
+
+TorchEngine.local_engine = TorchLocalEngine

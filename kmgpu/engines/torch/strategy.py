@@ -107,8 +107,11 @@ class DDPStrategy:
         self._offset_seeds(replica)
         for layer in models.stateful_layers(replica):
             keras_fixes.copy_states_in(layer)
+        captured = keras_fixes.wants_captured_step(replica)  # jit_compile=True: graphs.py
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
-        if not keras_fixes.has_own_train_step(replica) and replica.trainable_weights:
+        if not keras_fixes.has_own_train_step(replica) and replica.trainable_weights and captured:
+            replica.train_step = self._captured_step(replica, averaged).train_step
+        elif not keras_fixes.has_own_train_step(replica) and replica.trainable_weights:
             ddp = DistributedDataParallel(
                 replica,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -178,6 +181,38 @@ class DDPStrategy:
             return replica.get_metrics_result()
 
         return train_step
+
+    def _captured_step(self, replica, averaged):
+        """compile(jit_compile=True): the split step of ``graphs``, captured as CUDA graphs
+        on a GPU (eager on a CPU); its one collective is the flat gradient all-reduce."""
+        from kmgpu.engines.torch import graphs
+
+        def rows(x):
+            if self.train is None:
+                raise RuntimeError(
+                    "kmgpu: this replica trains only inside a distributed fit (a callback "
+                    "on rank 0 cannot call fit on it).")
+            return self.train.current
+
+        @contextlib.contextmanager
+        def forward(n_real):
+            self.n_real, self.in_train_step = n_real, True
+            try:
+                yield
+            finally:
+                self.in_train_step = False
+
+        def reduce(flats):
+            for flat in flats:
+                dist.all_reduce(flat)
+
+        split = graphs.SplitStep(replica, world=self.world, reduce=reduce if self.world > 1
+                                 else None, averaged=averaged, rows=rows, forward=forward)
+        refuse = None
+        if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
+            refuse = "sync_batchnorm all-reduces inside the forward pass"
+        return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
+                                   refuse=refuse)
 
     def _hook_optimizer(self, replica, averaged):
         """A model with its own ``train_step``: gradients summed in ``optimizer.apply``
@@ -327,8 +362,8 @@ class DDPStrategy:
                                  "validation_data instead.")
             (x, y, sw), validation_data = keras_fixes.train_validation_split(
                 (x, y, sw), validation_split)
-        train = data.RankSlices(data.source_of(x, y, sw), batch_size, self.rank, self.world,
-                                shuffle=shuffle, seed=seed)
+        train = data.RankSlices(data.on_device(data.source_of(x, y, sw), self.device),
+                                batch_size, self.rank, self.world, shuffle=shuffle, seed=seed)
         val = None
         if validation_data is not None:
             if data.is_dataset(validation_data):

@@ -1,0 +1,395 @@
+"""The captured train step: ``model.compile(..., jit_compile=True)`` on torch.
+
+Keras 3.15.1's eager torch step is mostly host work (68-83 % of the step on an H200:
+``profiles/torch/RESULTS.md``), and Keras's own meaning of ``jit_compile=True`` on
+torch, ``torch.compile`` of the step, was measured 0.73x of eager. kmgpu gives the
+flag another meaning on torch: each replica's step runs as CUDA graphs, in three
+stages (``SplitStep``):
+
+  A  forward, loss and the gradients (weighted by the replica's share of the global
+     batch) written into one flat buffer per dtype, with the BatchNorm moving
+     statistics to average beside them;
+     one all-reduce (sum) of those buffers, eager: NCCL/gloo and kmgpu's fault
+     handling stay outside any graph;
+  B  the optimizer update, the averaged statistics put back, the loss tracker and
+     the compiled metrics.
+
+``CapturedStep`` runs the first steps of a batch shape eagerly (on a side stream,
+the warm-up), then records A and B as two CUDA graphs on static input buffers and
+replays them; any other shape (the last partial batch) runs eagerly. On a CPU (no
+CUDA graphs) the very same stages run eagerly; that is what the CPU tests check
+against Keras's step. If a capture fails, the partial graph is dropped and, after
+a second try, the model trains eagerly on, with one printed line saying why; every
+rank still meets in the same one all-reduce per step, captured or not. The graphs
+and their memory live as long as the replica (or, on one device, the ParallelModel:
+``close()`` frees them). While a step runs,
+Keras's ``convert_to_tensor`` makes python scalars on the device
+(``keras_fixes.device_scalars``): capture refuses Keras's blocking scalar copies.
+"""
+
+import contextlib
+import gc
+import os
+
+import keras
+import torch
+
+from kmgpu.engines.torch import keras_fixes
+
+#: eager steps of one batch signature (on a side stream) before it is captured
+WARMUP_STEPS = 2
+#: batch signatures captured per step object (the full batch, and one more)
+MAX_GRAPHS = 2
+#: captures tried (each after a warm-up) before the step stays eager
+CAPTURE_TRIES = 2
+#: what describe() states as measured (profiles/torch/RESULTS.md, section 6; H200s)
+MEASURED = ("vs Keras's fit on one H200: 1 GPU 4.0x ResNet-50 64x64 b256, 1.75x Xception "
+            "224 b64; 2 GPUs 6.1x and 3.2x")
+
+
+def available(device):
+    """Whether steps on ``device`` can be captured (CUDA graphs need a CUDA device)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def capture(fn, pool=None):
+    """Record ``fn()`` into a new CUDA graph (nothing runs yet).
+
+    Returns:
+        (the graph, what ``fn`` returned: tensors the replays overwrite).
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
+def describe(jit_compile, on_gpu, world, sync_batchnorm=False, own_step=False):
+    """The train step, in words, for ``describe()``."""
+    if own_step:
+        return ("your model's own train_step, eager" + (" (gradients averaged in "
+                                                        "optimizer.apply)" if world > 1 else ""))
+    if not jit_compile:
+        return ("Keras's eager step" + (" (gradients summed by DDP in backward)" if world > 1
+                                        else "")
+                + "; compile(jit_compile=True) captures it as CUDA graphs")
+    what = ("forward+backward into a flat gradient buffer, " +
+            ("one all-reduce, " if world > 1 else "") + "optimizer+metrics")
+    if sync_batchnorm and world > 1:
+        return (f"split step ({what}), eager: sync_batchnorm all-reduces inside the "
+                "forward pass, which stays out of a graph (jit_compile=True)")
+    if not on_gpu:
+        return f"split step ({what}), eager: CUDA graphs need GPUs (jit_compile=True)"
+    return (f"captured: {what} as CUDA graphs after {WARMUP_STEPS} warm-up steps; other "
+            f"batch shapes eager (jit_compile=True: kmgpu's meaning on torch, not "
+            f"torch.compile; measured {MEASURED})")
+
+
+class FlatBuffers:
+    """Tensors laid out in one flat buffer per dtype; ``views[i]`` has tensor i's shape."""
+
+    def __init__(self, tensors, device):
+        sizes, slots = {}, []
+        for t in tensors:
+            offset = sizes.get(t.dtype, 0)
+            slots.append((t.dtype, offset, t.numel(), tuple(t.shape)))
+            sizes[t.dtype] = offset + t.numel()
+        self.flats = [torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()]
+        by_dtype = dict(zip(sizes, self.flats))
+        self.views = [by_dtype[d][o:o + n].view(shape) for d, o, n, shape in slots]
+
+
+def _copy(dst, src):
+    if hasattr(torch, "_foreach_copy_") and dst:
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def _unpack(data):
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
+class SplitStep:
+    """Keras's train step in the three stages A / all-reduce / B (see the module).
+
+    Args:
+        model: the compiled model (a replica, or the user's model on one device).
+        world: the number of replicas (1: no share weighting, no all-reduce).
+        reduce: ``reduce(flats)`` sums the flat buffers over the replicas in place.
+        averaged: BatchNorm moving statistics averaged over replicas (weighted by
+            batch share) after every step.
+        rows: ``rows(x)`` is (real rows here, rows in the global batch); None: one
+            replica, every row real.
+        forward: ``forward(n_real)`` is a context manager around the forward pass.
+    """
+
+    def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None):
+        self.model, self.world, self.reduce = model, world, reduce
+        self.averaged = list(averaged)
+        self.rows = rows or (lambda x: (_num_rows(x),) * 2)
+        self.forward = forward or (lambda n_real: contextlib.nullcontext())
+        self.trainable, self.buffers, self.used, self._key = None, None, None, None
+
+    def layout(self):
+        """(Re)make the flat buffers when the trainable variables changed; True if so."""
+        trainable = self.model.trainable_weights[:]
+        key = [id(v) for v in trainable]
+        if self.buffers is not None and key == self._key:
+            return False
+        self.model.zero_grad(set_to_none=True)  # stale .grad from an eager step: free it
+        tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
+        self.buffers = FlatBuffers(tensors, tensors[0].device)
+        self.trainable, self._key, self.used = trainable, key, None
+        return True
+
+    @property
+    def flats(self):
+        return self.buffers.flats
+
+    def forward_backward(self, x, y, sw, n_real, n_global):
+        """Stage A: returns (loss, y_pred), both detached; the gradients are in ``flats``."""
+        model = self.model
+        with self.forward(n_real):
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+        loss = keras_fixes.compute_loss(model, x, y, y_pred, sw, training=True)
+        scaled = model.optimizer.scale_loss(loss)
+        share = n_real / n_global if self.world > 1 else 1.0
+        if self.world > 1:
+            scaled = scaled * share
+        grads = torch.autograd.grad(scaled, [v.value for v in self.trainable],
+                                    allow_unused=True)
+        if self.used is None:
+            self.used = [g is not None for g in grads]
+        n = len(self.trainable)
+        views = self.buffers.views
+        with torch.no_grad():
+            _copy([views[i] for i in range(n) if grads[i] is not None],
+                  [g for g in grads if g is not None])
+            for i in range(n):
+                if grads[i] is None:
+                    views[i].zero_()
+            for view, v in zip(views[n:], self.averaged):
+                torch.mul(v.value, share, out=view)
+        return loss.detach(), _map(lambda t: t.detach(), y_pred)
+
+    def update(self, x, y, sw, loss, y_pred, n_real, n_global):
+        """Stage B, after the all-reduce: optimizer, statistics, loss tracker, metrics.
+
+        Returns:
+            Keras's logs (metric results as tensors).
+        """
+        model = self.model
+        n = len(self.trainable)
+        views = self.buffers.views
+        with torch.no_grad():
+            for view, v in zip(views[n:], self.averaged):
+                v.value.copy_(view)
+            grads = [g if used else None for g, used in zip(views[:n], self.used)]
+            model.optimizer.apply(grads, self.trainable)
+            if not n_real:  # a stand-in row: nothing of it counts
+                return model.get_metrics_result()
+            model._loss_tracker.update_state(loss, sample_weight=n_real)
+            return model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def step(self, x, y, sw, n_real, n_global):
+        """A, all-reduce, B, eagerly."""
+        loss, y_pred = self.forward_backward(x, y, sw, n_real, n_global)
+        if self.reduce is not None:
+            self.reduce(self.flats)
+        return self.update(x, y, sw, loss, y_pred, n_real, n_global)
+
+
+def _map(fn, structure):
+    """``keras.tree.map_structure`` that leaves None alone (a leaf on torch)."""
+    return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)
+
+
+def _num_rows(x):
+    leaves = [t for t in keras.tree.flatten(x) if t is not None]
+    return int(leaves[0].shape[0])
+
+
+def _signature(batch, n_real, n_global):
+    shapes = _map(lambda t: (tuple(t.shape), str(t.dtype), str(t.device)), batch)
+    return repr(shapes), n_real, n_global
+
+
+class _Graphs:
+    """One batch signature's static inputs, graph A and graph B (or None: B eager)."""
+
+    def __init__(self, split, static, graph_a, loss, y_pred, n_real, n_global):
+        self.split, self.static = split, static
+        self.graph_a, self.loss, self.y_pred = graph_a, loss, y_pred
+        self.n_real, self.n_global = n_real, n_global
+        self.graph_b, self.logs = None, None
+
+    def run(self, batch):
+        for s, t in zip(keras.tree.flatten(self.static), keras.tree.flatten(batch)):
+            if s is not None:
+                s.copy_(t, non_blocking=True)
+        self.graph_a.replay()
+        split = self.split
+        if split.reduce is not None:
+            split.reduce(split.flats)
+        if self.graph_b is None:
+            return split.update(*self.static, self.loss, self.y_pred, self.n_real,
+                                self.n_global)
+        self.graph_b.replay()
+        # Keras may read the logs later (callbacks on another thread): its own copy
+        return _map(lambda t: t.clone() if torch.is_tensor(t) else t, self.logs)
+
+
+class CapturedStep:
+    """A model's ``train_step`` that captures a ``SplitStep`` as CUDA graphs.
+
+    Args:
+        split: the SplitStep.
+        device: the model's torch device (no capture off CUDA).
+        say: ``say(text)`` prints a line (None: silent, e.g. ranks other than 0).
+        refuse: why this step must not be captured (None: it may).
+        capture_update: also capture stage B (else B runs eagerly after graph A); None:
+            yes unless ``KMGPU_TORCH_CAPTURE_UPDATE=0`` (to measure the difference).
+    """
+
+    def __init__(self, split, device, say=print, refuse=None, capture_update=None):
+        if capture_update is None:
+            capture_update = os.environ.get("KMGPU_TORCH_CAPTURE_UPDATE", "1") != "0"
+        self.split, self.device, self.say = split, torch.device(device), say
+        self.reason, self.capture_update = refuse, capture_update
+        self.graphs, self.last, self.streak = {}, None, 0
+        self.update_reason, self.failures = None, 0
+        self._side = None
+        if refuse and say is not None:
+            say(f"kmgpu (torch): the train step runs eagerly, not captured: {refuse}")
+
+    def may_capture(self):
+        return (self.reason is None and available(self.device)
+                and len(self.graphs) < MAX_GRAPHS)
+
+    def train_step(self, data):
+        """Keras's ``train_step(data)``: one step, replayed, captured or eager."""
+        x, y, sw = _unpack(data)
+        split = self.split
+        n_real, n_global = split.rows(x)
+        with keras_fixes.device_scalars():
+            if split.layout():
+                self.graphs.clear()  # other variables: every graph is stale
+            sig = _signature((x, y, sw), n_real, n_global)
+            entry = self.graphs.get(sig)
+            # a signature is captured after WARMUP_STEPS eager steps in a row: the full
+            # batch, never a last partial batch that comes once per epoch
+            self.streak = self.streak + 1 if sig == self.last else 1
+            self.last = sig
+            if entry is None:
+                if self.streak > WARMUP_STEPS and self.may_capture():
+                    entry = self._capture(sig, (x, y, sw), n_real, n_global)
+            if entry is not None:
+                return entry.run((x, y, sw))
+            return self._eager(x, y, sw, n_real, n_global)
+
+    __call__ = train_step
+
+    def _eager(self, x, y, sw, n_real, n_global):
+        if self.device.type != "cuda" or not self.may_capture():
+            return self.split.step(x, y, sw, n_real, n_global)
+        # warm-up: on a side stream, as CUDA graph capture wants
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            logs = self.split.step(x, y, sw, n_real, n_global)
+        main.wait_stream(self._side)
+        return logs
+
+    def _capture(self, sig, batch, n_real, n_global):
+        split = self.split
+        # Keras's forward pass leaves its autograd graph in a reference cycle; an
+        # earlier step's graph still alive at capture makes autograd join that step's
+        # stream (the legacy default stream after an eager step) into the capture,
+        # which fails ("operation would make the legacy stream depend on a capturing
+        # blocking stream"): collect it first (torch's own gc at capture is off now).
+        gc.collect()
+        try:
+            static = _map(lambda t: t.detach().clone(), batch)
+            graph_a, (loss, y_pred) = capture(
+                lambda: split.forward_backward(*static, n_real, n_global))
+            entry = _Graphs(split, static, graph_a, loss, y_pred, n_real, n_global)
+        except Exception as e:  # drop everything of the partial graph, then eager
+            self._failed(_why(e))
+            return None
+        if self.capture_update:
+            try:
+                entry.graph_b, entry.logs = capture(
+                    lambda: split.update(*static, loss, y_pred, n_real, n_global),
+                    pool=graph_a.pool())
+            except Exception as e:
+                entry.graph_b = entry.logs = None
+                self.capture_update, self.update_reason = False, _why(e)
+                _settle(self.device)
+                if self.say is not None:
+                    self.say("kmgpu (torch): the optimizer and metrics run eagerly after the "
+                             f"captured forward/backward: {self.update_reason}")
+        self.graphs[sig] = entry
+        gc.collect()  # the capture's own autograd graph: later eager steps need none of it
+        return entry
+
+    def _failed(self, reason):
+        """A capture failed: drop it; try once more after another warm-up, then eager."""
+        self.failures += 1
+        self.graphs.clear()
+        self.streak = 0
+        _settle(self.device)
+        if self.failures < CAPTURE_TRIES:
+            return
+        self.reason = reason
+        if self.say is not None:
+            self.say("kmgpu (torch): capturing the train step failed, so this model trains "
+                     f"with the eager step from here on: {reason}")
+
+
+def _why(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _settle(device):
+    """After a failed capture: free what referred to it and wait for the device."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the one-device path (engine.TorchLocalEngine) ------------------------------------------
+@contextlib.contextmanager
+def installed(model, step):
+    """Within the block, ``model.fit`` runs ``step`` as its train step, and Keras
+    compiles nothing (jit_compile False); afterwards the model is as it was."""
+    keras_fixes.set_jit_compile(model, False)
+    model.train_step = step.train_step
+    try:
+        yield
+    finally:
+        model.__dict__.pop("train_step", None)
+        keras_fixes.set_jit_compile(model, True)
+
+
+@contextlib.contextmanager
+def eager_keras(model):
+    """Within the block Keras runs the model's evaluate / predict eagerly (no torch.compile)."""
+    keras_fixes.set_jit_compile(model, False)
+    try:
+        yield
+    finally:
+        keras_fixes.set_jit_compile(model, True)
+
+
+def local_step(model):
+    """A CapturedStep for ``model`` on its own device (one replica), or None when the
+    model keeps Keras's step (its own train_step, or nothing to train)."""
+    if keras_fixes.has_own_train_step(model) or not model.trainable_weights:
+        return None
+    device = model.trainable_weights[0].value.device
+    return CapturedStep(SplitStep(model), device)
