@@ -16,8 +16,8 @@ PyDataset the ranks cut as usual (``data.RankSlices``):
   rank reads its own pass at every epoch start (``LocalStream``).
 """
 
+import json
 import os
-import pickle
 import threading
 import time
 
@@ -183,26 +183,32 @@ class LocalStream(_Passes):
 
 
 class StreamedBatches(_Passes):
-    """In a pool worker: pass ``i`` is the StoredBatches the driver's ``Feed`` pickled
-    to ``<path>/pass<i>.pkl``; rank 0 marks ``begun<i>`` when it starts one."""
+    """In a pool worker: pass ``i`` is the arrays the driver's ``Feed`` named in
+    ``<path>/pass<i>.json`` (raw ``.npy`` files and batch bounds, or an error; files
+    are never unpickled), in the structure of pass 0's batches; rank 0 marks
+    ``begun<i>`` when it starts one."""
 
-    def __init__(self, path, steps):
+    def __init__(self, path, steps, structure):
         super().__init__(steps)
-        self.path = path
+        self.path, self.structure = path, structure
 
     def _load(self, index):
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() == 0:
             transport.private_file(os.path.join(self.path, f"begun{index}"))
-        name = os.path.join(self.path, f"pass{index}.pkl")
+        name = os.path.join(self.path, f"pass{index}.json")
         while not os.path.exists(name):
             time.sleep(0.01)
-        with open(name, "rb") as f:
-            value = pickle.load(f)
-        if isinstance(value, str):  # the driver could not read this pass
-            raise RuntimeError(value)
-        return value
+        with open(name) as f:
+            manifest = json.load(f)
+        if "error" in manifest:  # the driver could not read this pass
+            raise RuntimeError(manifest["error"])
+        if len(manifest["bounds"]) == 1:
+            return []
+        leaves = [None if p is None else transport.Leaf(p) for p in manifest["leaves"]]
+        return StoredBatches(keras.tree.pack_sequence_as(self.structure, leaves),
+                             manifest["bounds"])
 
 
 class Feed:
@@ -227,7 +233,7 @@ class Feed:
         first = read_pass(self._iterator)
         if not first:
             raise ValueError("kmgpu (torch): the training data yielded no batch.")
-        self.steps, self.passes = len(first), passes
+        self.steps, self.passes, self.structure = len(first), passes, None
         self._files, self._stop = [], threading.Event()
         self._write(0, first)
         self._thread = None
@@ -238,18 +244,24 @@ class Feed:
 
     def remote(self):
         """What the workers get: a StreamedBatches over this feed's folder."""
-        return StreamedBatches(self.path, self.steps)
+        return StreamedBatches(self.path, self.steps, self.structure)
 
     def _write(self, index, batches_or_error):
-        value = batches_or_error
-        if not isinstance(value, str):
+        if isinstance(batches_or_error, str):
+            manifest = {"error": batches_or_error}
+        else:
             files = transport.CallFiles(0)
             self._files.append(files)
-            value = store(value, files)
+            stored = store(batches_or_error, files)
+            if self.structure is None:
+                self.structure = stored.parts
+            manifest = {"bounds": stored.bounds, "leaves": [
+                leaf.path if isinstance(leaf, transport.Leaf) else None
+                for leaf in keras.tree.flatten(stored.parts)]}
         tmp = transport.private_file(os.path.join(self.path, f".pass{index}"))
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f)
-        os.replace(tmp, os.path.join(self.path, f"pass{index}.pkl"))
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, os.path.join(self.path, f"pass{index}.json"))
 
     def _produce(self):
         index = 1
