@@ -12,9 +12,8 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 
-from kmgpu.bench import derive, paths, plan, report, workloads
+from kmgpu.bench import derive, paths, plan, report, workers, workloads
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -57,6 +56,10 @@ def parse(argv):
                         "first-epoch times, exact peak memory), one per backend and workload "
                         "(later runs find warm caches and memory already held), or one per "
                         "backend (default with --quick)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes at once (default: 2 with --quick on a CPU for "
+                        "tensorflow and jax, else 1); "
+                        "concurrent runs share the machine: their timings are not measurements")
     p.add_argument("--replay", dest="replay", action="store_true", default=None,
                    help="run plain fit twice: the second run gives the run-to-run noise of "
                         "the timings and of parity (default: on, off with --quick)")
@@ -154,7 +157,7 @@ def _main(argv, child_env):
     from kmgpu.callbacks import nvidia_gpus, visible_gpu_indices
 
     gpus = nvidia_gpus() or _nvidia_smi_gpus()
-    gpus = [gpus[i] for i in _visible(child_env, len(gpus), visible_gpu_indices)]
+    gpus = [gpus[i] for i in workers.visible(child_env, len(gpus), visible_gpu_indices)]
     simulate = args.simulate
     if simulate is None:
         simulate = 2 if (args.quick and not gpus) else 0
@@ -166,6 +169,10 @@ def _main(argv, child_env):
               "device(s) here" + ("" if gpus else "; pass --simulate N on a CPU-only machine"))
         return 2
     isolate = args.isolate or ("backend" if args.quick else "run")
+    # --quick on a CPU: TF/JAX runs are one busy process each (tracing, XLA compiles), two
+    # use both cores; torch runs start processes of their own (pool, DDP ranks).
+    jobs = args.jobs or (min(2, os.cpu_count() or 1) if (args.quick and not gpus) else 1)
+    jobs_of = {b: (args.jobs or (1 if b == "torch" else jobs)) for b in backends}
     name = args.name or ((slug(gpus[0]) + f"-x{len(gpus)}") if gpus else
                          f"cpu-sim{simulate}" if simulate else "cpu") + \
         ("-quick" if args.quick else "")
@@ -178,6 +185,7 @@ def _main(argv, child_env):
 
     print(f"kmgpu bench: {len(runs)} runs ({', '.join(backends)}; {', '.join(names)}; "
           f"devices {counts}{'; simulated' if simulate else ''}; one process per {isolate}"
+          + "".join(f", {b} {jobs_of[b]} at once" for b in backends if jobs_of[b] > 1)
           + (f"; budget {args.budget:.0f} s" if args.budget else "")
           + f") -> {os.path.join(out, name)}.{{json,md,png}}", flush=True)
     if simulate:
@@ -189,7 +197,7 @@ def _main(argv, child_env):
     counter = {"done": 0, "failed": 0, "skipped": 0}
     results = {
         "name": name, "quick": args.quick, "isolate": isolate, "simulate": simulate,
-        "replay": replay, "devices": counts, "lean": args.quick or args.lean,
+        "replay": replay, "devices": counts, "lean": args.quick or args.lean, "jobs": jobs_of,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["kmgpu", "bench"] + argv,
         "machine": {"gpus": gpus, "cpu": platform.processor() or platform.machine(),
@@ -212,29 +220,36 @@ def _main(argv, child_env):
         counter["skipped"] += rec["status"] == "skipped"
         bar.update(counter["done"], values=[("failed", counter["failed"]),
                                             ("skipped", counter["skipped"])])
+        if not sys.stdout.isatty():  # a log (a GPU job's output): one line per run as well
+            print("\n  " + _one_line(rec), flush=True)
         _save_partial(results, out)
 
     spec = {"quick": args.quick, "simulate": simulate, "max_devices": top,
             "epochs": args.epochs, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, open(log_path, "w") as log:
         for backend in backends:
-            env = _worker_env(child_env, backend, quick_cpu=args.quick and not gpus)
+            env = workers.environment(child_env, backend, quick_cpu=args.quick and not gpus)
             wdir = os.path.join(tmp, backend)
             os.makedirs(wdir, exist_ok=True)
             if args.quick:  # JAX: runs of the same program share the compiled code
                 spec["jax_cache"] = os.path.join(tmp, "jax-cache")
-            for batch in _batches([r for r in runs if r["backend"] == backend], isolate,
-                                  names):
+            def launch(batch):
                 why = budget.refuse(batch)
                 if why:
-                    for r in batch:
-                        finished({**r, "status": "skipped", "reason": why})
-                    continue
+                    return iter([{"kind": "run", **r, "status": "skipped", "reason": why}
+                                 for r in batch])
                 left = budget.left()
                 by_budget = left is not None and (args.timeout is None or left < args.timeout)
                 timeout = left if by_budget else (args.timeout or float("inf"))
-                for rec in _run_worker(batch, dict(spec, weights_dir=wdir), env, log, tmp,
-                                       timeout, budget, by_budget):
+                return workers.run(batch, dict(spec, weights_dir=wdir), env, log, tmp,
+                                   timeout, budget, by_budget)
+
+            jobs = jobs_of[backend]
+            batches = workers.batches([r for r in runs if r["backend"] == backend], isolate, names,
+                               jobs)
+            for at in range(0, len(batches), jobs):
+                spec["soft_deadline"] = budget.soft_deadline(-(-(len(batches) - at) // jobs))
+                for rec in workers.merged([launch(b) for b in batches[at:at + jobs]]):
                     if rec.get("kind") == "env":
                         info = backends_info.setdefault(backend, {"status": "ok"})
                         info.update({k: v for k, v in rec.items() if k != "kind"})
@@ -255,6 +270,17 @@ def _main(argv, child_env):
     print()
     _finish(results, paths_written + [log_path], log_path)
     return 0
+
+
+def _one_line(r):
+    what = (f"{r['backend']} {r['workload']} {r['runner']} N={r['devices']} "
+            f"{r.get('policy', 'global')}")
+    if r["status"] != "ok":
+        return f"{what}: {r['status']}: {r.get('error') or r.get('reason')}"
+    if r["runner"] == "allreduce":
+        return f"{what}: {len(r['points'])} sizes, busbw {(r.get('busbw') or 0) / 1e9:.1f} GB/s"
+    return (f"{what}: {r['samples_per_s']:,.0f} samples/s, 1st epoch {r['first_epoch_s']:.1f} s, "
+            f"wall {r.get('wall_s', 0):.0f} s")
 
 
 def _finish(results, written, log_path=None):
@@ -285,29 +311,6 @@ def _merge_only(args, out, argv):
     return 0
 
 
-def _batches(mine, isolate, names):
-    if isolate == "backend":
-        return [mine] if mine else []
-    if isolate == "workload":
-        groups = [[r for r in mine if r["workload"] == w] for w in names + ["allreduce"]]
-        return [g for g in groups if g]
-    return [[r] for r in mine]
-
-
-def _worker_env(child_env, backend, quick_cpu=False):
-    env = dict(child_env, KERAS_BACKEND=backend)
-    if quick_cpu:  # XLA on a CPU: compile fast rather than well (a smoke test's programs)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                            " --xla_llvm_disable_expensive_passes=true").strip()
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # JAX takes 75% of each GPU up front unless told not to; without that the memory
-    # figures (nvidia-smi's) would say nothing. The same for every JAX run.
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    # The worker imports this very kmgpu, wherever it is installed.
-    env["PYTHONPATH"] = paths.PACKAGE_PARENT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _nvidia_smi_gpus():
     """GPU names from ``nvidia-smi -L`` where NVML's Python binding is not installed."""
     try:
@@ -325,70 +328,3 @@ def _save_partial(results, folder):
     with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
     os.replace(path + ".tmp", path)
-
-
-def _visible(env, count, visible_gpu_indices):
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        if "CUDA_VISIBLE_DEVICES" in env:
-            os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        return visible_gpu_indices(count)
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-def _run_worker(batch, spec, env, log, tmp, timeout, budget, by_budget=False):
-    """Start one worker for ``batch`` (runs of one backend); yield its records."""
-    spec = dict(spec, runs=[{k: r[k] for k in ("workload", "runner", "devices", "policy")}
-                            for r in batch])
-    spec_path = os.path.join(tmp, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    log.write(f"=== {batch[0]['backend']}: {json.dumps(spec['runs'])}\n")
-    log.flush()
-    proc = subprocess.Popen([sys.executable, "-m", "kmgpu.bench.worker", spec_path],
-                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    seen, stopped = set(), []
-    timer = None
-    if timeout != float("inf"):
-        import threading
-
-        def stop():
-            stopped.append(True)
-            proc.kill()
-
-        timer = threading.Timer(max(timeout, 1.0), stop)
-        timer.start()
-    since = time.monotonic()
-    try:
-        for line in proc.stdout:
-            if line.startswith("KMGPU-BENCH "):
-                rec = json.loads(line[len("KMGPU-BENCH "):])
-                if rec.get("kind") == "run":
-                    rec["policy"] = rec.get("policy", "global")
-                    seen.add(plan.key({**rec, "backend": batch[0]["backend"]}))
-                    now = time.monotonic()
-                    budget.record({**rec, "backend": batch[0]["backend"]}, now - since)
-                    since = now
-                yield rec
-            else:
-                log.write(line)
-        rc = proc.wait()
-    finally:
-        if timer:
-            timer.cancel()
-    log.flush()
-    for r in batch:
-        if plan.key(r) not in seen:
-            if stopped and by_budget:
-                yield {"kind": "run", **r, "status": "skipped",
-                       "reason": "stopped at the time budget (--budget)"}
-                continue
-            why = ("stopped after --timeout seconds" if stopped else
-                   f"worker process ended (exit status {rc}) before this run finished")
-            yield {"kind": "run", **r, "status": "error", "error": why}

@@ -2,7 +2,8 @@
 allows the next one.
 
 Runs come in three tiers, each over every workload before the next tier starts, so a
-run cut short by ``--budget`` loses the least useful figures first:
+run cut short by ``--budget`` loses the least useful figures first (with one process per
+workload, the worker starts no tier-1/2 run after its share of the time left):
     0  plain fit on 1 device; kmgpu on all devices, batch policies global and per_replica
        (the speedup table)
     1  the peer on all devices (global); kmgpu on 1 device; the all-reduce sweep
@@ -36,7 +37,7 @@ def plan(backends, names, counts, replay=False, policies=POLICIES, runners=RUNNE
             if wanted and (policy in policies or runner == "allreduce"):
                 tiered.append(((b, tier, w, len(tiered)), {
                     "backend": backend, "workload": workload or names[w], "runner": runner,
-                    "devices": n, "policy": policy}))
+                    "devices": n, "policy": policy, "tier": tier}))
 
         for w, name in enumerate(names):
             add(0, w, "plain", 1)
@@ -96,6 +97,15 @@ class Budget:
 
     def estimate(self, run):
         return self._costs.get((run["backend"], run["workload"]))
+
+    def soft_deadline(self, batches_left):
+        """For a worker running several runs (one process per workload): the time
+        (``time.time()``) after which it starts no more tier-1/2 runs, so that the
+        workloads still to come get their share of the time left (None: no budget)."""
+        left = self.left()
+        if left is None:
+            return None
+        return time.time() + max(left, 0.0) / max(batches_left, 1)
 
     def refuse(self, runs):
         """None if ``runs`` may start, else why not (in words)."""

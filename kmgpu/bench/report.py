@@ -133,6 +133,14 @@ def headline(results, toys=False):
     return tables.headline(results, toys, simulated(results))
 
 
+def _jobs(jobs):
+    if not isinstance(jobs, dict):  # older results: none
+        return ""
+    many = [f"{b} {n}" for b, n in jobs.items() if n > 1]
+    return ("; worker processes at once: " + ", ".join(many)
+            + " (their timings disturb each other)") if many else ""
+
+
 def _machine(results):
     m = results.get("machine", {})
     gpus = m.get("gpus") or []
@@ -155,7 +163,8 @@ def markdown(results):
              f"- machine: {_machine(results)}",
              f"- created: {results.get('created', '?')}; command: "
              + "; ".join(f"`{' '.join(c)}`" for c in commands),
-             f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"]
+             f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"
+             + _jobs(results.get("jobs"))]
     for name, b in sorted(results.get("backends", {}).items(),
                           key=lambda kv: BACKEND_ORDER.get(kv[0], 9)):
         if b.get("status") == "ok":

@@ -3,7 +3,9 @@
     plain      ``model.fit`` on one device: the reference for speedup, overhead, parity.
     replay     plain ``model.fit`` once more: how much two identical runs differ (timing
                noise, and the parity floor where GPU kernels are not deterministic).
-    kmgpu      ``kmgpu.parallelize(model, gpus=n, batch=policy)`` then ``fit``.
+    kmgpu      ``kmgpu.parallelize(model, gpus=n, batch=policy)`` then ``fit``; with
+               ``KMGPU_BENCH_JIT_COMPILE=1`` compiled with ``jit_compile=True`` (on torch:
+               kmgpu's captured CUDA-graph step, opt-in), recorded as "jit_compile".
     peer       the framework's own data-parallel way, written by hand:
                tensorflow  ``tf.distribute.MirroredStrategy`` (model built and compiled
                            in the scope, as the Keras/TF guides do), then ``fit``;
@@ -111,7 +113,11 @@ def _kmgpu(workload, n, model, policy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "one device - running as a single replica"
         parallel = kmgpu.parallelize(model, gpus=n, batch=policy)
-    parallel.compile(**workload.compile_args())  # per_replica: kmgpu scales the LR by N
+    import os
+
+    jit = os.environ.get("KMGPU_BENCH_JIT_COMPILE") == "1"
+    extra = {"jit_compile": True} if jit else {}
+    parallel.compile(**workload.compile_args(), **extra)  # per_replica: LR x N by kmgpu
     x, y = workload.data(global_batch(workload, n, policy))
     try:
         result = _fit(parallel.fit, x, y, workload.batch, workload)
@@ -121,6 +127,7 @@ def _kmgpu(workload, n, model, policy):
         # else: the torch engine's worker pool stays for the next run on as many devices
     result["weights"] = model.get_weights()  # the user's model holds the trained weights
     result["params"] = trainable_count(model)
+    result["jit_compile"] = jit
     return result
 
 

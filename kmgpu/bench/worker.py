@@ -2,9 +2,10 @@
 
     KERAS_BACKEND=jax python -m kmgpu.bench.worker SPEC.json
 
-SPEC: {"runs": [{"workload", "runner", "devices", "policy"}, ...], "quick": bool,
+SPEC: {"runs": [{"workload", "runner", "devices", "policy", "tier"}, ...], "quick": bool,
 "simulate": int (0: real devices), "weights_dir": folder for the final weights,
-"max_devices": int, "epochs": int|null, "steps": int|null}.
+"max_devices": int, "epochs": int|null, "steps": int|null, "jax_cache": folder|null,
+"soft_deadline": time.time() after which no tier-1/2 run starts, or null}.
 Prints one line ``KMGPU-BENCH {json}`` for the environment, then one per run, as each
 finishes; everything else it prints is log.
 """
@@ -174,7 +175,13 @@ def main(argv=None):
     emit(env)
     from kmgpu.bench.ddp import Skip
 
+    soft_deadline = spec.get("soft_deadline")
     for before, spec_run in enumerate(spec["runs"]):
+        tier = spec_run.pop("tier", 0)
+        if tier and soft_deadline and time.time() > soft_deadline:
+            emit({"kind": "run", **spec_run, "status": "skipped",
+                  "reason": "time budget: the time left is kept for the other workloads"})
+            continue
         try:
             record = measure(spec_run, spec, env)
             record["runs_before"] = before  # > 0: this process's caches were warm

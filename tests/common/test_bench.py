@@ -233,6 +233,9 @@ def test_time_budget():
     now[0] = 95.0
     assert budget.refuse([b]) == "time budget spent"
     assert plan.Budget(None).refuse([a]) is None
+    now[0] = 10.0  # 80 s left for 4 workers: each starts no tier-1/2 run after 20 s
+    assert budget.soft_deadline(4) - time.time() == pytest.approx(20.0, abs=1.0)
+    assert plan.Budget(None).soft_deadline(4) is None
 
 
 def test_projection_by_hand():
