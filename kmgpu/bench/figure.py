@@ -63,15 +63,21 @@ def plot(results, path=None, show=False):
         values = [r["samples_per_s"] for k, r in runs.items() if k[1] == workload]
         if values and max(values) > 20 * min(values):
             ax.set_yscale("log")
-        ax.legend(fontsize=6)
     for j in range(len(names), rows * cols):
         axes[j // cols][j % cols].axis("off")
+    legend = {}  # one legend for the figure: each label once
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
     gpus = (results.get("machine") or {}).get("gpus") or []
     title = f"kmgpu bench {results.get('name', '')}" + (
         f" - {len(gpus)} x {gpus[0]}" if gpus and not results.get("simulate") else
         " - simulated devices share the CPU: not speedups")
     fig.suptitle(title)
-    fig.tight_layout()
+    legend_rows = -(-len(legend) // 4)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, (0.2 * legend_rows + 0.15) / (3.6 * rows), 1, 1))
     if path:
         fig.savefig(path, dpi=110)
     if not show:
