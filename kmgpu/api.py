@@ -22,7 +22,10 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             True for batch="per_replica", else False.
         warmup_epochs: ramp the scaled learning rate up from the base rate over this
             many epochs (Goyal et al. 2017).
-        sync_batchnorm: BatchNormalization statistics over the global batch.
+        sync_batchnorm: False (default): each replica normalises with its own rows'
+            moments, no collective inside BatchNormalization; the moving statistics
+            are the mean over replicas. True: moments over the global batch, equal
+            to one device, at two all-reduces per BatchNormalization layer per step.
         reset_states: stateful RNNs: "epoch" zeroes their states at the start of
             every epoch and every evaluate / predict call; None never does (call
             ``parallel.reset_states()``).
