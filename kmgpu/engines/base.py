@@ -132,12 +132,6 @@ class InProcessEngine(Engine):
                 fixed = models.fixed_batch(template)
                 replica = (models.clone(template) if fixed is None
                            else models.clone_at(template, self.replica_batch(fixed)))
-                if fixed is None and type(replica) is not type(template):
-                    # keras.models.clone_model turns a Sequential subclass into a plain
-                    # Sequential, dropping the user's train_step: re-create its class
-                    replica = type(template).from_config(template.get_config())
-                    if not replica.built and template.get_build_config():
-                        replica.build_from_config(template.get_build_config())
                 self.prepare_replica(replica, template)
                 if template.compiled:
                     replica.compile(**models.compile_args(template, lr_scale))
