@@ -161,30 +161,6 @@ def test_local_batchnorm_moving_statistics_are_the_replica_mean():
 
 
 # -- Python generators and PyDatasets ---------------------------------------------------
-@pytest.mark.parametrize("samples", [48, 45])
-def test_generator_with_steps_per_epoch_equals_one_device(samples):
-    x, y = data("mlp", samples)
-    seen = []
-
-    def batches():
-        while True:
-            for i in range(0, samples, 12):
-                seen.append(i)
-                yield x[i:i + 12], y[i:i + 12]
-
-    ref = mlp()
-    ref.compile(optimizer="adam", loss="mse")
-    want = ref.fit(batches(), steps_per_epoch=4, epochs=3, verbose=0).history
-    model = mlp()
-    parallel = kmgpu.parallelize(model, gpus=4)
-    parallel.compile(optimizer="adam", loss="mse")
-    seen.clear()
-    got = parallel.fit(batches(), steps_per_epoch=4, epochs=3, verbose=0).history
-    assert seen[:12] == [0, 12, 24, 36] * 3  # every batch once per epoch, in order
-    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=TOL)
-
-
 @pytest.mark.parametrize("run", range(3))  # it failed about one run in three
 def test_pydataset_equals_one_device(run):
     check_pydataset_parity(TOL)

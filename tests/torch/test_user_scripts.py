@@ -52,38 +52,6 @@ def test_tf_data_fit_evaluate_predict_equal_one_device(samples):
            ref.evaluate(_tf_data(x, y, shuffle=False), verbose=0, return_dict=True), "eval")
 
 
-@pytest.mark.parametrize("samples", [48, 45])
-def test_generator_with_steps_per_epoch_equals_one_device(samples):
-    x, y = data("mlp", samples)
-    seen = []
-
-    def batches():
-        while True:
-            for i in range(0, samples, 12):
-                seen.append(i)
-                yield x[i:i + 12], y[i:i + 12]
-
-    ref = mlp()
-    ref.compile(optimizer="adam", loss="mse")
-    want = ref.fit(batches(), steps_per_epoch=4, epochs=3, verbose=0).history
-    model = mlp()
-    parallel = kmgpu.parallelize(model, gpus=4)
-    parallel.compile(optimizer="adam", loss="mse")
-    seen.clear()
-    got = parallel.fit(batches(), steps_per_epoch=4, epochs=3, verbose=0).history
-    assert seen[:12] == [0, 12, 24, 36] * 3  # every batch once per epoch, in order
-    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    _close(got, want, "history")
-
-    def rows():  # a finite generator: predict reads it once
-        for i in range(0, samples, 7):
-            yield (x[i:i + 7],)  # Keras: a generator yields tuples
-
-    pred = parallel.predict(rows(), verbose=0)
-    assert pred.shape == (samples, 1)
-    np.testing.assert_allclose(pred, ref.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
-
-
 def test_a_generator_that_runs_out_says_what_to_do():
     x, y = data("mlp", 48)
 
