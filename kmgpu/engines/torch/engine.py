@@ -60,7 +60,7 @@ class TorchEngine(Engine):
         try:
             driver = relay.CallbackDriver(
                 callbacks if launcher.runs_callbacks else None, template, method,
-                load_state=lambda: launcher.load_state(template),
+                load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
             call = Call(method=method,
                         key=replicas.replica_key(template, self.options.sync_batchnorm,
@@ -127,6 +127,16 @@ class TorchEngine(Engine):
     def rank_weights(self):
         """Every rank's replica weights (trainable and non-trainable), rank order."""
         return self.launcher.rank_weights()
+
+
+def _timed(clock, name, fn, *args):
+    import time
+
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        clock(name, since=start)
 
 
 class TorchLocalEngine(LocalEngine):

@@ -21,16 +21,19 @@ class Clock:
     def __init__(self, side, on=True):
         self.side = side
         self.on = bool(on) and bool(os.environ.get(ENV))
-        self.t, self.parts = time.perf_counter(), {}
+        self.t, self.parts, self.counts = time.perf_counter(), {}, {}
 
     def __call__(self, name, since=None):
         """Add the time since the last mark (or since ``since``, leaving the mark) to ``name``."""
         now = time.perf_counter()
         self.parts[name] = self.parts.get(name, 0.0) + now - (since or self.t)
+        self.counts[name] = self.counts.get(name, 0) + 1
         if since is None:
             self.t = now
 
     def report(self):
         if self.on:
             print(f"kmgpu {self.side} timing: "
-                  + ", ".join(f"{k} {v:.3f}s" for k, v in self.parts.items()), flush=True)
+                  + ", ".join(f"{k} {v:.3f}s" + (f" ({self.counts[k]}x)" if self.counts[k] > 1
+                                                 else "")
+                            for k, v in self.parts.items()), flush=True)

@@ -137,6 +137,13 @@ def main(rank, world, device, conn, out_conn, settings):
         out_conn: the pipe stdout and stderr go to.
         settings: env, Keras config, threads, backend, the driver's pid.
     """
+    import gc
+
+    # Forked: never collect what the driver left behind. Its garbage may hold torch
+    # process groups (a DDP Reducer of an in-process rank, say) whose destructors wait
+    # on the driver's gloo threads, which do not exist here: seen hanging a worker in
+    # gc inside DataLoader.__init__ (pthread_cond_broadcast in ~ProcessGroupGloo).
+    gc.freeze()
     _redirect(out_conn)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(settings["parent"])
