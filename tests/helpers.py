@@ -124,3 +124,15 @@ def children(pid=None):
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(name))
     return sorted(out)
+
+
+def command_lines(pids):
+    """{pid: command line} of live processes, for assertion messages."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+        except OSError:
+            out[pid] = "?"
+    return out

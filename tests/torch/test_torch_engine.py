@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import (MODELS, alive, check_pydataset_parity, children, conv_bn, data, mlp,
-                           rel_diff)
+from tests.helpers import (MODELS, alive, check_pydataset_parity, children, command_lines,
+                           conv_bn, data, mlp, rel_diff)
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -268,7 +268,7 @@ def test_ctrl_c_stops_every_worker_after_a_step_and_keeps_it_and_the_pool():
 def test_repeated_calls_reuse_the_pool_and_leak_nothing():
     _close_pools()
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
-    assert children() == []
+    assert children() == [], command_lines(children())
     x, y = data("mlp", 50)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)

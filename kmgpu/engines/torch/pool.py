@@ -122,6 +122,13 @@ class WorkerPool:
 
         self.method = start_method(self.devices[0].startswith("cuda"))
         ctx = tmp.get_context(self.method)
+        if self.method == "fork":
+            import gc
+
+            # Collect this process's garbage here, where its gloo threads exist: a forked
+            # worker would inherit it (a finished in-process rank's DDP Reducer, say) and
+            # could hang destroying it (the workers also gc.freeze() what they inherit).
+            gc.collect()
         threads = 1  # libgomp's pool does not survive fork: one intra-op thread
         if self.method != "fork" and not self.devices[0].startswith("cuda"):
             threads = max(1, (os.cpu_count() or 1) // self.world)
