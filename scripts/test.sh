@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (if needed) and run the test suite, one process per
 # Keras backend: tests/unit, tests/common and tests/<backend> run under
-# KERAS_BACKEND=<backend>. About 7 minutes on a 2-core machine (measured: 411 s, 652
+# KERAS_BACKEND=<backend>. About 7 minutes on a 2-core machine (measured: 417 s, 653
 # tests), plus 3-4 minutes to make .venv the first time. With several backends the sessions run in two lanes side
 # by side (the suite is ~600 CPU-seconds; one session leaves the second core mostly
 # idle); each line of progress is printed as it comes, prefixed with its backend.
