@@ -70,31 +70,36 @@ MODELS = {"mlp": mlp, "conv_bn": conv_bn, "lstm": lstm}
 
 
 
-def check_pydataset_parity(tol=1e-5):
-    """A PyDataset of 45 rows in batches of 12 (last 9) on 4 devices: the weights equal
-    one device's after 2 epochs and predict gives every row, equal to plain predict."""
+def row_batches(x, y, size=12):
+    """A ``keras.utils.PyDataset`` of ``x``, ``y`` in batches of ``size`` rows (the last
+    one partial), in order."""
     import keras
-
-    import kmgpu
-
-    x, y = data("mlp", 45)
 
     class Batches(keras.utils.PyDataset):
         def __len__(self):
-            return 4
+            return -(-len(x) // size)
 
         def __getitem__(self, i):
-            return x[i * 12:(i + 1) * 12], y[i * 12:(i + 1) * 12]
+            return x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]
 
+    return Batches()
+
+
+def check_pydataset_parity(tol=1e-5):
+    """A PyDataset of 45 rows in batches of 12 (last 9) on 4 devices: the weights equal
+    one device's after 2 epochs and predict gives every row, equal to plain predict."""
+    import kmgpu
+
+    x, y = data("mlp", 45)
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
-    ref.fit(Batches(), epochs=2, shuffle=False, verbose=0)
+    ref.fit(row_batches(x, y), epochs=2, shuffle=False, verbose=0)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="sgd", loss="mse")
-    parallel.fit(Batches(), epochs=2, shuffle=False, verbose=0)
+    parallel.fit(row_batches(x, y), epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= tol
-    pred = parallel.predict(Batches(), verbose=0)
+    pred = parallel.predict(row_batches(x, y), verbose=0)
     assert pred.shape == (45, 1)
     np.testing.assert_allclose(pred, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 

@@ -76,23 +76,25 @@ def _training_call(model, x):
     return np.asarray(outputs, dtype="float32"), [np.asarray(v) for v in non_trainable]
 
 
+def _local_and_per_replica(parallel, model, x, y):
+    """The replica's training call on the sharded batch, and the user's model on each
+    replica's rows on one device: ((outputs, stats), [(outputs, stats) per replica])."""
+    replica = _replica(parallel, x, y)
+    with parallel._engine.scope():
+        got = _training_call(replica, *_sharded(parallel, x))
+    rows = len(x) // N
+    return got, [_training_call(model, x[r * rows:(r + 1) * rows]) for r in range(N)]
+
+
 def test_forward_equals_batchnorm_on_each_replicas_rows():
     """Training-mode outputs: BatchNorm over each replica's 8 rows, to float32 rounding;
     the moving statistics: the mean of the 4 per-replica updates."""
     x, y = _data()
     model = _net(k=2)
     parallel = _parallel(model)
-    replica = _replica(parallel, x, y)
+    (got, got_stats), parts = _local_and_per_replica(parallel, model, x, y)
     assert "per replica" in parallel.describe()
-    with parallel._engine.scope():
-        got, got_stats = _training_call(replica, *_sharded(parallel, x))
-
-    rows = len(x) // N
-    want, stats = [], []
-    for r in range(N):  # the user's model on one device, on replica r's rows
-        out, s = _training_call(model, x[r * rows:(r + 1) * rows])
-        want.append(out)
-        stats.append(s)
+    want, stats = [p[0] for p in parts], [p[1] for p in parts]
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-5, atol=2e-6)
     whole, _ = _training_call(model, x)
     assert np.abs(got - whole).max() > 1e-2, "these are the global moments, not local ones"
@@ -115,11 +117,7 @@ def test_masked_inputs_use_each_replicas_unmasked_rows():
     x[:, 3:] = 0  # padding (masked out)
     y = rng.normal(size=(16, 3)).astype("float32")
     parallel = _parallel(model)
-    replica = _replica(parallel, x, y)
-    with parallel._engine.scope():
-        got, got_stats = _training_call(replica, *_sharded(parallel, x))
-    rows = len(x) // N
-    parts = [_training_call(model, x[r * rows:(r + 1) * rows]) for r in range(N)]
+    (got, got_stats), parts = _local_and_per_replica(parallel, model, x, y)
     np.testing.assert_allclose(got, np.concatenate([p[0] for p in parts]), rtol=1e-5, atol=2e-6)
     for i in _moving(model):
         np.testing.assert_allclose(got_stats[i], np.mean([p[1][i] for p in parts], axis=0),
@@ -195,11 +193,7 @@ def test_mixed_precision():
     try:
         model = _net()
         parallel = _parallel(model)
-        replica = _replica(parallel, x, y)
-        with parallel._engine.scope():
-            got, got_stats = _training_call(replica, *_sharded(parallel, x))
-        rows = len(x) // N
-        parts = [_training_call(model, x[r * rows:(r + 1) * rows]) for r in range(N)]
+        (got, got_stats), parts = _local_and_per_replica(parallel, model, x, y)
         parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")

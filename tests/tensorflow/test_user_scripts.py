@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import check_pydataset_parity, conv_bn, data, mlp, rel_diff
+from tests.helpers import check_pydataset_parity, conv_bn, data, mlp, rel_diff, row_batches
 
 TOL = 1e-5
 
@@ -167,50 +167,26 @@ def test_pydataset_equals_one_device(run):
 
 
 def test_pydataset_evaluate_sees_every_row_once():
-    import keras
-
     x, y = data("mlp", 45)
-
-    class Batches(keras.utils.PyDataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            return x[i * 12:(i + 1) * 12], y[i * 12:(i + 1) * 12]
-
     model = mlp()
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     want = model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
     parallel = kmgpu.parallelize(model, gpus=4)
-    got = parallel.evaluate(Batches(), verbose=0, return_dict=True)
+    got = parallel.evaluate(row_batches(x, y), verbose=0, return_dict=True)
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=TOL), key
 
 
 def test_pydataset_validation_data_equals_one_device():
-    import keras
-
     x, y = data("mlp", 45)
-
-    class Batches(keras.utils.PyDataset):
-        def __init__(self, rows):
-            super().__init__()
-            self.rows = rows
-
-        def __len__(self):
-            return -(-self.rows // 12)
-
-        def __getitem__(self, i):
-            return x[i * 12:min((i + 1) * 12, self.rows)], y[i * 12:min((i + 1) * 12, self.rows)]
-
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
-    want = ref.fit(Batches(45), validation_data=Batches(21), epochs=2, shuffle=False,
+    want = ref.fit(row_batches(x, y), validation_data=row_batches(x[:21], y[:21]), epochs=2, shuffle=False,
                    verbose=0).history
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="sgd", loss="mse")
-    got = parallel.fit(Batches(45), validation_data=Batches(21), epochs=2, shuffle=False,
+    got = parallel.fit(row_batches(x, y), validation_data=row_batches(x[:21], y[:21]), epochs=2, shuffle=False,
                        verbose=0).history
     assert got.keys() == want.keys()
     for key in want:
