@@ -13,6 +13,8 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \
 #     && bash benchmarks/gpu_run.sh jax            # then the same with torch
 # Writes $OUT/nvidia-h200-x2-<backend>.{json,md,png,log} (./kmgpu-bench without $OUT).
+# torch: KMGPU_BENCH_JIT_COMPILE=1 compiles kmgpu's runs with jit_compile=True (the captured
+# CUDA-graph step; benchmarks/results/nvidia-h200-x2-models.* was measured so).
 # One report from both runs, on any machine:
 #   python -m kmgpu bench --report nvidia-h200-x2-jax.json nvidia-h200-x2-torch.json \
 #     --name nvidia-h200-x2 --out benchmarks/results
