@@ -103,10 +103,8 @@ class TorchEngine(Engine):
         return results[0]
 
     def train_step_mode(self, template):
-        return graphs.describe(keras_fixes.wants_captured_step(template),
-                               self.device_names[0].startswith("gpu"), self.num_replicas,
-                               self.options.sync_batchnorm,
-                               keras_fixes.has_own_train_step(template))
+        return graphs.describe(template, self.device_names[0].startswith("gpu"),
+                               self.num_replicas, self.options.sync_batchnorm)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -140,36 +138,49 @@ def _timed(clock, name, fn, *args):
 
 
 class TorchLocalEngine(LocalEngine):
-    """One device: the user's own ``fit``; compiled with ``jit_compile=True``, its train
-    step is ``graphs.CapturedStep`` (CUDA graphs on a GPU) and Keras compiles nothing."""
+    """One device: the user's own ``fit``. On a CUDA device (or compiled with
+    ``jit_compile=True``) its train step is ``graphs.CapturedStep``: CUDA graphs on a
+    GPU, the same split step eagerly on a CPU; Keras compiles nothing (``graphs.plan``
+    says which step a model gets). The graphs live until ``close()`` or another model."""
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
-        self._step, self._key = None, None
+        self._step, self._key, self._said = None, None, None
+
+    def _on_gpu(self, template):
+        return graphs.available(graphs.device_of(template))
 
     def train_step_mode(self, template):
-        return graphs.describe(keras_fixes.wants_captured_step(template),
-                               self.device_names[0].startswith("gpu"), 1,
-                               own_step=keras_fixes.has_own_train_step(template))
+        step = self._step if self._key == models.identity(template) else None
+        return graphs.describe(template, self._on_gpu(template), 1,
+                               graph_bytes=step.graph_bytes if step else None)
+
+    def graph_memory(self):
+        """Bytes of GPU memory the captured step's graphs hold now (0: none)."""
+        return self._step.graph_bytes if self._step is not None else 0
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        if not keras_fixes.wants_captured_step(template):
-            return super().run(method, template, kwargs, lr_scale)
-        if method != "fit":
-            with graphs.eager_keras(template):
+        kind, why = graphs.plan(template, self._on_gpu(template))
+        jit = keras_fixes.wants_captured_step(template)
+        if kind == graphs.OWN and self._on_gpu(template) and self._said != id(template):
+            self._said = id(template)
+            print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
+        if kind != graphs.SPLIT or method != "fit":
+            if not jit:
+                return super().run(method, template, kwargs, lr_scale)
+            with graphs.eager_keras(template):  # jit_compile=True: no torch.compile
                 return super().run(method, template, kwargs, lr_scale)
         key = models.identity(template)
         if self._step is None or key != self._key:  # graphs live across fits of one model
-            self._step, self._key = None, None
+            self.close()
             self._step, self._key = graphs.local_step(template), key
-        if self._step is None:  # its own train_step: Keras's, uncompiled
-            with graphs.eager_keras(template):
-                return super().run(method, template, kwargs, lr_scale)
-        device = template.trainable_weights[0].value.device
+        device = graphs.device_of(template)
         with graphs.installed(template, self._step):
             return template.fit(**data.device_feed(kwargs, device))
 
     def close(self):
+        if self._step is not None:
+            self._step.close()
         self._step, self._key = None, None
 
 

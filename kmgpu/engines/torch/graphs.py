@@ -64,25 +64,54 @@ def capture(fn, pool=None):
     return graph, out
 
 
-def describe(jit_compile, on_gpu, world, sync_batchnorm=False, own_step=False):
+#: which step a compiled model trains with (``plan``)
+KERAS, SPLIT, OWN = "keras", "split", "own"
+
+
+def plan(model, on_gpu):
+    """Which train step ``model`` gets, and why: (KERAS | SPLIT | OWN, reason).
+
+    What ``compile()``'s flags mean on torch: ``jit_compile="auto"`` (Keras's
+    default, resolved False on torch) or False: the captured step on CUDA devices,
+    Keras's eager step on a CPU (nothing to capture there); ``jit_compile=True``: the
+    split step everywhere (captured on CUDA, eager on a CPU); ``run_eagerly=True``:
+    Keras's eager step (the way to turn the capture off). A model with its own
+    ``train_step`` keeps it (kmgpu cannot split a step it did not write).
+    """
+    if keras_fixes.has_own_train_step(model):
+        return OWN, "a model's own train_step runs as written, eagerly"
+    if not getattr(model, "compiled", False) or not model.trainable_weights:
+        return KERAS, "nothing to train"
+    if model.run_eagerly:
+        return KERAS, "compile(run_eagerly=True) asks for Keras's eager step"
+    if keras_fixes.wants_captured_step(model) or on_gpu:
+        return SPLIT, None
+    return KERAS, ("on a CPU there is nothing to capture (compile(jit_compile=True) runs "
+                   "kmgpu's split step eagerly)")
+
+
+def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
     """The train step, in words, for ``describe()``."""
-    if own_step:
+    kind, why = plan(model, on_gpu)
+    if kind == OWN:
         return ("your model's own train_step, eager" + (" (gradients averaged in "
-                                                        "optimizer.apply)" if world > 1 else ""))
-    if not jit_compile:
+                                                        "optimizer.apply)" if world > 1 else "")
+                + (f": {why}, not captured" if on_gpu else ""))
+    if kind == KERAS:
         return ("Keras's eager step" + (" (gradients summed by DDP in backward)" if world > 1
-                                        else "")
-                + "; compile(jit_compile=True) captures it as CUDA graphs")
+                                        else "") + f": {why}")
     what = ("forward+backward into a flat gradient buffer, " +
             ("one all-reduce, " if world > 1 else "") + "optimizer+metrics")
     if sync_batchnorm and world > 1:
         return (f"split step ({what}), eager: sync_batchnorm all-reduces inside the "
-                "forward pass, which stays out of a graph (jit_compile=True)")
+                "forward pass, which stays out of a graph")
     if not on_gpu:
         return f"split step ({what}), eager: CUDA graphs need GPUs (jit_compile=True)"
-    return (f"captured: {what} as CUDA graphs after {WARMUP_STEPS} warm-up steps; other "
-            f"batch shapes eager (jit_compile=True: kmgpu's meaning on torch, not "
-            f"torch.compile; measured {MEASURED})")
+    held = (f"; its graphs hold {graph_bytes / 2**20:.0f} MiB of GPU memory until close()"
+            if graph_bytes else "; the graphs' memory is freed by close()")
+    return (f"captured: {what} as CUDA graphs after {WARMUP_STEPS} warm-up steps, random "
+            f"layers included; other batch shapes eager; off with compile(run_eagerly=True) "
+            f"(measured {MEASURED}){held}")
 
 
 class FlatBuffers:
@@ -261,6 +290,7 @@ class CapturedStep:
         self.graphs, self.last, self.streak = {}, None, 0
         self.update_reason, self.failures = None, 0
         self._side = None
+        self.graph_bytes = 0  # GPU memory the graphs' pools took (freed with the graphs)
         if refuse and say is not None:
             say(f"kmgpu (torch): the train step runs eagerly, not captured: {refuse}")
 
@@ -273,7 +303,7 @@ class CapturedStep:
         x, y, sw = _unpack(data)
         split = self.split
         n_real, n_global = split.rows(x)
-        with keras_fixes.device_scalars():
+        with keras_fixes.device_scalars(), keras_fixes.device_random():
             if split.layout():
                 self.graphs.clear()  # other variables: every graph is stale
             sig = _signature((x, y, sw), n_real, n_global)
@@ -312,6 +342,7 @@ class CapturedStep:
         # which fails ("operation would make the legacy stream depend on a capturing
         # blocking stream"): collect it first (torch's own gc at capture is off now).
         gc.collect()
+        before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         try:
             static = _map(lambda t: t.detach().clone(), batch)
             graph_a, (loss, y_pred) = capture(
@@ -334,7 +365,18 @@ class CapturedStep:
                              f"captured forward/backward: {self.update_reason}")
         self.graphs[sig] = entry
         gc.collect()  # the capture's own autograd graph: later eager steps need none of it
+        if self.device.type == "cuda":
+            self.graph_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
         return entry
+
+    def close(self):
+        """Drop the graphs and return their memory to the device."""
+        self.graphs.clear()
+        self.graph_bytes = 0
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _failed(self, reason):
         """A capture failed: drop it; try once more after another warm-up, then eager."""
@@ -367,29 +409,33 @@ def _settle(device):
 def installed(model, step):
     """Within the block, ``model.fit`` runs ``step`` as its train step, and Keras
     compiles nothing (jit_compile False); afterwards the model is as it was."""
+    was = model.jit_compile
     keras_fixes.set_jit_compile(model, False)
     model.train_step = step.train_step
     try:
         yield
     finally:
         model.__dict__.pop("train_step", None)
-        keras_fixes.set_jit_compile(model, True)
+        keras_fixes.set_jit_compile(model, was)
 
 
 @contextlib.contextmanager
 def eager_keras(model):
     """Within the block Keras runs the model's evaluate / predict eagerly (no torch.compile)."""
+    was = model.jit_compile
     keras_fixes.set_jit_compile(model, False)
     try:
         yield
     finally:
-        keras_fixes.set_jit_compile(model, True)
+        keras_fixes.set_jit_compile(model, was)
+
+
+def device_of(model):
+    """The torch device ``model``'s variables live on (cpu when it has none)."""
+    weights = model.weights
+    return weights[0].value.device if weights else torch.device("cpu")
 
 
 def local_step(model):
-    """A CapturedStep for ``model`` on its own device (one replica), or None when the
-    model keeps Keras's step (its own train_step, or nothing to train)."""
-    if keras_fixes.has_own_train_step(model) or not model.trainable_weights:
-        return None
-    device = model.trainable_weights[0].value.device
-    return CapturedStep(SplitStep(model), device)
+    """A CapturedStep for ``model`` on its own device (one replica)."""
+    return CapturedStep(SplitStep(model), device_of(model))

@@ -107,11 +107,15 @@ class DDPStrategy:
         self._offset_seeds(replica)
         for layer in models.stateful_layers(replica):
             keras_fixes.copy_states_in(layer)
-        captured = keras_fixes.wants_captured_step(replica)  # jit_compile=True: graphs.py
+        from kmgpu.engines.torch import graphs
+
+        # graphs.plan: the captured step on CUDA devices (the same on every rank: one
+        # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
+        kind, why = graphs.plan(replica, graphs.available(self.device))
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
-        if not keras_fixes.has_own_train_step(replica) and replica.trainable_weights and captured:
+        if kind == graphs.SPLIT:
             replica.train_step = self._captured_step(replica, averaged).train_step
-        elif not keras_fixes.has_own_train_step(replica) and replica.trainable_weights:
+        elif kind == graphs.KERAS and replica.trainable_weights:
             ddp = DistributedDataParallel(
                 replica,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -121,6 +125,8 @@ class DDPStrategy:
             ddp.register_comm_hook(None, collectives.sum_gradients)
             replica.train_step = self._train_step(replica, ddp, averaged)
         else:
+            if kind == graphs.OWN and self.rank == 0 and graphs.available(self.device):
+                print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
             self._hook_optimizer(replica, averaged)
         if not keras_fixes.has_own_test_step(replica):
             replica.test_step = self._test_step(replica)
@@ -183,8 +189,9 @@ class DDPStrategy:
         return train_step
 
     def _captured_step(self, replica, averaged):
-        """compile(jit_compile=True): the split step of ``graphs``, captured as CUDA graphs
-        on a GPU (eager on a CPU); its one collective is the flat gradient all-reduce."""
+        """The split step of ``graphs`` (the default on GPUs, jit_compile=True on a CPU),
+        captured as CUDA graphs on a GPU, eager on a CPU; its one collective is the flat
+        gradient all-reduce."""
         from kmgpu.engines.torch import graphs
 
         def rows(x):
