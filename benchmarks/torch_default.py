@@ -45,6 +45,7 @@ T0 = time.perf_counter()
 #: kmgpu's runs compile with these (--quick on a CPU: jit_compile=True, the split step that
 #: a GPU captures, run eagerly, so the smoke runs the GPU's code path)
 KMGPU_COMPILE = {}
+NOISE = False  # --noise: the weights column also says plain fit against plain fit
 RESULTS = {"info": {}, "checks": {}, "models": {}}
 
 
@@ -375,7 +376,6 @@ def run_fit(model, init, compile_args, x, y, batch, epochs, default):
     if cuda():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    before = mem()
     reserved = torch.cuda.memory_reserved() if cuda() else 0
     timer = epoch_timer()
     text = io.StringIO()
@@ -388,11 +388,14 @@ def run_fit(model, init, compile_args, x, y, batch, epochs, default):
            "peak_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda() else 0.0,
            "printed": [ln for ln in text.getvalue().splitlines() if "kmgpu (torch)" in ln]}
     if default:
+        from kmgpu.engines.torch import graphs
+
         res["captured"], res["why"] = step_state(runner)
+        step = runner._engine._step
+        pools = list(step.pools) if step is not None else []
         res["graph_mib"] = runner._engine.graph_memory() / 2**20
         runner.close()
-        torch.cuda.empty_cache() if cuda() else None
-        res["after_close_mib"] = (mem() - before) / 2**20  # optimizer state stays
+        res["graph_mib_after_close"] = graphs.pool_bytes(pools) / 2**20
         res["reserved_after_close_mib"] = ((torch.cuda.memory_reserved() if cuda() else 0)
                                            - reserved) / 2**20
     return res
@@ -403,7 +406,7 @@ def run_parity(model, init, compile_args, x, y, batch):
 
     weights = []
     with exact():
-        for default in (False, True):
+        for default in (False, True) + ((False,) if NOISE else ()):
             model.set_weights(init)
             runner = kmgpu.parallelize(model, gpus=1) if default else model
             runner.compile(**compile_args(), **(KMGPU_COMPILE if default else {}))
@@ -412,7 +415,9 @@ def run_parity(model, init, compile_args, x, y, batch):
             weights.append(model.get_weights())
             if default:
                 runner.close()
-    return rel_diff(*weights)
+    if NOISE:  # Keras's eager step against itself: the GPU's own run-to-run noise
+        return rel_diff(*weights[:2]), rel_diff(weights[0], weights[2])
+    return rel_diff(*weights), None
 
 
 def table_entries(args):
@@ -457,7 +462,9 @@ def markdown():
             f"{d['samples_per_s']:,.0f} | {d['samples_per_s'] / p['samples_per_s']:.2f}x | "
             f"{p['first_epoch_s']:.1f} s / {d['first_epoch_s']:.1f} s | "
             f"{p['peak_gib']:.2f} / {d['peak_gib']:.2f} | {d['graph_mib']:.0f} | "
-            f"{r.get('weights_diff', float('nan')):.1e} |")
+            f"{r.get('weights_diff', float('nan')):.1e}"
+            + (f" (eager vs eager {r['eager_vs_eager']:.1e})" if r.get("eager_vs_eager")
+               is not None else "") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -480,11 +487,14 @@ def main():
     ap.add_argument("--budget", type=float, default=540.0)
     ap.add_argument("--only", default="", help="comma-separated model name prefixes")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--noise", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import keras
     import torch
 
+    global NOISE
+    NOISE = args.noise
     if args.quick:
         args.steps, args.epochs, args.parity_steps = 4, 2, 4
         if not cuda():
@@ -520,7 +530,7 @@ def main():
             r["default"] = run_fit(model, init, compile_args, x, y, batch, args.epochs, True)
             zero_random_rates(model)
             n = args.parity_steps * batch
-            r["weights_diff"] = run_parity(model, init, compile_args, x[:n], y[:n], batch)
+            r["weights_diff"], r["eager_vs_eager"] = run_parity(model, init, compile_args, x[:n], y[:n], batch)
         except Exception:
             r = {"error": traceback.format_exc()[-800:]}
         RESULTS["models"][name] = r

@@ -290,7 +290,7 @@ class CapturedStep:
         self.graphs, self.last, self.streak = {}, None, 0
         self.update_reason, self.failures = None, 0
         self._side = None
-        self.graph_bytes = 0  # GPU memory the graphs' pools took (freed with the graphs)
+        self.pools = []  # the graphs' memory pools (one per captured signature)
         if refuse and say is not None:
             say(f"kmgpu (torch): the train step runs eagerly, not captured: {refuse}")
 
@@ -342,7 +342,6 @@ class CapturedStep:
         # which fails ("operation would make the legacy stream depend on a capturing
         # blocking stream"): collect it first (torch's own gc at capture is off now).
         gc.collect()
-        before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         try:
             static = _map(lambda t: t.detach().clone(), batch)
             graph_a, (loss, y_pred) = capture(
@@ -365,18 +364,22 @@ class CapturedStep:
                              f"captured forward/backward: {self.update_reason}")
         self.graphs[sig] = entry
         gc.collect()  # the capture's own autograd graph: later eager steps need none of it
-        if self.device.type == "cuda":
-            self.graph_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
+        self.pools.append(entry.graph_a.pool())
         return entry
+
+    @property
+    def graph_bytes(self):
+        """GPU memory the graphs' pools hold now (0 once closed)."""
+        return pool_bytes(self.pools) if self.graphs else 0
 
     def close(self):
         """Drop the graphs and return their memory to the device."""
         self.graphs.clear()
-        self.graph_bytes = 0
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+        self.pools = []
 
     def _failed(self, reason):
         """A capture failed: drop it; try once more after another warm-up, then eager."""
@@ -390,6 +393,15 @@ class CapturedStep:
         if self.say is not None:
             self.say("kmgpu (torch): capturing the train step failed, so this model trains "
                      f"with the eager step from here on: {reason}")
+
+
+def pool_bytes(pools):
+    """Bytes in the CUDA caching allocator's segments that belong to these graph pools."""
+    if not pools or not torch.cuda.is_available():
+        return 0
+    wanted = {tuple(p) for p in pools}
+    return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id") or ()) in wanted)
 
 
 def _why(e):
