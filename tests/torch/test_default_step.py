@@ -28,10 +28,15 @@ def _fit_one(*args, **kwargs):
         return _fit(*args, **kwargs)
 
 
+_MODEL = []
+
+
 def _compiled(**compile_kwargs):
-    model = mlp()
-    model.compile(optimizer="adam", loss="mse", **compile_kwargs)
-    return model
+    """One small model, compiled anew (compile is cheap, building is not)."""
+    if not _MODEL:
+        _MODEL.append(mlp())
+    _MODEL[0].compile(optimizer="adam", loss="mse", **compile_kwargs)
+    return _MODEL[0]
 
 
 def test_plan_says_which_step_each_compile_gets():

@@ -1,10 +1,11 @@
-"""The captured train step: ``model.compile(..., jit_compile=True)`` on torch.
+"""The captured train step: kmgpu's default torch step on CUDA devices (``plan``).
 
 Keras 3.15.1's eager torch step is mostly host work (68-83 % of the step on an H200:
 ``profiles/torch/RESULTS.md``), and Keras's own meaning of ``jit_compile=True`` on
-torch, ``torch.compile`` of the step, was measured 0.73x of eager. kmgpu gives the
-flag another meaning on torch: each replica's step runs as CUDA graphs, in three
-stages (``SplitStep``):
+torch, ``torch.compile`` of the step, was measured 0.73x of eager. On CUDA devices
+kmgpu runs each replica's step as CUDA graphs unless the model was compiled with
+``run_eagerly=True``; ``jit_compile=True`` also asks for it on a CPU, where it runs
+eagerly. The step has three stages (``SplitStep``):
 
   A  forward, loss and the gradients (weighted by the replica's share of the global
      batch) written into one flat buffer per dtype, with the BatchNorm moving
@@ -18,13 +19,18 @@ stages (``SplitStep``):
 the warm-up), then records A and B as two CUDA graphs on static input buffers and
 replays them; any other shape (the last partial batch) runs eagerly. On a CPU (no
 CUDA graphs) the very same stages run eagerly; that is what the CPU tests check
-against Keras's step. If a capture fails, the partial graph is dropped and, after
-a second try, the model trains eagerly on, with one printed line saying why; every
-rank still meets in the same one all-reduce per step, captured or not. The graphs
-and their memory live as long as the replica (or, on one device, the ParallelModel:
-``close()`` frees them). While a step runs,
-Keras's ``convert_to_tensor`` makes python scalars on the device
-(``keras_fixes.device_scalars``): capture refuses Keras's blocking scalar copies.
+against Keras's step. If a capture fails (a host read in ``call``: ``.item()``,
+Python control flow on data), the partial graph is dropped and, after a second
+try, the model trains eagerly on, with one printed line saying why; every rank
+still meets in the same one all-reduce per step, captured or not. A replay re-runs
+the recorded device work only: Python side effects of ``call`` happen in the
+warm-up and capture steps. The graphs and their memory (``graph_bytes``) live as
+long as the replica (or, on one device, the ParallelModel: ``close()`` frees them).
+While a step runs, Keras's ``convert_to_tensor`` makes python scalars on the device
+(``keras_fixes.device_scalars``: capture refuses Keras's blocking scalar copies) and
+Keras's random functions draw from the seed generators' device state
+(``keras_fixes.device_random``, ``rng``), so random layers capture and draw anew
+at every replay.
 """
 
 import contextlib
@@ -43,8 +49,9 @@ MAX_GRAPHS = 2
 #: captures tried (each after a warm-up) before the step stays eager
 CAPTURE_TRIES = 2
 #: what describe() states as measured (profiles/torch/RESULTS.md, section 6; H200s)
-MEASURED = ("vs Keras's fit on one H200: 1 GPU 4.0x ResNet-50 64x64 b256, 1.75x Xception "
-            "224 b64; 2 GPUs 6.1x and 3.2x")
+MEASURED = ("vs Keras's fit on one H200: 2.8x-15x on 13 keras.applications models at "
+            "128x128, LSTM 3.8x, transformer 1.1x (GPU-bound): "
+            "benchmarks/results/torch-default-h200.md")
 
 
 def available(device):
@@ -405,8 +412,14 @@ def pool_bytes(pools):
 
 
 def _why(e):
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    import re
+
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()
+             if ln.strip()]
+    text = lines[0] if lines else ""
+    if text.startswith("Exception encountered when calling") and len(lines) > 1:
+        text = f"{text} {lines[1]}"  # Keras's wrapper: the layer, then the cause
+    return f"{type(e).__name__}: {text}"[:300]
 
 
 def _settle(device):

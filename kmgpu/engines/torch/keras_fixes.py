@@ -75,9 +75,10 @@ PATCHES = [
     ("keras.src.random.seed_generator", "global_seed_generator",
      "seed=None draws from Keras's global SeedGenerator, as draw_seed does"),
     ("keras.src.trainers.trainer", "Trainer.jit_compile",
-     "read on a compiled model: True asks kmgpu's torch engines for the captured step "
-     "(Keras's meaning, torch.compile, measured 0.73x of eager: profiles/torch/RESULTS.md);"
-     " set False on the model that runs it, so Keras never wraps the step in torch.compile"),
+     "read on a compiled model (graphs.plan): True asks kmgpu's torch engines for the "
+     "split step on a CPU too (Keras's meaning, torch.compile, measured 0.73x of eager: "
+     "profiles/torch/RESULTS.md); set False on the model that runs kmgpu's step, so Keras "
+     "never wraps it in torch.compile"),
     ("keras.src.trainers.epoch_iterator", "EpochIterator",
      "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "
      "exactly as Keras's fit takes it (steps_per_epoch continues one iterator)"),
@@ -328,8 +329,8 @@ class device_scalars:
 
 
 def wants_captured_step(model):
-    """True for a model compiled with ``jit_compile=True`` (on torch, kmgpu's captured
-    step), read before the engine sets the flag False on the model that runs it."""
+    """True for a model compiled with ``jit_compile=True`` (on torch: kmgpu's split step
+    on a CPU too), read before the engine sets the flag False on the model that runs it."""
     return bool(getattr(model, "compiled", False)) and model.jit_compile is True
 
 
@@ -349,9 +350,8 @@ def _draw_key(seed, device):
     """Keras's ``draw_seed``, on the device: the key of one draw, (k0, k1).
 
     A ``SeedGenerator`` (a layer's, or Keras's global one for ``seed=None``) gives its
-    state, advanced in place on the device (``state[1] += 1``: no host copy, unlike
-    ``SeedGenerator.next``'s numpy increment); an int seed gives the same key every call,
-    as in Keras.
+    state, advanced on the device (``state[1] += 1``; ``SeedGenerator.next`` copies a
+    numpy increment from the host); an int seed gives the same key every call, as in Keras.
     """
     import torch
     from keras.src.random.seed_generator import SeedGenerator, global_seed_generator
@@ -366,8 +366,7 @@ def _draw_key(seed, device):
         return drawn[0], drawn[1]
     if isinstance(seed, int):
         return seed & 0xFFFFFFFF, 0
-    raise ValueError(f"Argument `seed` must be either an integer or an instance of "
-                     f"`SeedGenerator`. Received: seed={seed} (of type {type(seed)})")
+    raise ValueError(f"Argument `seed` must be an integer or a SeedGenerator, not {seed!r}")
 
 
 def _random_functions():
@@ -402,8 +401,8 @@ def _random_functions():
     def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
         if core.get_device() == "meta":
             return original["uniform"](shape, minval, maxval, dtype, seed)
-        dtype = core.to_torch_dtype(dtype or floatx())
-        return (maxval - minval) * draw("uniform", shape, seed, dtype) + minval
+        u = draw("uniform", shape, seed, core.to_torch_dtype(dtype or floatx()))
+        return (maxval - minval) * u + minval
 
     def randint(shape, minval, maxval, dtype="int32", seed=None):
         if core.get_device() == "meta":
