@@ -18,6 +18,31 @@ from tests.helpers import data, mlp, rel_diff
 from tests.torch.test_captured_step import _close_pools, _fit, _forced_capture, _same_history
 
 
+def _strict_capture(monkeypatch):
+    """The fake capture of test_captured_step, which also refuses what CUDA-graph capture
+    refuses and a CPU allows: reading a tensor on the host (``int(t)``, ``.item()``)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kmgpu.engines.torch import graphs
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return func(*args, **(kwargs or {}))
+
+    calls = _forced_capture(monkeypatch, fail_update=True)
+    fake = graphs.capture
+
+    def capture(fn, pool=None):
+        with NoHostReads():
+            return fake(fn, pool)
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    return calls
+
+
 def _one(model):
     with pytest.warns(UserWarning, match="kmgpu: one device"):
         return kmgpu.parallelize(model, gpus=1)
@@ -182,21 +207,27 @@ def _noisy_fit(gpus, batch=8, steps=10, record=None):
     return model, parallel
 
 
-def test_random_layers_replay_fresh_masks_and_a_seed_repeats_the_training(monkeypatch):
-    calls = _forced_capture(monkeypatch, fail_update=True)
+def test_random_layers_replay_fresh_masks_and_a_seed_repeats_the_training(monkeypatch,
+                                                                          capsys):
+    calls = _strict_capture(monkeypatch)
     seen = []
     model, _ = _noisy_fit(1, record=seen)
-    assert len(calls) == 2  # captured, random layers included
+    assert len(calls) == 2  # captured (no host read), random layers included
+    assert "capturing the train step failed" not in capsys.readouterr().out
     replayed = [s.tobytes() for s in seen[2:]]  # the captured step and its replays
     assert len(replayed) == 8 and len(set(replayed)) == 8
     again, _ = _noisy_fit(1)
     assert rel_diff(model.get_weights(), again.get_weights()) == 0.0
 
 
-def test_random_layers_draw_apart_on_every_rank():
+def test_random_layers_draw_apart_on_every_rank(monkeypatch, capsys):
     _close_pools()
     try:
+        _strict_capture(monkeypatch)  # the forked workers inherit it
         _, parallel = _noisy_fit(2)
+        out = capsys.readouterr().out
+        assert "optimizer and metrics run eagerly" in out  # rank 0 captured graph A
+        assert "capturing the train step failed" not in out
         ranks = parallel._engine.rank_weights()
         index = [i for i, v in enumerate(parallel.model.weights) if "seen" in v.path]
         assert len(index) == 1
