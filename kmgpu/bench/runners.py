@@ -108,6 +108,8 @@ def _fit(fit, x, y, batch_size, workload, model=None):
     from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     steps = workload.steps or -(-len(x) // batch_size)
+    if workload.quick:  # CPU sizes: one epoch warms the caches (kmgpu measures nothing)
+        steps = WARMUP_STEPS
     warmup = _warm_up(fit, model, x, y, batch_size, steps) if model is not None else None
     reset_peak_memory()
     timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
