@@ -1,5 +1,5 @@
 """Benchmark results (the JSON ``kmgpu bench`` writes) -> markdown tables; ``write`` also
-draws the plot (``plot.py``).
+draws the plot (``figure.py``).
 
 Imports neither Keras nor a backend: a notebook or a reader of the results can use it
 anywhere. Older results files (no batch policy, no FLOPs) read as well.
@@ -197,6 +197,15 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def plot_missing():
+    """Why ``write`` draws no PNG here (None: it does)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed: pip install matplotlib"
+    return None
+
+
 def plot(results, path=None, show=False):
     from kmgpu.bench import figure
 
@@ -232,7 +241,8 @@ def merge(many):
 
 
 def write(results, folder):
-    """Write <name>.json, <name>.md and <name>.png into ``folder``; return their paths."""
+    """Write <name>.json, <name>.md and (with matplotlib, see ``plot_missing``) <name>.png
+    into ``folder``; return their paths."""
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, results["name"])
     with open(base + ".json", "w") as f:
@@ -240,11 +250,9 @@ def write(results, folder):
     with open(base + ".md", "w") as f:
         f.write(markdown(results))
     paths = [base + ".json", base + ".md"]
-    try:
+    if plot_missing() is None:
         plot(results, base + ".png")
         paths.append(base + ".png")
-    except ImportError:
-        pass  # no matplotlib: the table and JSON are still there
     return paths
 
 
