@@ -151,6 +151,12 @@ def _machine(results):
     return text
 
 
+def _no_machine_path(arg):
+    """A command's argument for a report: an absolute path as .../its last part (where
+    the results were written on that machine is of no use to a reader)."""
+    return ".../" + os.path.basename(arg.rstrip("/")) if os.path.isabs(arg) else arg
+
+
 def markdown(results):
     """The whole report as markdown: the speedup table first."""
     isolate = {"run": "a fresh process for every run",
@@ -162,7 +168,7 @@ def markdown(results):
     lines = [f"# kmgpu bench: {results.get('name', '')}", "",
              f"- machine: {_machine(results)}",
              f"- created: {results.get('created', '?')}; command: "
-             + "; ".join(f"`{' '.join(c)}`" for c in commands),
+             + "; ".join(f"`{' '.join(_no_machine_path(a) for a in c)}`" for c in commands),
              f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"
              + _jobs(results.get("jobs"))]
     for name, b in sorted(results.get("backends", {}).items(),

@@ -394,6 +394,14 @@ def test_report_leads_with_the_speedup_table(tmp_path):
     assert os.path.getsize(paths[-1]) > 10_000
 
 
+def test_the_report_names_no_machine_path():
+    results = _synthetic()
+    results["command"] = ["kmgpu", "bench", "--out", "/root/out", "--report", "/tmp/x/a.json"]
+    text = report.markdown(results)
+    assert "`kmgpu bench --out .../out --report .../a.json`" in text
+    assert "/root" not in text and "/tmp" not in text
+
+
 def test_merge_one_file_per_backend():
     a, b = _synthetic(), _synthetic()
     for r in b["runs"]:
