@@ -23,7 +23,9 @@ run() {  # backend: one pytest session, its lines prefixed "[backend] " as they 
   echo "[$b] started: tests/unit tests/common tests/$b"
   # a pipeline, not a process substitution: that would be a child of pytest itself,
   # which the tests that count their child processes would see
+  # --file-progress (tests/conftest.py): a line per finished test file, not a dot per test
   KERAS_BACKEND=$b PYTHONUNBUFFERED=1 python -m pytest -q -p no:cacheprovider \
+    --file-progress -o console_output_style=classic \
     tests/unit tests/common "tests/$b" "${pytest_args[@]}" 2>&1 | tee "$logs/$b.log" \
     | sed -u "s/^/[$b] /"
   rc=${PIPESTATUS[0]}

@@ -3,10 +3,92 @@
 
 Four simulated devices stand in for GPUs; they must exist before Keras touches
 its backend, so this runs before anything imports keras.
+
+``--file-progress`` (scripts/test.sh passes it) prints one line per finished test file,
+with its results and times, instead of a dot per test, and one line for any test that
+takes long: a session of several minutes shows that it moves.
 """
 
+import collections
 import os
+import time
+
+import pytest
 
 import kmgpu
 
 kmgpu.simulate_devices(int(os.environ.get("KMGPU_TEST_DEVICES", "4")))
+
+SLOW_TEST_S = 45.0  # a test this long gets a line of its own
+
+
+def pytest_addoption(parser):
+    parser.addoption("--file-progress", action="store_true",
+                     help="one line per finished test file (results, seconds) instead of "
+                          f"a dot per test, and one per test over {SLOW_TEST_S:.0f} s")
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is there
+def pytest_configure(config):
+    if config.getoption("--file-progress") and config.pluginmanager.has_plugin(
+            "terminalreporter"):
+        config.pluginmanager.register(FileProgress(config), "kmgpu-file-progress")
+
+
+class FileProgress:
+    def __init__(self, config):
+        self.terminal = config.pluginmanager.get_plugin("terminalreporter")
+        self.started = time.monotonic()
+        self.left = collections.Counter()  # tests not yet finished, per file
+        self.counts = collections.defaultdict(collections.Counter)  # file -> outcome -> n
+        self.file_started = {}
+        self.outcome = {}  # nodeid -> its outcome so far
+        self.files = self.done = 0
+
+    def _line(self, text):
+        self.terminal.write_line(text)
+
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            self.left[item.nodeid.split("::")[0]] += 1
+        self.files = len(self.left)
+        files = f"{self.files} file" + "s" * (self.files != 1)
+        self._line(f"{len(session.items)} tests in {files} (collected in "
+                   f"{time.monotonic() - self.started:.0f} s)")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_report_teststatus(self, report, config):
+        status = yield
+        if status and isinstance(status, tuple) and len(status) == 3:
+            return status[0], "", status[2]  # no dot or letter: the file's line counts them
+        return status
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.file_started.setdefault(nodeid.split("::")[0], time.monotonic())
+        self._test_started = time.monotonic()
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            outcome = "failed" if report.when == "call" else "error"
+        elif report.skipped:
+            outcome = "xfailed" if hasattr(report, "wasxfail") else "skipped"
+        elif report.when == "call":
+            outcome = "xpassed" if hasattr(report, "wasxfail") else "passed"
+        else:
+            return
+        if self.outcome.get(report.nodeid) not in ("failed", "error"):
+            self.outcome[report.nodeid] = outcome
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        path = nodeid.split("::")[0]
+        self.counts[path][self.outcome.pop(nodeid, "passed")] += 1
+        now = time.monotonic()
+        if now - self._test_started >= SLOW_TEST_S:
+            self._line(f"  {nodeid}: {now - self._test_started:.0f} s")
+        self.left[path] -= 1
+        if self.left[path] == 0:
+            self.done += 1
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(
+                self.counts[path].items(), key=lambda kv: kv[0] != "passed"))
+            self._line(f"{path}: {counts} in {now - self.file_started[path]:.0f} s "
+                       f"({self.done}/{self.files} files, {now - self.started:.0f} s in all)")

@@ -4,11 +4,13 @@ then work out the derived figures and write the report.
 """
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -183,17 +185,23 @@ def _main(argv, child_env):
 
     import keras
 
+    no_plot = report.plot_missing()
     print(f"kmgpu bench: {len(runs)} runs ({', '.join(backends)}; {', '.join(names)}; "
           f"devices {counts}{'; simulated' if simulate else ''}; one process per {isolate}"
           + "".join(f", {b} {jobs_of[b]} at once" for b in backends if jobs_of[b] > 1)
           + (f"; budget {args.budget:.0f} s" if args.budget else "")
-          + f") -> {os.path.join(out, name)}.{{json,md,png}}", flush=True)
+          + f") -> {os.path.join(out, name)}.{{json,md{'' if no_plot else ',png'},log}}",
+          flush=True)
+    if no_plot:
+        print(f"kmgpu bench: no plot ({no_plot})", flush=True)
     if simulate:
         print(f"kmgpu bench: the {simulate} simulated devices share this machine's "
               f"{os.cpu_count()} CPU core(s): the figures test the code, they are not "
               "speedups.", flush=True)
-    bar = keras.utils.Progbar(len(runs), unit_name="run",
-                              stateful_metrics=["failed", "skipped"])
+    # A terminal gets the redrawn bar; a log (a GPU job's output) one line per run and the
+    # bar's last line, without colour codes or redraws.
+    tty = sys.stdout.isatty()
+    bar = keras.utils.Progbar(len(runs), verbose=1 if tty else 2)
     counter = {"done": 0, "failed": 0, "skipped": 0}
     results = {
         "name": name, "quick": args.quick, "isolate": isolate, "simulate": simulate,
@@ -218,15 +226,16 @@ def _main(argv, child_env):
         counter["done"] += 1
         counter["failed"] += rec["status"] == "error"
         counter["skipped"] += rec["status"] == "skipped"
-        bar.update(counter["done"], values=[("failed", counter["failed"]),
-                                            ("skipped", counter["skipped"])])
-        if not sys.stdout.isatty():  # a log (a GPU job's output): one line per run as well
-            print("\n  " + _one_line(rec), flush=True)
+        # The counts ride in the unit's name: Progbar would print values as floats.
+        bar.unit_name = f"run - failed: {counter['failed']} - skipped: {counter['skipped']}"
+        if not tty:
+            print(f"  [{counter['done']}/{len(runs)}] {_one_line(rec)}", flush=True)
+        bar.update(counter["done"])
         _save_partial(results, out)
 
     spec = {"quick": args.quick, "simulate": simulate, "max_devices": top,
             "epochs": args.epochs, "steps": args.steps}
-    with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, open(log_path, "w") as log:
+    with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, plain_log(log_path) as log:
         for backend in backends:
             env = workers.environment(child_env, backend, quick_cpu=args.quick and not gpus)
             wdir = os.path.join(tmp, backend)
@@ -272,6 +281,22 @@ def _main(argv, child_env):
     return 0
 
 
+@contextlib.contextmanager
+def plain_log(path):
+    """The workers' log file; once closed (also when the command is stopped), without
+    terminal control codes: colours, and a progress bar's redraws (each line keeps the
+    text after its last carriage return)."""
+    try:
+        with open(path, "w") as log:
+            yield log
+    finally:
+        with open(path, errors="replace", newline="") as f:
+            text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f.read()).replace("\b", "")
+        lines = ([p for p in line.split("\r") if p.strip()] for line in text.split("\n"))
+        with open(path, "w") as f:
+            f.write("\n".join(parts[-1] if parts else "" for parts in lines))
+
+
 def _one_line(r):
     what = (f"{r['backend']} {r['workload']} {r['runner']} N={r['devices']} "
             f"{r.get('policy', 'global')}")
@@ -295,7 +320,9 @@ def _finish(results, written, log_path=None):
     if skipped:
         print(f"{len(skipped)} run(s) skipped: " + "; ".join(sorted(
             {r.get("reason", "?") for r in skipped})))
-    print("\nwrote " + ", ".join(written) + "\n")
+    no_plot = report.plot_missing()
+    print("\nwrote " + ", ".join(written) + (f" (no plot: {no_plot})" if no_plot else "")
+          + "\n")
     print(report.comparison_table(results))
     print()
     print(report.headline(results))

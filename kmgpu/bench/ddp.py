@@ -173,12 +173,15 @@ def reference(workload, n, cuda):
         raise Skip(f"no pure-framework reference for {workload.name}")
     if n != 1:
         raise Skip("the reference runs on one device")
+    import torch
+
     try:
         import torchvision
     except Exception as e:  # not installed, or built for another torch
         raise Skip(f"torchvision does not import ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0] if str(e) else ''})"[:200]) from None
-    import torch
+                   f"{str(e).splitlines()[0] if str(e) else ''})"[:200]
+                   + f"; to run it: pip install torchvision (the release made for torch "
+                     f"{torch.__version__.split('+')[0]})") from None
     from torch.utils.flop_counter import FlopCounterMode
 
     from kmgpu.bench import common

@@ -1,5 +1,5 @@
 """Benchmark results (the JSON ``kmgpu bench`` writes) -> markdown tables; ``write`` also
-draws the plot (``plot.py``).
+draws the plot (``figure.py``).
 
 Imports neither Keras nor a backend: a notebook or a reader of the results can use it
 anywhere. Older results files (no batch policy, no FLOPs) read as well.
@@ -151,6 +151,12 @@ def _machine(results):
     return text
 
 
+def _no_machine_path(arg):
+    """A command's argument for a report: an absolute path as .../its last part (where
+    the results were written on that machine is of no use to a reader)."""
+    return ".../" + os.path.basename(arg.rstrip("/")) if os.path.isabs(arg) else arg
+
+
 def markdown(results):
     """The whole report as markdown: the speedup table first."""
     isolate = {"run": "a fresh process for every run",
@@ -162,7 +168,7 @@ def markdown(results):
     lines = [f"# kmgpu bench: {results.get('name', '')}", "",
              f"- machine: {_machine(results)}",
              f"- created: {results.get('created', '?')}; command: "
-             + "; ".join(f"`{' '.join(c)}`" for c in commands),
+             + "; ".join(f"`{' '.join(_no_machine_path(a) for a in c)}`" for c in commands),
              f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"
              + _jobs(results.get("jobs"))]
     for name, b in sorted(results.get("backends", {}).items(),
@@ -195,6 +201,15 @@ def markdown(results):
     lines += ["## kmgpu against plain fit and the peer", "", comparison_table(results), "",
               "## Every run", "", runs_table(results), ""]
     return "\n".join(lines)
+
+
+def plot_missing():
+    """Why ``write`` draws no PNG here (None: it does)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed: pip install matplotlib"
+    return None
 
 
 def plot(results, path=None, show=False):
@@ -232,7 +247,8 @@ def merge(many):
 
 
 def write(results, folder):
-    """Write <name>.json, <name>.md and <name>.png into ``folder``; return their paths."""
+    """Write <name>.json, <name>.md and (with matplotlib, see ``plot_missing``) <name>.png
+    into ``folder``; return their paths."""
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, results["name"])
     with open(base + ".json", "w") as f:
@@ -240,11 +256,9 @@ def write(results, folder):
     with open(base + ".md", "w") as f:
         f.write(markdown(results))
     paths = [base + ".json", base + ".md"]
-    try:
+    if plot_missing() is None:
         plot(results, base + ".png")
         paths.append(base + ".png")
-    except ImportError:
-        pass  # no matplotlib: the table and JSON are still there
     return paths
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import data, mlp, rel_diff
+from tests.helpers import data, few_steps, mlp, rel_diff
 
 TOL = 1e-5
 
@@ -102,7 +102,8 @@ def test_one_device_says_so_and_works():
     with pytest.warns(UserWarning, match="one device"):
         parallel = kmgpu.parallelize(model, gpus=1)
     parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
 
 
@@ -119,7 +120,8 @@ def test_template_compiled_before_wrapping_and_optimizer_state_carries_over(tmp_
     model = mlp()
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     parallel = kmgpu.parallelize(model, gpus=4)
-    parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     history = parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert int(model.optimizer.iterations.numpy()) == 10
@@ -170,7 +172,7 @@ def test_interrupted_fit_keeps_progress(error):
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(type(error)):
+    with pytest.raises(type(error)), few_steps():
         parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
                      callbacks=[_StopAt(1, error)])
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
@@ -192,7 +194,8 @@ def test_keras_fit_features():
     parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
     seen = []
     cb = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(dict(logs)))
-    hist = parallel.fit(x, y, callbacks=[cb], **kwargs)
+    with few_steps():
+        hist = parallel.fit(x, y, callbacks=[cb], **kwargs)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert set(hist.history) == {"loss", "mae", "val_loss", "val_mae"}
     for key, values in ref_hist.history.items():
@@ -229,7 +232,8 @@ def test_multi_input_multi_output_dict_model():
     ref.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="sgd", loss=loss)
-    parallel.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     pred = parallel.predict(x, batch_size=10, verbose=0)
     assert pred["out2"].shape == (33, 2)
@@ -243,7 +247,8 @@ def test_pass_through_and_describe():
     assert parallel.layers == model.layers
     assert parallel.count_params() == model.count_params()
     parallel.compile(optimizer="sgd", loss="mse")
-    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
     text = parallel.describe()
     params = model.count_params() * 4
     for expected in ["devices            4: cpu:0, cpu:1, cpu:2, cpu:3", "global batch       8",

@@ -5,7 +5,7 @@ import pytest
 
 import kmgpu
 from kmgpu import lr, sine
-from tests.helpers import data, mlp, rel_diff
+from tests.helpers import data, few_steps, mlp, rel_diff
 
 TOL = 1e-5
 N = 4
@@ -49,7 +49,8 @@ def test_scaled_rate_with_warmup_equals_one_device_with_the_same_ramp(name):
     optimizer = make(base)
     parallel = kmgpu.parallelize(model, gpus=N, batch="per_replica", warmup_epochs=warmup)
     parallel.compile(optimizer=optimizer, loss="mse")
-    history = parallel.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    with few_steps():
+        history = parallel.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     # the recorded rate follows the linear ramp base -> N x base over `warmup` epochs
     np.testing.assert_allclose(history.history["learning_rate"],
@@ -72,8 +73,9 @@ def test_callbacks_that_change_the_rate_work_in_unscaled_units():
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=N, batch="per_replica")
     parallel.compile(optimizer=keras.optimizers.SGD(0.02), loss="mse")
-    history = parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
-                           callbacks=[halve])
+    with few_steps():
+        history = parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                               callbacks=[halve])
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     np.testing.assert_allclose(history.history["learning_rate"], [0.08, 0.04, 0.02], rtol=1e-6)
     # the user's optimizer ends with the base rate the user's callback set last
@@ -89,8 +91,9 @@ def test_reduce_lr_on_plateau_lowers_the_base_rate():
     parallel.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
                                                 min_delta=1e9)  # every epoch is a plateau
-    history = parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
-                           callbacks=[plateau])
+    with few_steps():
+        history = parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                               callbacks=[plateau])
     # ReduceLROnPlateau first reduces at the end of epoch 1 (epoch 0 improves on inf)
     np.testing.assert_allclose(history.history["learning_rate"], [0.04, 0.04, 0.02], rtol=1e-6)
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.0025)
@@ -113,7 +116,8 @@ def test_learning_rate_schedule_is_scaled():
     optimizer = keras.optimizers.SGD(schedule())
     parallel = kmgpu.parallelize(model, gpus=N, batch="per_replica")
     parallel.compile(optimizer=optimizer, loss="mse")
-    parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert isinstance(optimizer._learning_rate, keras.optimizers.schedules.ExponentialDecay)
 
@@ -138,7 +142,8 @@ def test_describe_states_the_plan(capsys):
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=N, batch="per_replica", warmup_epochs=3)
     parallel.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    parallel.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=1)
+    with few_steps():
+        parallel.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=1)
     out = capsys.readouterr().out
     text = parallel.describe()
     assert text in out, "a verbose fit prints the plan first"

@@ -63,6 +63,8 @@ def test_quick_bench_smoke(tmp_path):
     out = proc.stdout
     expected = plan.plan([backend], list(names), [1, 2], lean=True)
     assert f"{len(expected)}/{len(expected)}" in out  # the progress bar reached the end
+    assert ".{json,md,png,log}" in out.splitlines()[0]
+    assert "\x1b[" not in out and "\b" not in out  # a log: no colours, no redraws
     assert "share this machine's" in out and "not speedups" in out
     if backend == GPU_RUN:
         assert "budget 520 s" in out and "one process per workload" in out
@@ -72,6 +74,11 @@ def test_quick_bench_smoke(tmp_path):
     results = json.loads((tmp_path / "smoke.json").read_text())
     for ext in ("md", "png", "log"):
         assert (tmp_path / f"smoke.{ext}").exists(), ext
+    assert "\x1b[" not in (tmp_path / "smoke.log").read_text()
+    skipped = [r for r in results["runs"] if r["status"] == "skipped"]
+    assert f"failed: 0 - skipped: {len(skipped)}\n" in out
+    for r in skipped:  # the reference without torchvision says how to get it
+        assert "pip install torchvision" in r["reason"], r["reason"]
     runs = {plan.key(r): r for r in results["runs"]}
     assert set(runs) == {plan.key(r) for r in expected}
     failed = {k: r.get("error") for k, r in runs.items()
@@ -102,6 +109,46 @@ def test_quick_bench_smoke(tmp_path):
         sweep = runs[(backend, "allreduce", "allreduce", 2, "global")]
         assert len(sweep["points"]) == 7 and all(t > 0 for _, t in sweep["points"])
     assert results["backends"][backend]["status"] == "ok"
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_bench_says_when_it_draws_no_plot(monkeypatch, capsys, tmp_path, terminal):
+    """Without matplotlib the command announces no PNG, says why, and writes none; the
+    progress line counts in integers, a log gets no terminal codes. (A budget already
+    spent skips every run: nothing starts.)"""
+    from kmgpu.bench import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    backend = _backend()
+    assert cli.main(["--quick", "--backends", backend, "--workloads", "sine", "--budget", "1",
+                     "--out", str(tmp_path), "--name", "bare"]) == 0
+    out = capsys.readouterr().out
+    n = len(plan.plan([backend], ["sine"], [1, 2], lean=True))
+    lines = out.splitlines()
+    assert lines[0].endswith(f"{tmp_path / 'bare'}.{{json,md,log}}"), lines[0]
+    assert lines[1] == "kmgpu bench: no plot (matplotlib is not installed: pip install matplotlib)"
+    assert f"{n}/{n}" in out and f"/run - failed: 0 - skipped: {n}" in out, out
+    assert "e+00" not in out and "skipped: 2.0" not in out
+    assert f"{n} run(s) skipped: time budget spent" in out
+    assert "(no plot: matplotlib is not installed: pip install matplotlib)" in out
+    assert sorted(os.listdir(tmp_path)) == ["bare.json", "bare.log", "bare.md"]
+    assert ("\x1b[" in out) == terminal  # a terminal gets the coloured bar
+
+
+def test_the_log_keeps_no_terminal_codes(tmp_path):
+    from kmgpu.bench import cli
+
+    path = tmp_path / "x.log"
+    with cli.plain_log(str(path)) as log:
+        log.write("start\n\x1b[1m1/4\x1b[0m \x1b[32m━━\x1b[0m\b\b\b\r\x1b[1m4/4\x1b[0m done\n"
+                  "end\n")
+    assert path.read_text() == "start\n4/4 done\nend\n"
+    with pytest.raises(KeyboardInterrupt), cli.plain_log(str(path)) as log:
+        log.write("\x1b[31mstopped\x1b[0m\n")
+        log.flush()
+        raise KeyboardInterrupt  # a stopped command's log is cleaned as well
+    assert path.read_text() == "stopped\n"
 
 
 def test_importing_the_bench_imports_no_backend():
@@ -345,6 +392,14 @@ def test_report_leads_with_the_speedup_table(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["synthetic.json", "synthetic.md",
                                                     "synthetic.png"]
     assert os.path.getsize(paths[-1]) > 10_000
+
+
+def test_the_report_names_no_machine_path():
+    results = _synthetic()
+    results["command"] = ["kmgpu", "bench", "--out", "/root/out", "--report", "/tmp/x/a.json"]
+    text = report.markdown(results)
+    assert "`kmgpu bench --out .../out --report .../a.json`" in text
+    assert "/root" not in text and "/tmp" not in text
 
 
 def test_merge_one_file_per_backend():

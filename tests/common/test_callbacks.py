@@ -155,8 +155,9 @@ def test_callbacks_through_parallel_model(fake_nvml):
     x, y = helpers.data("mlp", 64)
     monitor, timer = GPUMonitor(interval=0.01, verbose=0), EpochTimer(64)
     try:
-        history = parallel.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                               callbacks=[monitor, timer])
+        with helpers.few_steps():
+            history = parallel.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                                   callbacks=[monitor, timer])
     finally:
         parallel.close()
     assert monitor.history["gpu1_util"] == [20.0, 20.0]

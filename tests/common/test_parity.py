@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import MODELS, data, rel_diff
+from tests.helpers import MODELS, data, few_steps, rel_diff
 
 TOL = 1e-5
 
@@ -28,7 +28,8 @@ def test_weights_equal_one_device(kind, optimizer, n):
     before = [w.copy() for w in model.get_weights()]
     parallel = kmgpu.parallelize(model, gpus=n, sync_batchnorm=(kind == "conv_bn"))
     parallel.compile(optimizer=optimizer, loss="mse")
-    history = parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        history = parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert parallel.num_replicas == n
     assert rel_diff(before, model.get_weights()) > 1e-3, "the user's model did not train"
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
@@ -45,7 +46,8 @@ def test_sizes_that_do_not_divide(kind):
     parallel = kmgpu.parallelize(model, gpus=3, sync_batchnorm=True)
     parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
     ref.compile(optimizer="adam", loss="mse", metrics=["mae"])  # same metrics for evaluate
-    parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
 
     pred = parallel.predict(x, batch_size=20, verbose=0)
@@ -70,5 +72,6 @@ def test_small_and_partial_batches_predict_every_row_in_order(samples, batch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     parallel.compile(optimizer="sgd", loss="mse")
     ref = _reference("mlp", "sgd", x, y, batch_size=batch, epochs=1)
-    parallel.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL

@@ -6,13 +6,14 @@ of the same B sequences, so row i of batch k continues in row i of batch k+1.
 """
 
 import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 
 import kmgpu
 from kmgpu import models
-from tests.helpers import rel_diff
+from tests.helpers import few_steps, one_device, rel_diff
 
 B, CHUNK, CHUNKS, FEATURES = 8, 3, 4, 2
 
@@ -45,7 +46,8 @@ def test_state_carries_from_chunk_to_chunk(cell, gpus):
     whole = make(cell, batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
     model = make(cell)
     model.set_weights(whole.get_weights())
-    parallel = kmgpu.parallelize(model, gpus=gpus)
+    with one_device() if gpus == 1 else nullcontext():
+        parallel = kmgpu.parallelize(model, gpus=gpus)
     out = parallel.predict(chunked(seqs), batch_size=B, verbose=0)
     ref = whole.predict(seqs, verbose=0)
     assert out.shape == (B * CHUNKS, 1)
@@ -77,7 +79,8 @@ def _fit(gpus, optimizer, epochs=3, **options):
     x, y = _stateful_data()
     model = make("LSTM", seed=5)
     before = [w.copy() for w in model.get_weights()]
-    parallel = kmgpu.parallelize(model, gpus=gpus, **options)
+    with one_device() if gpus == 1 else nullcontext():
+        parallel = kmgpu.parallelize(model, gpus=gpus, **options)
     rate = {"SGD": 0.05, "Adam": 0.01}[optimizer]
     parallel.compile(optimizer=getattr(keras.optimizers, optimizer)(rate), loss="mse")
     with warnings.catch_warnings():
@@ -145,7 +148,8 @@ def test_rebatch_to_one_keeps_the_weights_and_predicts_step_by_step():
     assert models.fixed_batch(single) == 1 and single.compiled
     for a, b in zip(single.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    step = kmgpu.parallelize(single, gpus=1, reset_states=None)
+    with one_device():
+        step = kmgpu.parallelize(single, gpus=1, reset_states=None)
     row = 5  # sequence 5, one chunk per call: the state carries between calls
     outs = [step.predict(seqs[row:row + 1, k:k + CHUNK], verbose=0) for k in range(0, 12, CHUNK)]
     np.testing.assert_allclose(np.concatenate(outs)[:, 0], batched[row::B, 0], atol=1e-5)
@@ -192,7 +196,7 @@ def test_sizes_that_do_not_fit_say_what_would():
         parallel.fit(x, y, batch_size=8, validation_split=0.25, verbose=0)
     for a, b in zip(six.get_weights(), weights):
         np.testing.assert_array_equal(a, b)
-    with pytest.warns(UserWarning, match="shuffle=False"):
+    with pytest.warns(UserWarning, match="shuffle=False"), few_steps():
         parallel.fit(x, y, verbose=0)  # batch_size from the model, shuffle turned off
     tail = kmgpu.parallelize(model, gpus=4, drop_remainder=True)
     assert tail.predict(x[:30], verbose=0).shape == (24, 1)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import few_steps, rel_diff
 
 N = 4
 COLLECTIVE = re.compile(
@@ -149,7 +149,8 @@ def test_a_fit_step_equals_the_mean_of_per_replica_steps():
     x, y = _data()
     model = _net()
     parallel = _parallel(model)
-    parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     want = _mean_of_replica_steps(x, y)
     assert rel_diff(want, model.get_weights()) <= 1e-5
     names = [w.path for w in model.weights]
@@ -160,7 +161,8 @@ def test_a_fit_step_equals_the_mean_of_per_replica_steps():
     # and not the global batch's (sync_batchnorm=True): the mean of the replicas' means
     # is the global mean, but their variances miss the spread between replicas
     synced = _net()
-    _parallel(synced, sync=True).fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    with few_steps():
+        _parallel(synced, sync=True).fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     assert rel_diff(synced.get_weights(), want) > 1e-3
     variances = [i for i in moving if "moving_variance" in names[i]]
     assert max(np.abs(synced.get_weights()[i] - want[i]).max() for i in variances) > 1e-4
@@ -181,7 +183,8 @@ def test_a_batch_the_devices_do_not_divide_uses_the_whole_batch():
     ref.compile(optimizer=keras.optimizers.SGD(), loss="mse")
     ref.fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
     model = _net()
-    _parallel(model).fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
+    with few_steps():
+        _parallel(model).fit(x, y, batch_size=30, epochs=1, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= 1e-5
 
 
@@ -194,7 +197,8 @@ def test_mixed_precision():
         model = _net()
         parallel = _parallel(model)
         (got, got_stats), parts = _local_and_per_replica(parallel, model, x, y)
-        parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+        with few_steps():
+            parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert all(str(v.dtype) == "float32" for v in model.non_trainable_variables)

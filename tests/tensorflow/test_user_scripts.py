@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import check_pydataset_parity, conv_bn, data, mlp, rel_diff, row_batches
+from tests.helpers import (check_pydataset_parity, conv_bn, data, few_steps, mlp, rel_diff,
+                           row_batches)
 
 TOL = 1e-5
 
@@ -70,7 +71,8 @@ def test_custom_train_step_history_and_weights_equal_one_device(base, samples):
     model = _guide_model(cls)
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="adam", loss="mse")
-    got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
+    with few_steps():
+        got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     assert got.keys() == want.keys()
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=TOL, err_msg=key)
@@ -104,7 +106,8 @@ def test_dict_inputs_two_outputs_per_output_losses_equal_one_device():
     want = ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     model = _two_outputs()
     parallel = kmgpu.parallelize(model, gpus=4)
-    got = parallel.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    with few_steps():
+        got = parallel.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert got.keys() == want.keys()
     for key in want:
@@ -153,7 +156,8 @@ def test_local_batchnorm_moving_statistics_are_the_replica_mean():
     model = conv_bn()
     parallel = kmgpu.parallelize(model, gpus=4)  # sync_batchnorm=False: per-replica statistics
     parallel.compile(optimizer=__import__("keras").optimizers.SGD(0.1), loss="mse")
-    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     moving = [w for w in model.weights if "moving" in w.path]
     assert len(moving) == len(ref_moving) == 2
@@ -186,8 +190,9 @@ def test_pydataset_validation_data_equals_one_device():
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="sgd", loss="mse")
-    got = parallel.fit(row_batches(x, y), validation_data=row_batches(x[:21], y[:21]), epochs=2, shuffle=False,
-                       verbose=0).history
+    with few_steps():
+        got = parallel.fit(row_batches(x, y), validation_data=row_batches(x[:21], y[:21]), epochs=2, shuffle=False,
+                           verbose=0).history
     assert got.keys() == want.keys()
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=TOL, err_msg=key)
@@ -205,6 +210,7 @@ def test_gradient_accumulation_equals_one_device(samples):
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2), loss="mse")
-    got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
+    with few_steps():
+        got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=TOL)

@@ -7,11 +7,13 @@ and stand-in rows included. A capture that fails must fall back to eager with on
 line saying why (the capture is forced here: a fake that replays by re-running).
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import conv_bn, data, mlp, rel_diff
+from tests.helpers import conv_bn, data, few_steps, mlp, one_device, rel_diff
 
 TOL = 1e-5
 
@@ -25,11 +27,13 @@ def _close_pools():
 def _fit(build, x, y, gpus, jit, batch=20, epochs=2, sync=False, shuffle=False, **fit):
     model = build()
     kwargs = {} if gpus is None else {"gpus": gpus, "sync_batchnorm": sync}
-    runner = model if gpus is None else kmgpu.parallelize(model, **kwargs)
+    with one_device() if gpus == 1 else nullcontext():
+        runner = model if gpus is None else kmgpu.parallelize(model, **kwargs)
     runner.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=jit)
     np.random.seed(7)  # kmgpu's shuffling seed, the same for both runs
-    history = runner.fit(x, y, batch_size=batch, epochs=epochs, shuffle=shuffle, verbose=0,
-                         **fit)
+    with nullcontext() if gpus is None else few_steps():  # every caller's data: < 10 steps
+        history = runner.fit(x, y, batch_size=batch, epochs=epochs, shuffle=shuffle, verbose=0,
+                             **fit)
     return model, history.history, runner
 
 

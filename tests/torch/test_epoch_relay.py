@@ -1,5 +1,5 @@
 """What a pool fit moves per epoch when kmgpu's own measuring callbacks run (section 7 of
-profiles/torch/RESULTS.md): nothing but the relayed hooks.
+benchmarks/profiles/torch/RESULTS.md): nothing but the relayed hooks.
 
 ``kmgpu bench`` times every run with ``EpochTimer`` and ``GPUMonitor``. They were not
 known to be weight-free, so the driver loaded rank 0's whole state (weights + optimizer
@@ -12,7 +12,7 @@ import pytest
 
 import kmgpu
 from kmgpu.callbacks import EpochTimer, GPUMonitor
-from tests.helpers import conv_bn, data, rel_diff
+from tests.helpers import conv_bn, data, few_steps, rel_diff
 
 EPOCHS = 4
 
@@ -41,8 +41,9 @@ def _fit(callbacks, jit=True):
     model = conv_bn()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit)
-    parallel.fit(x, y, batch_size=20, epochs=EPOCHS, shuffle=False, verbose=0,
-                 callbacks=callbacks)
+    with few_steps():
+        parallel.fit(x, y, batch_size=20, epochs=EPOCHS, shuffle=False, verbose=0,
+                     callbacks=callbacks)
     return model
 
 

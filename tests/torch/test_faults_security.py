@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import alive, data, mlp
+from tests.helpers import alive, data, few_steps, mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -243,7 +243,7 @@ def test_models_reach_the_workers_in_safe_mode():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         parallel = kmgpu.parallelize(model, gpus=2)
-    with pytest.raises(ValueError, match="safe_mode"):
+    with pytest.raises(ValueError, match="safe_mode"), few_steps():
         parallel.fit(x, y, batch_size=8, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     source = ""

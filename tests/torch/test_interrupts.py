@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import alive, children, data, mlp, rel_diff
+from tests.helpers import alive, children, data, few_steps, mlp, one_device, rel_diff
 
 TOL = 1e-5
 
@@ -68,7 +68,8 @@ def test_ctrl_c_in_the_first_epoch_keeps_the_last_step_and_the_pool():
     x, y = data("mlp", 4000)  # 500 steps per epoch
     warm = kmgpu.parallelize(mlp(), gpus=2)  # the pool is up (shared by both)
     warm.compile(optimizer="adam", loss="mse")
-    warm.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0)
+    with few_steps():
+        warm.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
@@ -105,7 +106,8 @@ def test_in_process_a_failing_callback_keeps_that_step(tmp_path):
     try:
         assert launchers.in_distributed_job()
         model = mlp()
-        parallel = kmgpu.parallelize(model)
+        with one_device():
+            parallel = kmgpu.parallelize(model)
         assert "in-process" in parallel._engine.name
         parallel.compile(optimizer="adam", loss="mse")
         with pytest.raises(Fails):

@@ -16,7 +16,7 @@ import pytest
 
 import kmgpu
 from tests.helpers import (MODELS, alive, check_pydataset_parity, children, command_lines,
-                           conv_bn, data, mlp, rel_diff)
+                           conv_bn, data, few_steps, mlp, rel_diff)
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +51,8 @@ def test_lstm_sizes_that_do_not_divide():
     model = MODELS["lstm"]()
     parallel = kmgpu.parallelize(model, gpus=3)
     parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     pred = parallel.predict(x, batch_size=20, verbose=0)
     assert pred.shape == (97, 1)
@@ -70,7 +71,8 @@ def test_batchnorm_statistics_identical_on_every_rank(sync):
     before = model.get_weights()
     parallel = kmgpu.parallelize(model, gpus=3, sync_batchnorm=sync)
     parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
     ranks = parallel._engine.rank_weights()
     assert len(ranks) == 3
     for other in ranks[1:]:
@@ -131,7 +133,8 @@ def test_a_model_with_its_own_train_step_still_syncs_gradients():
     model = build()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # even split
+    with few_steps():
+        parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # even split
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
 
 
@@ -156,9 +159,10 @@ def test_callbacks_run_once_here_and_steer_every_rank(tmp_path):
         on_epoch_end=lambda e, logs: seen.append((os.getpid(), e, logs["loss"],
                                                   model.get_weights()[0].copy())))
     path = str(tmp_path / "best.keras")
-    hist = parallel.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[
-        keras.callbacks.LearningRateScheduler(schedule), probe,
-        keras.callbacks.ModelCheckpoint(path)])
+    with few_steps():
+        hist = parallel.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.LearningRateScheduler(schedule), probe,
+            keras.callbacks.ModelCheckpoint(path)])
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 / 3)
     assert [s[:2] for s in seen] == [(os.getpid(), 0), (os.getpid(), 1), (os.getpid(), 2)]
@@ -184,7 +188,8 @@ def test_progress_bar_reaches_this_process(capsys):
     x, y = data("mlp", 48)
     parallel = kmgpu.parallelize(mlp(), gpus=2)
     parallel.compile(optimizer="sgd", loss="mse")
-    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=1)
+    with few_steps():
+        parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=1)
     out = capsys.readouterr().out
     assert "Epoch 1/2" in out and "Epoch 2/2" in out and "3/3" in out and "loss" in out
     parallel.evaluate(x, y, verbose=1)
@@ -209,7 +214,7 @@ def test_a_worker_exception_comes_back_with_its_traceback():
     before = model.get_weights()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="sgd", loss=_boom_loss)
-    with pytest.raises(ValueError, match="boom on rank 1") as info:
+    with pytest.raises(ValueError, match="boom on rank 1") as info, few_steps():
         parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
     cause = info.value.__cause__
     assert isinstance(cause, WorkerError)
@@ -225,7 +230,8 @@ def _long_fit(gpus=2):
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=gpus)
     parallel.compile(optimizer="sgd", loss="mse")
-    parallel.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)  # workers up
+    with few_steps():
+        parallel.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)  # workers up
     return model, parallel, x, y
 
 
@@ -273,7 +279,8 @@ def test_repeated_calls_reuse_the_pool_and_leak_nothing():
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=10, epochs=1, verbose=0)
     pids = parallel._engine.worker_pids()
     assert sorted(pids) == children()
     open_fds = len(os.listdir("/proc/self/fd"))
@@ -300,7 +307,8 @@ def test_spawned_workers(monkeypatch):
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with few_steps():
+        parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert parallel._engine.launcher.pool.method == "spawn"
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     parallel.close()

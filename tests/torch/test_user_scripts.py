@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import data, mlp, rel_diff
+from tests.helpers import data, few_steps, mlp, rel_diff
 
 TOL = 1e-5
 
@@ -41,8 +41,9 @@ def test_tf_data_fit_evaluate_predict_equal_one_device(samples):
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
     keras.utils.set_random_seed(5)
-    got = parallel.fit(_tf_data(x, y), validation_data=_tf_data(x, y, shuffle=False),
-                       epochs=3, verbose=0).history
+    with few_steps():
+        got = parallel.fit(_tf_data(x, y), validation_data=_tf_data(x, y, shuffle=False),
+                           epochs=3, verbose=0).history
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     _close(got, want, "history")
     pred = parallel.predict(_tf_data(x, batch=10, shuffle=False), verbose=0)
@@ -61,7 +62,7 @@ def test_a_generator_that_runs_out_says_what_to_do():
 
     parallel = kmgpu.parallelize(mlp(), gpus=2)
     parallel.compile(optimizer="adam", loss="mse")
-    with pytest.raises(ValueError, match="ran out.*while True.*repeat"):
+    with pytest.raises(ValueError, match="ran out.*while True.*repeat"), few_steps():
         parallel.fit(batches(), steps_per_epoch=4, epochs=3, verbose=0)
     parallel.fit(x, y, batch_size=12, epochs=1, verbose=0)  # the next call works
 
@@ -117,7 +118,8 @@ def test_custom_train_step_history_and_weights_equal_one_device(samples):
     want = ref.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     model = _guide_model(cls)
     parallel = kmgpu.parallelize(model, gpus=4)
-    got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
+    with few_steps():
+        got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     _close(got, want, "history")
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
 

@@ -1,7 +1,7 @@
 """The captured train step: kmgpu's default torch step on CUDA devices (``plan``).
 
 Keras 3.15.1's eager torch step is mostly host work (68-83 % of the step on an H200:
-``profiles/torch/RESULTS.md``), and Keras's own meaning of ``jit_compile=True`` on
+``benchmarks/profiles/torch/RESULTS.md``), and Keras's own meaning of ``jit_compile=True`` on
 torch, ``torch.compile`` of the step, was measured 0.73x of eager. On CUDA devices
 kmgpu runs each replica's step as CUDA graphs unless the model was compiled with
 ``run_eagerly=True``; ``jit_compile=True`` also asks for it on a CPU, where it runs
@@ -48,7 +48,7 @@ WARMUP_STEPS = 2
 MAX_GRAPHS = 2
 #: captures tried (each after a warm-up) before the step stays eager
 CAPTURE_TRIES = 2
-#: what describe() states as measured (profiles/torch/RESULTS.md, section 6; H200s)
+#: what describe() states as measured (benchmarks/profiles/torch/RESULTS.md, section 6; H200s)
 MEASURED = ("vs Keras's fit on one H200: 2.8x-15x on 13 keras.applications models at "
             "128x128, LSTM 3.8x, transformer 1.1x (GPU-bound): "
             "benchmarks/results/torch-default-h200.md")

@@ -77,7 +77,7 @@ PATCHES = [
     ("keras.src.trainers.trainer", "Trainer.jit_compile",
      "read on a compiled model (graphs.plan): True asks kmgpu's torch engines for the "
      "split step on a CPU too (Keras's meaning, torch.compile, measured 0.73x of eager: "
-     "profiles/torch/RESULTS.md); set False on the model that runs kmgpu's step, so Keras "
+     "benchmarks/profiles/torch/RESULTS.md); set False on the model that runs kmgpu's step, so Keras "
      "never wraps it in torch.compile"),
     ("keras.src.trainers.epoch_iterator", "EpochIterator",
      "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "

@@ -19,8 +19,8 @@ weights:
 
 Prints one table; writes ``results.json`` and the table to ``--out``.
 
-    KERAS_BACKEND=torch python profiles/torch/graph_check.py --out /tmp/gc
-    KERAS_BACKEND=torch python profiles/torch/graph_check.py --quick --out /tmp/gc   # CPU smoke
+    KERAS_BACKEND=torch python benchmarks/profiles/torch/graph_check.py --out /tmp/gc
+    KERAS_BACKEND=torch python benchmarks/profiles/torch/graph_check.py --quick --out /tmp/gc   # CPU smoke
 """
 
 import argparse

@@ -3,7 +3,7 @@
 Standalone: needs only torch (+ torchvision for the reference part) and keras 3.15.1.
 Run with KERAS_BACKEND=torch on one GPU:
 
-    KERAS_BACKEND=torch python profiles/torch/step_profile.py --out /tmp/prof
+    KERAS_BACKEND=torch python benchmarks/profiles/torch/step_profile.py --out /tmp/prof
 
 Parts (``--parts``, comma separated, run in the order given, each skipped when the
 global ``--budget-s`` would be overrun; compile parts also have ``--compile-timeout-s``):

@@ -13,8 +13,8 @@ two give the per-epoch fixed cost and the per-step cost. It also counts, per cal
 driver's state loads and rank 0's snapshots, and the bytes of one snapshot (weights +
 optimizer state), and prints rank 0's ``KMGPU_TORCH_TIMING`` lines.
 
-    KERAS_BACKEND=torch python profiles/torch/relay_check.py [--before]   # CPU, 2 gloo ranks
-    KERAS_BACKEND=torch python profiles/torch/relay_check.py --gpus 2 --image 16 --batch 64 \
+    KERAS_BACKEND=torch python benchmarks/profiles/torch/relay_check.py [--before]   # CPU, 2 gloo ranks
+    KERAS_BACKEND=torch python benchmarks/profiles/torch/relay_check.py --gpus 2 --image 16 --batch 64 \
         --width 8192 --steps 5,20 [--before]                                # 2 GPUs
 """
 
