@@ -47,3 +47,75 @@ def is_functional(model):
     from keras.src.models.functional import Functional
 
     return isinstance(model, (keras.Sequential, Functional))
+
+
+# -- each replica's part of the global batch's loss --------------------------------------
+#: Keras's loss reductions, by what one device divides the batch's summed loss by
+_KINDS = {"sum_over_batch_size": "rows", "mean": "rows", "mean_with_sample_weight": "weights",
+          "sum": "sum", None: "none", "none": "none"}
+
+
+def loss_kind(model):
+    """How the replicas' losses add up to one device's loss of the global batch, from
+    the reduction of the model's compiled losses: "rows" (a mean over rows: Keras's
+    default, "mean", a plain function), "weights" ("mean_with_sample_weight": divided
+    by the sum of the sample weights), "sum" or "none" (not reduced: a loss per row).
+
+    Raises:
+        ValueError: the outputs' losses reduce differently (kmgpu weighs one loss).
+    """
+    import keras
+
+    found = {}
+    for loss in keras.tree.flatten(getattr(model, "loss", None)):
+        if loss is not None:
+            reduction = getattr(loss, "reduction", "sum_over_batch_size")
+            found.setdefault(_KINDS.get(reduction, "rows"), reduction)
+    if len(found) > 1:
+        raise ValueError(
+            f"kmgpu: the model's losses reduce differently ({sorted(map(str, found.values()))}):"
+            " each replica's loss is weighed by one rule, so give every output's loss the "
+            "same reduction (e.g. all 'sum_over_batch_size', the default).")
+    return next(iter(found), "rows")
+
+
+def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
+    """This replica's weight in the global batch's loss: one device's loss is the sum
+    over replicas of ``share * (the replica's loss of its own rows)``, and so is its
+    gradient. The one rule every engine weighs a replica's loss by.
+
+    Args:
+        kind: ``loss_kind(model)``.
+        rows, global_rows: real rows of this replica's batch, and of the global batch.
+        weights, global_weights: the sums of the sample weights here and over all
+            replicas ("weights" only; None: no sample weights, a mean over rows).
+            A zero global sum is the caller's to replace by 1 (every loss is 0 then).
+
+    Returns:
+        ``rows / global_rows`` for a mean over rows, ``weights / global_weights`` for
+        "mean_with_sample_weight" with sample weights, 1 for a sum (or an unreduced
+        loss, whose gradient is that of its sum). Plain arithmetic: numbers or tensors.
+    """
+    if kind in ("sum", "none"):
+        return 1.0
+    if kind == "weights" and weights is not None:
+        return weights / global_weights
+    return rows / global_rows
+
+
+def tracker_update(kind, local, part, rows, global_rows):
+    """(value, weight) a replica updates a loss tracker (a ``keras.metrics.Mean``) with,
+    so that summed over replicas the tracker holds what one device adds for the global
+    batch (its loss, with weight ``global_rows``).
+
+    Args:
+        kind: ``loss_kind(model)``.
+        local: the replica's loss of its own rows, as one device computes it (for
+            "none", the mean of its per-row losses: what a ``Mean`` makes of them).
+        part: the replica's part of the global loss (``replica_share * local``).
+        rows, global_rows: real rows here (> 0: a replica without rows adds nothing)
+            and in the global batch.
+    """
+    if kind in ("rows", "none"):
+        return local, rows
+    return part * (global_rows / rows), rows

@@ -133,5 +133,7 @@ class TensorFlowEngine(InProcessEngine):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:
             keras_fixes.exact_custom_steps(replica)
+        if keras_fixes.keeps_keras_test_step(template):
+            replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)

@@ -236,35 +236,101 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
 
 
 def train_step(self, data):
-    """Keras's TensorFlow ``train_step`` with each replica's loss weighted by its
-    share of the global batch (``n_local * N / n_global``; 1 for an even split).
+    """Keras's TensorFlow ``train_step`` with each replica's loss weighed by its part
+    of the global batch's loss (``replica_loss``): one device's update, also for a
+    partial last batch and for every loss reduction.
     """
-    import keras
     import tensorflow as tf
-    from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    n_local = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
-    n_global = tf.distribute.get_replica_context().all_reduce("sum", n_local)
-    replicas = self.distribute_strategy.num_replicas_in_sync
     with tf.GradientTape() as tape:
         if self._call_has_training_arg:
             y_pred = self(x, training=True)
         else:
             y_pred = self(x)
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=n_local
-        )
-        share = tf.cast(n_local * replicas, loss.dtype) / tf.cast(n_global, loss.dtype)
-        loss = self.optimizer.scale_loss(loss * share)
+        part = _track_loss(self, x, y, y_pred, sample_weight, True)
+        loss = self.optimizer.scale_loss(part)
     if self.trainable_weights:
         gradients = tape.gradient(loss, self.trainable_weights)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def test_step(self, data):
+    """Keras's TensorFlow ``test_step``, its loss tracker updated as ``train_step``'s."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    _track_loss(self, x, y, y_pred, sample_weight, False)
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _track_loss(model, x, y, y_pred, sample_weight, training):
+    """Update the loss tracker as one device's would be for the global batch; returns
+    this replica's part of the global loss."""
+    import tensorflow as tf
+
+    from kmgpu.engines import keras_fixes as common
+
+    kind, local, part, rows, total = replica_loss(model, x, y, y_pred, sample_weight, training)
+    if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
+        local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
+    value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
+    model._loss_tracker.update_state(value, sample_weight=rows)
+    return part
+
+
+def replica_loss(model, x, y, y_pred, sample_weight, training):
+    """This replica's loss, two ways, with what weighs it (kmgpu.engines.keras_fixes).
+
+    Keras scales a mean reduction and the model's own losses (regularizers,
+    ``add_loss``) by 1/N for tf.distribute and leaves a sum alone; here that is undone
+    and each part is weighed by its own rule: the compiled loss by
+    ``replica_share(kind, ...)``, the model's own losses by the replica's rows.
+
+    Returns:
+        (kind, the replica's loss of its rows as one device computes it, its part of
+        the global batch's loss, rows here, rows in the global batch), the last two
+        as float32 tensors.
+    """
+    import keras
+    import tensorflow as tf
+    from keras.src.trainers.trainer import Trainer
+
+    from kmgpu.engines import keras_fixes as common
+
+    kind = common.loss_kind(model)
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    rows = tf.cast(tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+                   "float32")
+    weights = None
+    if kind == "weights" and sample_weight is not None:
+        leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
+        if len(leaves) > 1:
+            raise ValueError("kmgpu: 'mean_with_sample_weight' with sample weights per "
+                             "output: pass one sample_weight array for all outputs.")
+        weights = tf.reduce_sum(tf.cast(leaves[0], "float32"))
+    sums = context.all_reduce("sum", tf.stack([rows, 0.0 if weights is None else weights]))
+    total, total_weights = sums[0], sums[1]
+    share = common.replica_share(kind, rows, total, weights,
+                                 tf.where(total_weights == 0, 1.0, total_weights))
+    if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=training)  # the user's: a mean over rows
+        local = loss * replicas
+        return "rows", local, local * tf.cast(rows / total, loss.dtype), rows, total
+    compiled = model._compile_loss(y, y_pred, sample_weight)
+    own = [model._aggregate_additional_loss(v) for v in model.losses]
+    compiled = compiled * (replicas if kind in ("rows", "weights") else 1)
+    own = tf.add_n(own) * replicas if own else tf.zeros((), compiled.dtype)
+    local = compiled + own
+    if kind == "none":
+        return kind, local, local, rows, total
+    part = compiled * tf.cast(share, compiled.dtype) + own * tf.cast(rows / total, own.dtype)
+    return kind, local, part, rows, total
 
 
 def keeps_keras_train_step(model):
@@ -272,6 +338,13 @@ def keeps_keras_train_step(model):
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return type(model).train_step is TensorFlowTrainer.train_step
+
+
+def keeps_keras_test_step(model):
+    """True when ``model`` runs Keras's own TensorFlow ``test_step``."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return type(model).test_step is TensorFlowTrainer.test_step
 
 
 # -- exact losses for custom train steps and per-output losses ---------------------------
