@@ -19,6 +19,11 @@ PATCHES = [
      "where that cache lives"),
     ("keras.src.models.functional", "Functional",
      "no public class tells a functional model from a subclassed one"),
+    ("keras.src.trainers.trainer", "Trainer.compute_loss",
+     "replica_loss computes Keras's own compute_loss in its two parts (the compiled "
+     "loss, the model's own losses), which weigh differently over replicas unless both "
+     "are means over rows"),
+    ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss", "same"),
 ]
 
 
@@ -98,7 +103,7 @@ def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
     """
     if kind in ("sum", "none"):
         return 1.0
-    if kind == "weights" and weights is not None:
+    if kind == "weights" and weights is not None:  # tensors
         return weights / global_weights
     return rows / global_rows
 
@@ -119,3 +124,64 @@ def tracker_update(kind, local, part, rows, global_rows):
     if kind in ("rows", "none"):
         return local, rows
     return part * (global_rows / rows), rows
+
+
+def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows,
+                 sum_weights, keras_scale=1):
+    """This replica's loss, as one device computes it for its rows, and its part of
+    the global batch's loss (``replica_share``).
+
+    Keras's own ``compute_loss`` is the compiled loss plus the model's own losses
+    (regularizers, ``add_loss``); the compiled loss weighs by ``replica_share``, the
+    model's own by rows (one device adds them once per batch). A model's own
+    ``compute_loss`` is taken as a mean over rows.
+
+    Args:
+        model, x, y, y_pred, sample_weight, training: as ``Trainer.compute_loss``.
+        rows, global_rows: real rows here and in the global batch (tensors or numbers).
+        sum_weights: ``sum_weights(w)`` is the scalar ``w`` summed over replicas (called
+            only for "mean_with_sample_weight" with sample weights).
+        keras_scale: what Keras divided a mean reduction and the model's own losses by
+            (tf.distribute: the number of replicas).
+
+    Returns:
+        (kind, local loss, part of the global loss).
+    """
+    import keras
+    from keras import ops
+    from keras.src.trainers.trainer import Trainer
+
+    fraction = (rows / global_rows if isinstance(rows, (int, float))
+                else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
+    if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
+        local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                    training=training) * keras_scale
+        return "rows", local, _times(local, fraction)
+    kind = loss_kind(model)
+    weights = global_weights = None
+    if kind == "weights" and sample_weight is not None:
+        leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
+        if len(leaves) > 1:
+            raise ValueError("kmgpu: 'mean_with_sample_weight' with sample weights per "
+                             "output: pass one sample_weight array for all outputs.")
+        weights = ops.sum(ops.cast(leaves[0], "float32"))
+        global_weights = sum_weights(weights)
+        global_weights = ops.where(global_weights == 0, 1.0, global_weights)
+    share = replica_share(kind, fraction, 1.0, weights, global_weights)
+    local = part = model._compile_loss(y, y_pred, sample_weight)
+    if kind in ("rows", "weights"):
+        local = part = local * keras_scale
+    if kind != "none":
+        part = _times(local, share)
+    for own in model.losses:  # Python numbers only: no host-to-device copy in a captured step
+        own = model._aggregate_additional_loss(own) * keras_scale
+        local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
+    return kind, local, part
+
+
+def _times(tensor, factor):
+    from keras import ops
+
+    if isinstance(factor, (int, float)):
+        return tensor * factor
+    return tensor * ops.cast(factor, tensor.dtype)

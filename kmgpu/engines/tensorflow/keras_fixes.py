@@ -21,8 +21,6 @@ PATCHES = [
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build",
      "symbolic_build below calls it on the first replica's part of the first batch: "
      "Keras averages the first batch over replicas, which fails when it splits unevenly"),
-    ("keras.src.losses.loss", "unscale_loss_for_distribution",
-     "the loss tracker records the unscaled replica loss, as Keras's own train_step"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
@@ -269,68 +267,26 @@ def test_step(self, data):
 
 def _track_loss(model, x, y, y_pred, sample_weight, training):
     """Update the loss tracker as one device's would be for the global batch; returns
-    this replica's part of the global loss."""
+    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``:
+    Keras's 1/N scaling of means for tf.distribute undone, each part weighed by its
+    own rule)."""
+    import keras
     import tensorflow as tf
 
     from kmgpu.engines import keras_fixes as common
 
-    kind, local, part, rows, total = replica_loss(model, x, y, y_pred, sample_weight, training)
+    context = tf.distribute.get_replica_context()
+    rows = tf.cast(tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+                   "float32")
+    total = context.all_reduce("sum", rows)
+    kind, local, part = common.replica_loss(
+        model, x, y, y_pred, sample_weight, training, rows, total,
+        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
     if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
         local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
     value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
     model._loss_tracker.update_state(value, sample_weight=rows)
     return part
-
-
-def replica_loss(model, x, y, y_pred, sample_weight, training):
-    """This replica's loss, two ways, with what weighs it (kmgpu.engines.keras_fixes).
-
-    Keras scales a mean reduction and the model's own losses (regularizers,
-    ``add_loss``) by 1/N for tf.distribute and leaves a sum alone; here that is undone
-    and each part is weighed by its own rule: the compiled loss by
-    ``replica_share(kind, ...)``, the model's own losses by the replica's rows.
-
-    Returns:
-        (kind, the replica's loss of its rows as one device computes it, its part of
-        the global batch's loss, rows here, rows in the global batch), the last two
-        as float32 tensors.
-    """
-    import keras
-    import tensorflow as tf
-    from keras.src.trainers.trainer import Trainer
-
-    from kmgpu.engines import keras_fixes as common
-
-    kind = common.loss_kind(model)
-    context = tf.distribute.get_replica_context()
-    replicas = context.num_replicas_in_sync
-    rows = tf.cast(tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
-                   "float32")
-    weights = None
-    if kind == "weights" and sample_weight is not None:
-        leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
-        if len(leaves) > 1:
-            raise ValueError("kmgpu: 'mean_with_sample_weight' with sample weights per "
-                             "output: pass one sample_weight array for all outputs.")
-        weights = tf.reduce_sum(tf.cast(leaves[0], "float32"))
-    sums = context.all_reduce("sum", tf.stack([rows, 0.0 if weights is None else weights]))
-    total, total_weights = sums[0], sums[1]
-    share = common.replica_share(kind, rows, total, weights,
-                                 tf.where(total_weights == 0, 1.0, total_weights))
-    if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=training)  # the user's: a mean over rows
-        local = loss * replicas
-        return "rows", local, local * tf.cast(rows / total, loss.dtype), rows, total
-    compiled = model._compile_loss(y, y_pred, sample_weight)
-    own = [model._aggregate_additional_loss(v) for v in model.losses]
-    compiled = compiled * (replicas if kind in ("rows", "weights") else 1)
-    own = tf.add_n(own) * replicas if own else tf.zeros((), compiled.dtype)
-    local = compiled + own
-    if kind == "none":
-        return kind, local, local, rows, total
-    part = compiled * tf.cast(share, compiled.dtype) + own * tf.cast(rows / total, own.dtype)
-    return kind, local, part, rows, total
 
 
 def keeps_keras_train_step(model):
