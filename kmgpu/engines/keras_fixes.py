@@ -7,6 +7,8 @@ pin says at once what broke. Backend-specific ones live in
 ``kmgpu/engines/<backend>/keras_fixes.py``.
 """
 
+import threading
+
 KERAS = "3.15.1"
 
 #: (module, attribute (dotted within the module), why)
@@ -24,6 +26,9 @@ PATCHES = [
      "loss, the model's own losses), which weigh differently over replicas unless both "
      "are means over rows"),
     ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss", "same"),
+    ("keras.src.trainers.compile_utils", "CompileLoss.metrics",
+     "each output's loss tracker, updated with the replica's own value of it: "
+     "rescaled in replica_loss so that the replicas add up to one device's"),
 ]
 
 
@@ -163,15 +168,25 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     kind = loss_kind(model)
     weights = global_weights = None
     if kind == "weights" and sample_weight is not None:
+        # one array for every output (Keras repeats it per output on TF); weights that
+        # differ per output would need a share per output: the first one's is taken
         leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
-        if len(leaves) > 1:
-            raise ValueError("kmgpu: 'mean_with_sample_weight' with sample weights per "
-                             "output: pass one sample_weight array for all outputs.")
         weights = ops.sum(ops.cast(leaves[0], "float32"))
         global_weights = sum_weights(weights)
         global_weights = ops.where(global_weights == 0, 1.0, global_weights)
     share = replica_share(kind, fraction, 1.0, weights, global_weights)
-    local = part = model._compile_loss(y, y_pred, sample_weight)
+    _weigh_output_trackers(model)
+    factor = None  # what an output's loss tracker's value is multiplied by
+    if kind != "rows":
+        factor = 1.0 / keras_scale if kind == "none" else _times(
+            share * global_rows / (max(rows, 1) if isinstance(rows, (int, float))
+                                   else ops.maximum(rows, 1)),
+            1.0 if kind == "weights" else 1.0 / keras_scale)
+    _STEP.factor = factor
+    try:
+        local = part = model._compile_loss(y, y_pred, sample_weight)
+    finally:
+        _STEP.factor = None
     if kind in ("rows", "weights"):
         local = part = local * keras_scale
     if kind != "none":
@@ -180,6 +195,32 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
         own = model._aggregate_additional_loss(own) * keras_scale
         local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
     return kind, local, part
+
+
+_STEP = threading.local()  # TF replicas trace their steps in threads
+
+
+def _weigh_output_trackers(model):
+    """A model with several outputs tracks each output's loss (``CompileLoss.metrics``),
+    with the replica's own value of it: within ``replica_loss`` each value is multiplied
+    by ``_STEP.factor`` (``part * global_rows / rows``, over the Keras 1/N scaling a
+    sum never had), so that a sum or a mean over sample weights adds up as one device's."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
+            or getattr(compile_loss, "_kmgpu_outputs", False)):
+        return
+
+    def weighed(update_state):
+        def update(values, sample_weight=None):
+            factor = getattr(_STEP, "factor", None)
+            if factor is not None:
+                values = _times(values, factor)
+            return update_state(values, sample_weight=sample_weight)
+        return update
+
+    for metric in compile_loss.metrics:
+        metric.update_state = weighed(metric.update_state)
+    compile_loss._kmgpu_outputs = True
 
 
 def _times(tensor, factor):

@@ -88,6 +88,10 @@ class TensorFlowEngine(InProcessEngine):
                                                     tf.distribute.MirroredStrategy)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        from kmgpu.engines import keras_fixes as fixes
+
+        if template.compiled and self.num_replicas > 1:
+            fixes.loss_kind(template)  # losses the replicas cannot weigh: refused up front
         self._feed["first"] = None
         if self._single_worker():
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
@@ -129,11 +133,11 @@ class TensorFlowEngine(InProcessEngine):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
-        if keras_fixes.keeps_keras_train_step(template):
+        if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:
             keras_fixes.exact_custom_steps(replica)
-        if keras_fixes.keeps_keras_test_step(template):
+        if keras_fixes.keeps_keras_step(template, "test_step"):
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)

@@ -267,17 +267,14 @@ def test_step(self, data):
 
 def _track_loss(model, x, y, y_pred, sample_weight, training):
     """Update the loss tracker as one device's would be for the global batch; returns
-    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``:
-    Keras's 1/N scaling of means for tf.distribute undone, each part weighed by its
-    own rule)."""
-    import keras
+    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``,
+    Keras's 1/N scaling of means for tf.distribute undone)."""
     import tensorflow as tf
 
     from kmgpu.engines import keras_fixes as common
 
     context = tf.distribute.get_replica_context()
-    rows = tf.cast(tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
-                   "float32")
+    rows = tf.cast(_rows(x), "float32")
     total = context.all_reduce("sum", rows)
     kind, local, part = common.replica_loss(
         model, x, y, y_pred, sample_weight, training, rows, total,
@@ -289,33 +286,14 @@ def _track_loss(model, x, y, y_pred, sample_weight, training):
     return part
 
 
-def keeps_keras_train_step(model):
-    """True when ``model`` runs Keras's own TensorFlow ``train_step`` (not the user's)."""
+def keeps_keras_step(model, step="train_step"):
+    """True when ``model`` runs Keras's own TensorFlow ``step`` (not the user's)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    return type(model).train_step is TensorFlowTrainer.train_step
-
-
-def keeps_keras_test_step(model):
-    """True when ``model`` runs Keras's own TensorFlow ``test_step``."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return type(model).test_step is TensorFlowTrainer.test_step
+    return getattr(type(model), step) is getattr(TensorFlowTrainer, step)
 
 
 # -- exact losses for custom train steps and per-output losses ---------------------------
-def _replica_share(rows):
-    """(rows of this replica, rows of the global batch) as a float32 fraction, or None
-    outside a multi-replica step."""
-    import tensorflow as tf
-
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return None
-    total = context.all_reduce("sum", rows)
-    return tf.cast(rows, "float32") / tf.cast(total, "float32")
-
-
 def _rows(*structures):
     import keras
     import tensorflow as tf
@@ -338,21 +316,25 @@ def exact_custom_steps(model):
     import tensorflow as tf
     from keras.src.trainers.trainer import Trainer
 
+    from kmgpu.engines import keras_fixes as common
+
     if type(model).compute_loss is not Trainer.compute_loss:
         return  # the user's own compute_loss: theirs to scale
     user_step, compute_loss, inside = model.train_step, model.compute_loss, []
     replicas = model.distribute_strategy.num_replicas_in_sync
 
     def exact_compute_loss(*args, **kwargs):
-        loss = compute_loss(*args, **kwargs)
         named = dict(zip(("x", "y", "y_pred", "sample_weight"), args), **kwargs)
         rows = _rows(named.get("y_pred"), named.get("y"), named.get("x"))
-        if not inside or loss is None or rows is None:
-            return loss
-        share = _replica_share(rows)
-        if share is None:
-            return loss
-        exact = loss * tf.cast(share * replicas, loss.dtype)  # mean_r * n_r / n
+        context = tf.distribute.get_replica_context()
+        if not inside or rows is None or context is None or replicas == 1:
+            return compute_loss(*args, **kwargs)
+        rows = tf.cast(rows, "float32")
+        exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
+            model, named.get("x"), named.get("y"), named.get("y_pred"),
+            named.get("sample_weight"), named.get("training", True), rows,
+            context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
+            keras_scale=replicas)[2]
         return exact + tf.stop_gradient(exact * (replicas - 1))
 
     def train_step(data):
@@ -376,11 +358,20 @@ def weigh_output_losses(model):
     if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
             or hasattr(compile_loss, "_kmgpu_share")):
         return  # no per-output trackers (one loss): no extra all-reduce per step
+    import tensorflow as tf
+
+    from kmgpu.engines import keras_fixes as common
+
     shares, call = [], compile_loss.call
 
     def weighed_call(y_true, y_pred, sample_weight=None):
-        rows = _rows(y_pred)
-        shares.append(None if rows is None else _replica_share(rows))
+        rows, context = _rows(y_pred), tf.distribute.get_replica_context()
+        if rows is None or context is None or context.num_replicas_in_sync == 1 or \
+                common.loss_kind(model) == "none":  # a loss per row: one device counts rows
+            shares.append(None)
+        else:  # rows here / rows in the global batch
+            shares.append(tf.cast(rows, "float32") / tf.cast(context.all_reduce("sum", rows),
+                                                             "float32"))
         try:
             return call(y_true, y_pred, sample_weight)
         finally:

@@ -177,6 +177,10 @@ class SplitStep:
         global loss): the rule of ``kmgpu.engines.keras_fixes.replica_loss``."""
         from kmgpu.engines import keras_fixes as common
 
+        if self.world == 1:  # one replica: Keras's own loss, whatever its reductions
+            loss = keras_fixes.compute_loss(self.model, x, y, y_pred, sw, training=True)
+            return loss, loss
+
         def sum_weights(w):
             if self.reduce is None:
                 return w
