@@ -182,6 +182,8 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
             share * global_rows / (max(rows, 1) if isinstance(rows, (int, float))
                                    else ops.maximum(rows, 1)),
             1.0 if kind == "weights" else 1.0 / keras_scale)
+    if isinstance(rows, (int, float)) and not rows:  # a stand-in row (torch): none counts
+        factor = 0
     _STEP.factor = factor
     try:
         local = part = model._compile_loss(y, y_pred, sample_weight)
@@ -213,7 +215,9 @@ def _weigh_output_trackers(model):
     def weighed(update_state):
         def update(values, sample_weight=None):
             factor = getattr(_STEP, "factor", None)
-            if factor is not None:
+            if isinstance(factor, int) and factor == 0:
+                values, sample_weight = values * 0, 0
+            elif factor is not None:
                 values = _times(values, factor)
             return update_state(values, sample_weight=sample_weight)
         return update

@@ -126,6 +126,8 @@ class TensorFlowEngine(InProcessEngine):
     def prepare_replica(self, replica, template):
         import keras
 
+        from kmgpu.engines import keras_fixes as fixes
+
         if self.num_replicas == 1:
             return
         if self.options.sync_batchnorm:
@@ -137,7 +139,8 @@ class TensorFlowEngine(InProcessEngine):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:
             keras_fixes.exact_custom_steps(replica)
-        if keras_fixes.keeps_keras_step(template, "test_step"):
+        if keras_fixes.keeps_keras_step(template, "test_step") and \
+                fixes.loss_kind(template) != "rows":  # a mean: Keras's own is exact
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)
