@@ -2,10 +2,12 @@
 
 The replica is created and compiled inside ``strategy.scope()`` (both are required
 by tf.distribute). Keras splits each global batch over the replicas and scales each
-replica's loss by 1/N, which is exact only when the split is even; kmgpu's train
-step weights each replica's loss by its share of the global batch, so a partial
-last batch gives the one-device update. ``sync_batchnorm`` uses Keras's own
-``BatchNormalization(synchronized=True)``.
+replica's mean loss by 1/N (a sum not at all), which is exact only for a mean and an
+even split; kmgpu's train step weighs each replica's loss by its part of the global
+batch's loss (``kmgpu.engines.keras_fixes.replica_loss``: by rows, by sample weights
+or 1, as the loss reduces), so a partial last batch and every reduction give the
+one-device update, and an optimizer that clips clips the summed gradient.
+``sync_batchnorm`` uses Keras's own ``BatchNormalization(synchronized=True)``.
 
 What else keeps ordinary Keras code equal to one device (``keras_fixes`` says how):
 a model's own ``train_step`` gets an exactly weighted, unscaled ``compute_loss``;

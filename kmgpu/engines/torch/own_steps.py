@@ -5,12 +5,14 @@ user's step (the Keras guide's pattern: ``compute_loss``, ``loss.backward()``,
 ``optimizer.apply``, a loss tracker updated with the loss) is kept as written, and
 made equal to one device around it:
 
-- ``optimizer.apply`` sums the ranks' gradients weighted by each rank's rows
-  (``n_rank / n_global``): the gradient of the global batch's mean loss, also when
-  the last batch splits unevenly;
+- ``optimizer.apply`` sums the ranks' gradients weighted by each rank's part of the
+  global loss (``kmgpu.engines.keras_fixes.replica_share``: ``n_rank / n_global`` for
+  a mean, 1 for a sum): the gradient of the global batch's loss, also when the last
+  batch splits unevenly (a model's own losses, regularizers included, are taken to
+  reduce like the compiled loss here);
 - a loss tracker (a ``keras.metrics.Mean`` given one value per step, no weight)
-  counts each rank's value with weight ``N * n_rank / n_global``: summed over the
-  ranks, it holds the mean over steps of the global batch's loss;
+  counts each rank's value (``tracker_update``) with weight ``N * n_rank / n_global``:
+  summed over the ranks, it holds the mean over steps of the global batch's loss;
 - a rank whose share of a small last batch is empty (one stand-in row) runs the
   step for the collectives, and its metrics are put back as they were after it.
 

@@ -8,11 +8,12 @@ starts processes). It turns a compiled Keras model into this rank's replica
 How one global batch becomes N equal steps: every rank feeds Keras the same number
 of batches (``data.RankSlices``). The step (``train_step``, the documented Keras
 extension point) runs the forward pass through ``DistributedDataParallel`` and
-weights the rank's mean loss by ``n_local / n_global`` before ``backward``; DDP's
+weighs the rank's loss by its part of the global batch's loss before ``backward``
+(``kmgpu.engines.keras_fixes.replica_loss``: ``n_local / n_global`` for a mean); DDP's
 buckets are summed (not averaged) by a comm hook, so the update equals the
 one-device update of the global batch, also for a partial last batch. Keras's loss
-tracker is updated with the rank's own loss and row count, and at the end of every
-epoch and evaluation the metric variables (Keras keeps additive totals and counts)
+tracker is updated with the rank's value (``tracker_update``) and row count, and at
+the end of every epoch and evaluation the metric variables (Keras keeps additive totals and counts)
 are summed over ranks before Keras reads them. BatchNormalization moving statistics
 are averaged over ranks after every step (weighted by batch share), or with
 ``sync_batchnorm`` the moments are computed over the global batch.
