@@ -2,7 +2,7 @@
 clipping, every Keras loss reduction, classes the script defines without registering
 them. Same initial weights, data and global batch, shuffle=False; a global batch of 6
 does not split evenly over 4 devices and the last batch (3 rows) leaves one replica
-without rows.
+without rows; batches of 8 split evenly but the last one (6 rows) does not.
 """
 
 import keras
@@ -14,6 +14,7 @@ from tests.helpers import rel_diff
 
 TOL = 1e-5
 ROWS, BATCH = 57, 6  # 10 steps per epoch, the last one 3 rows
+EVEN = dict(rows=78, batch=8)  # batches of 2 rows per device, the last one 6 (2, 2, 1, 1)
 
 
 def _data(rows=ROWS, seed=0):
@@ -39,7 +40,7 @@ def _run(target, model, compile_kwargs, x, y, sw, batch, evaluate=True):
 
 
 def _same_as_one_device(make, compile_kwargs, rows=ROWS, batch=BATCH, weighted=True,
-                        evaluate=True):
+                        evaluate=True, parallel_kwargs=None):
     """fit (+ evaluate) on one device and through kmgpu on 4: the same weights, History
     and evaluate; returns the one-device History."""
     x, y, sw = _data(rows)
@@ -48,8 +49,8 @@ def _same_as_one_device(make, compile_kwargs, rows=ROWS, batch=BATCH, weighted=T
     before = model.get_weights()
     reference = make()
     ref = _run(reference, reference, compile_kwargs(), x, y, sw, batch, evaluate)
-    got = _run(kmgpu.parallelize(model, gpus=4), model, compile_kwargs(), x, y, sw, batch,
-               evaluate)
+    got = _run(kmgpu.parallelize(model, gpus=4), model,
+               dict(compile_kwargs(), **(parallel_kwargs or {})), x, y, sw, batch, evaluate)
     assert rel_diff(before, got[0]) > 1e-3, "the user's model did not train"
     assert rel_diff(ref[0], got[0]) <= TOL
     assert sorted(ref[1]) == sorted(got[1])
@@ -65,10 +66,11 @@ def _same_as_one_device(make, compile_kwargs, rows=ROWS, batch=BATCH, weighted=T
 @pytest.mark.parametrize("clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.05},
                                   {"clipvalue": 0.01}], ids=lambda c: next(iter(c)))
 def test_clipping_equals_one_device(clip):
-    """Batches of 8 (2 rows per device), the last one 6 (2, 2, 1, 1)."""
-    _same_as_one_device(_mlp, lambda: dict(optimizer=keras.optimizers.Adam(0.01, **clip),
-                                           loss="mse"), rows=78, batch=8, weighted=False,
-                        evaluate=False)
+    """Even batches and an uneven last one (``EVEN``); the loss reduces by "mean"."""
+    _same_as_one_device(_mlp, lambda: dict(
+        optimizer=keras.optimizers.Adam(0.01, **clip),
+        loss=keras.losses.MeanSquaredError(reduction="mean")), weighted=False, evaluate=False,
+        **EVEN)
 
 
 # -- 2. every loss reduction, and a plain function -------------------------------------
@@ -76,9 +78,10 @@ def plain_mse(y_true, y_pred):
     return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
 
 
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean",
-                                       "mean_with_sample_weight", None, "function"])
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight", None, "function"])
 def test_loss_reduction_equals_one_device(reduction):
+    """The default "sum_over_batch_size" is the loss of the other tests here and of
+    test_parity; "mean" (the same in Keras) the clipping tests'."""
     def compile_kwargs():
         loss = plain_mse if reduction == "function" else keras.losses.MeanSquaredError(
             reduction=reduction)
@@ -102,11 +105,14 @@ def test_loss_reduction_equals_one_device(reduction):
 
 def test_summed_loss_and_clipping_in_torchs_split_step():
     """torch's compile(jit_compile=True) trains through kmgpu's split step (captured as
-    CUDA graphs on a GPU, eager on a CPU): the same rule weighs it. Elsewhere: the
-    backend's own jit_compile=True."""
+    CUDA graphs on a GPU, eager on a CPU): the same rule weighs it, against plain
+    Keras's eager step (its jit_compile is torch.compile). Elsewhere: a summed loss
+    with clipping, as compiled by default."""
+    torch = keras.backend.backend() == "torch"
     _same_as_one_device(_mlp, lambda: dict(
-        optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.05), jit_compile=True,
-        loss=keras.losses.MeanSquaredError(reduction="sum")))
+        optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+        loss=keras.losses.MeanSquaredError(reduction="sum")),
+        parallel_kwargs={"jit_compile": True} if torch else None, **EVEN)
 
 
 def _two_outputs():
@@ -118,7 +124,7 @@ def _two_outputs():
 
 
 def test_two_outputs_summed_equal_one_device():
-    x, y, sw = _data()
+    x, y, sw = _data(EVEN["rows"])
     targets = [y[:, :1], y[:, 1:]]
     model = _two_outputs()
     before = model.get_weights()
@@ -128,9 +134,9 @@ def test_two_outputs_summed_equal_one_device():
                     loss=[keras.losses.MeanSquaredError(reduction="sum")] * 2)
 
     reference = _two_outputs()
-    ref = _run(reference, reference, compile_kwargs(), x, targets, sw, BATCH)
+    ref = _run(reference, reference, compile_kwargs(), x, targets, sw, EVEN["batch"])
     got = _run(kmgpu.parallelize(model, gpus=4), model, compile_kwargs(), x, targets, sw,
-               BATCH)
+               EVEN["batch"])
     assert rel_diff(before, got[0]) > 1e-3
     assert rel_diff(ref[0], got[0]) <= TOL
     for key in ("loss", "a_loss", "b_loss"):
@@ -215,5 +221,6 @@ def test_script_defined_classes_equal_one_device():
     """A Model subclass holding a Layer subclass, a Loss subclass, a Metric subclass,
     none registered."""
     history = _same_as_one_device(_regressor, lambda: dict(
-        optimizer="adam", loss=HalfAbsolute(), metrics=[RMSEOfProb()]), evaluate=False)
+        optimizer="adam", loss=HalfAbsolute(), metrics=[RMSEOfProb()]), evaluate=False,
+        **EVEN)
     assert "rmse_of_prob" in history
