@@ -49,18 +49,87 @@ def identity(template):
 
 
 def clone(template):
-    """A new model with the template's architecture (weights are copied separately)."""
-    replica = None
-    if isinstance(template, keras.Sequential) or getattr(template, "_is_graph_network", False):
-        replica = keras.models.clone_model(template)
-    if type(replica) is not type(template):  # subclassed; or a Sequential subclass, which
-        # clone_model turns into a plain Sequential (dropping the user's train_step)
-        replica = template.__class__.from_config(template.get_config())
-    if not replica.built:
-        build_config = template.get_build_config()
-        if build_config:
-            replica.build_from_config(build_config)
+    """A new model with the template's architecture (weights are copied separately).
+
+    Classes and functions the script defined without registering them (a layer, a
+    loss, a metric...) are found on the template's own objects (``custom_objects``):
+    plain Keras never needs registration to fit, so kmgpu must not either.
+    """
+    with keras.saving.custom_object_scope(custom_objects(template)):
+        replica = None
+        if isinstance(template, keras.Sequential) or getattr(template, "_is_graph_network",
+                                                             False):
+            replica = keras.models.clone_model(template)
+        if type(replica) is not type(template):  # subclassed; or a Sequential subclass,
+            # which clone_model turns into a plain Sequential (dropping the user's train_step)
+            replica = template.__class__.from_config(template.get_config())
+        if not replica.built:
+            build_config = template.get_build_config()
+            if build_config:
+                replica.build_from_config(build_config)
     return replica
+
+
+def custom_objects(template):
+    """{name: class or function} of what the model's config and its compile() need
+    from outside Keras: its layer classes and the functions and Keras objects its
+    layers hold (activations, initializers...), the objects its compile arguments
+    hold, and whatever registered objects its serialized configs name (schedules,
+    initializers, regularizers...). For ``keras.saving.custom_object_scope``.
+    """
+    import types
+
+    custom = {}
+
+    def add(obj):
+        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("keras") or module == "builtins" or not callable(cls):
+            return
+        try:
+            name = keras.saving.get_registered_name(cls)
+        except Exception:
+            name = getattr(cls, "__name__", None)
+        if name:
+            custom[name] = cls
+            custom.setdefault(getattr(cls, "__name__", name), cls)
+
+    def walk(node):
+        if isinstance(node, dict):
+            module, name = node.get("module"), node.get("registered_name")
+            if isinstance(module, str) and isinstance(name, str) and \
+                    not module.startswith("keras") and name != "function":
+                obj = keras.saving.get_registered_object(name)
+                if obj is not None:
+                    add(obj)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    saveable = (keras.layers.Layer, keras.losses.Loss, keras.metrics.Metric,
+                keras.initializers.Initializer, keras.regularizers.Regularizer,
+                keras.constraints.Constraint, keras.optimizers.schedules.LearningRateSchedule)
+    for layer in template._flatten_layers(include_self=True):
+        add(layer)
+        for value in vars(layer).values():
+            if isinstance(value, (types.FunctionType, saveable)):
+                add(value)
+    walk(keras.saving.serialize_keras_object(template))
+    if template.compiled:
+        config = template._compile_config.config
+        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
+            value = config.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            for leaf in keras.tree.flatten(value):
+                if leaf is not None and not isinstance(leaf, (str, int, float)):
+                    add(leaf)
+            if key == "optimizer" and isinstance(value, keras.optimizers.Optimizer):
+                add(getattr(value, "_learning_rate", None))
+        walk(template.get_compile_config())
+    return custom
 
 
 def compile_args(template, lr_scale=(1.0, 0)):
@@ -71,6 +140,11 @@ def compile_args(template, lr_scale=(1.0, 0)):
     schedule is wrapped in ``lr.ScaledSchedule`` when ``lr_scale`` = (factor,
     warmup_steps) asks for scaling (a float rate is scaled by ``lr.LRScaling``).
     """
+    with keras.saving.custom_object_scope(custom_objects(template)):
+        return _compile_args(template, lr_scale)
+
+
+def _compile_args(template, lr_scale):
     from kmgpu import lr
 
     args = dict(template._compile_config.config)
@@ -201,7 +275,8 @@ def clone_at(model, batch_size):
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(batch_shape=(batch_size,) + tuple(t.shape[1:]), dtype=t.dtype),
         model.inputs[0] if isinstance(model, keras.Sequential) else model.input)
-    return keras.models.clone_model(model, input_tensors=inputs)
+    with keras.saving.custom_object_scope(custom_objects(model)):
+        return keras.models.clone_model(model, input_tensors=inputs)
 
 
 def reset_callback(model):

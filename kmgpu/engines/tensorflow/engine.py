@@ -2,10 +2,12 @@
 
 The replica is created and compiled inside ``strategy.scope()`` (both are required
 by tf.distribute). Keras splits each global batch over the replicas and scales each
-replica's loss by 1/N, which is exact only when the split is even; kmgpu's train
-step weights each replica's loss by its share of the global batch, so a partial
-last batch gives the one-device update. ``sync_batchnorm`` uses Keras's own
-``BatchNormalization(synchronized=True)``.
+replica's mean loss by 1/N (a sum not at all), which is exact only for a mean and an
+even split; kmgpu's train step weighs each replica's loss by its part of the global
+batch's loss (``kmgpu.engines.keras_fixes.replica_loss``: by rows, by sample weights
+or 1, as the loss reduces), so a partial last batch and every reduction give the
+one-device update, and an optimizer that clips clips the summed gradient.
+``sync_batchnorm`` uses Keras's own ``BatchNormalization(synchronized=True)``.
 
 What else keeps ordinary Keras code equal to one device (``keras_fixes`` says how):
 a model's own ``train_step`` gets an exactly weighted, unscaled ``compute_loss``;
@@ -88,6 +90,10 @@ class TensorFlowEngine(InProcessEngine):
                                                     tf.distribute.MirroredStrategy)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        from kmgpu.engines import keras_fixes as fixes
+
+        if template.compiled and self.num_replicas > 1:
+            fixes.loss_kind(template)  # losses the replicas cannot weigh: refused up front
         self._feed["first"] = None
         if self._single_worker():
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
@@ -122,6 +128,8 @@ class TensorFlowEngine(InProcessEngine):
     def prepare_replica(self, replica, template):
         import keras
 
+        from kmgpu.engines import keras_fixes as fixes
+
         if self.num_replicas == 1:
             return
         if self.options.sync_batchnorm:
@@ -129,9 +137,12 @@ class TensorFlowEngine(InProcessEngine):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
-        if keras_fixes.keeps_keras_train_step(template):
+        if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:
             keras_fixes.exact_custom_steps(replica)
+        if keras_fixes.keeps_keras_step(template, "test_step") and \
+                fixes.loss_kind(template) != "rows":  # a mean: Keras's own is exact
+            replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)

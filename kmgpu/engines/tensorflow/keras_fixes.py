@@ -21,8 +21,6 @@ PATCHES = [
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build",
      "symbolic_build below calls it on the first replica's part of the first batch: "
      "Keras averages the first batch over replicas, which fails when it splits unevenly"),
-    ("keras.src.losses.loss", "unscale_loss_for_distribution",
-     "the loss tracker records the unscaled replica loss, as Keras's own train_step"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
@@ -43,6 +41,12 @@ PATCHES = [
      "replaced on replica optimizers with gradient_accumulation_steps "
      "(accumulate_across_replicas): under tf.distribute it fails with merge_call inside "
      "its Cond (keras-team/keras#17429)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._clip_gradients",
+     "replaced on replica optimizers that clip (reduce_before_clipping): Keras clips "
+     "each replica's gradient before the all-reduce, so global_clipnorm, clipnorm and "
+     "clipvalue see 1/N of the batch (4 replicas: 0.18 relative from one device)"),
+    ("keras.src.backend.tensorflow.optimizer", "TFOptimizer._all_reduce_sum_gradients",
+     "same: skipped for gradients already summed before clipping"),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization._moments",
      "replaced on replica BatchNorm layers with sync_batchnorm (synced_moments): Keras's "
      "synchronized moments take 3 all-reduces per layer and var = E[x^2] - E[x]^2, "
@@ -226,60 +230,70 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
     weigh_output_losses(self)
     if self.optimizer is not None:
         accumulate_across_replicas(self.optimizer)
+        reduce_before_clipping(self.optimizer)
 
 
 def train_step(self, data):
-    """Keras's TensorFlow ``train_step`` with each replica's loss weighted by its
-    share of the global batch (``n_local * N / n_global``; 1 for an even split).
+    """Keras's TensorFlow ``train_step`` with each replica's loss weighed by its part
+    of the global batch's loss (``replica_loss``): one device's update, also for a
+    partial last batch and for every loss reduction.
     """
-    import keras
     import tensorflow as tf
-    from keras.src.losses import loss as loss_module
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    n_local = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
-    n_global = tf.distribute.get_replica_context().all_reduce("sum", n_local)
-    replicas = self.distribute_strategy.num_replicas_in_sync
     with tf.GradientTape() as tape:
         if self._call_has_training_arg:
             y_pred = self(x, training=True)
         else:
             y_pred = self(x)
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=n_local
-        )
-        share = tf.cast(n_local * replicas, loss.dtype) / tf.cast(n_global, loss.dtype)
-        loss = self.optimizer.scale_loss(loss * share)
+        part = _track_loss(self, x, y, y_pred, sample_weight, True)
+        loss = self.optimizer.scale_loss(part)
     if self.trainable_weights:
         gradients = tape.gradient(loss, self.trainable_weights)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def keeps_keras_train_step(model):
-    """True when ``model`` runs Keras's own TensorFlow ``train_step`` (not the user's)."""
+def test_step(self, data):
+    """Keras's TensorFlow ``test_step``, its loss tracker updated as ``train_step``'s."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    _track_loss(self, x, y, y_pred, sample_weight, False)
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _track_loss(model, x, y, y_pred, sample_weight, training):
+    """Update the loss tracker as one device's would be for the global batch; returns
+    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``,
+    Keras's 1/N scaling of means for tf.distribute undone)."""
+    import tensorflow as tf
+
+    from kmgpu.engines import keras_fixes as common
+
+    context = tf.distribute.get_replica_context()
+    rows = tf.cast(_rows(x), "float32")
+    total = context.all_reduce("sum", rows)
+    kind, local, part = common.replica_loss(
+        model, x, y, y_pred, sample_weight, training, rows, total,
+        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
+    if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
+        local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
+    value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
+    model._loss_tracker.update_state(value, sample_weight=rows)
+    return part
+
+
+def keeps_keras_step(model, step="train_step"):
+    """True when ``model`` runs Keras's own TensorFlow ``step`` (not the user's)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    return type(model).train_step is TensorFlowTrainer.train_step
+    return getattr(type(model), step) is getattr(TensorFlowTrainer, step)
 
 
 # -- exact losses for custom train steps and per-output losses ---------------------------
-def _replica_share(rows):
-    """(rows of this replica, rows of the global batch) as a float32 fraction, or None
-    outside a multi-replica step."""
-    import tensorflow as tf
-
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return None
-    total = context.all_reduce("sum", rows)
-    return tf.cast(rows, "float32") / tf.cast(total, "float32")
-
-
 def _rows(*structures):
     import keras
     import tensorflow as tf
@@ -302,21 +316,25 @@ def exact_custom_steps(model):
     import tensorflow as tf
     from keras.src.trainers.trainer import Trainer
 
+    from kmgpu.engines import keras_fixes as common
+
     if type(model).compute_loss is not Trainer.compute_loss:
         return  # the user's own compute_loss: theirs to scale
     user_step, compute_loss, inside = model.train_step, model.compute_loss, []
     replicas = model.distribute_strategy.num_replicas_in_sync
 
     def exact_compute_loss(*args, **kwargs):
-        loss = compute_loss(*args, **kwargs)
         named = dict(zip(("x", "y", "y_pred", "sample_weight"), args), **kwargs)
         rows = _rows(named.get("y_pred"), named.get("y"), named.get("x"))
-        if not inside or loss is None or rows is None:
-            return loss
-        share = _replica_share(rows)
-        if share is None:
-            return loss
-        exact = loss * tf.cast(share * replicas, loss.dtype)  # mean_r * n_r / n
+        context = tf.distribute.get_replica_context()
+        if not inside or rows is None or context is None or replicas == 1:
+            return compute_loss(*args, **kwargs)
+        rows = tf.cast(rows, "float32")
+        exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
+            model, named.get("x"), named.get("y"), named.get("y_pred"),
+            named.get("sample_weight"), named.get("training", True), rows,
+            context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
+            keras_scale=replicas)[2]
         return exact + tf.stop_gradient(exact * (replicas - 1))
 
     def train_step(data):
@@ -340,11 +358,20 @@ def weigh_output_losses(model):
     if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
             or hasattr(compile_loss, "_kmgpu_share")):
         return  # no per-output trackers (one loss): no extra all-reduce per step
+    import tensorflow as tf
+
+    from kmgpu.engines import keras_fixes as common
+
     shares, call = [], compile_loss.call
 
     def weighed_call(y_true, y_pred, sample_weight=None):
-        rows = _rows(y_pred)
-        shares.append(None if rows is None else _replica_share(rows))
+        rows, context = _rows(y_pred), tf.distribute.get_replica_context()
+        if rows is None or context is None or context.num_replicas_in_sync == 1 or \
+                common.loss_kind(model) == "none":  # a loss per row: one device counts rows
+            shares.append(None)
+        else:  # rows here / rows in the global batch
+            shares.append(tf.cast(rows, "float32") / tf.cast(context.all_reduce("sum", rows),
+                                                             "float32"))
         try:
             return call(y_true, y_pred, sample_weight)
         finally:
@@ -404,6 +431,44 @@ def accumulate_across_replicas(optimizer):
         return context.merge_call(merged, args=(grads,))
 
     optimizer.apply, optimizer._kmgpu_apply = apply_once, True
+
+
+def reduce_before_clipping(optimizer):
+    """An optimizer that clips (``global_clipnorm``, ``clipnorm``, ``clipvalue``) clips
+    the summed gradient of all replicas, as one device clips its batch's gradient:
+    within a replica the gradients are all-reduced first, then clipped, and Keras's
+    own all-reduce after clipping is skipped for them.
+    """
+    import threading
+
+    import tensorflow as tf
+
+    if not (optimizer.global_clipnorm or optimizer.clipnorm or optimizer.clipvalue) \
+            or hasattr(optimizer, "_kmgpu_clip"):
+        return
+    clip, all_reduce, reduced = optimizer._clip_gradients, \
+        optimizer._all_reduce_sum_gradients, threading.local()  # replicas trace in threads
+
+    def clip_summed(grads):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return clip(grads)
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(present, context.all_reduce("sum", [grads[i] for i in present])):
+            grads[i] = g
+        reduced.done = True
+        return clip(grads)
+
+    def all_reduce_once(grads_and_vars):
+        if getattr(reduced, "done", False):
+            reduced.done = False
+            return list(grads_and_vars)
+        return all_reduce(grads_and_vars)
+
+    optimizer._clip_gradients, optimizer._all_reduce_sum_gradients = clip_summed, \
+        all_reduce_once
+    optimizer._kmgpu_clip = True
 
 
 # -- Python data: batches for the per-replica feed ---------------------------------------

@@ -16,6 +16,7 @@ result come back to the user's model.
 import numpy as np
 
 from kmgpu import models
+from kmgpu.engines import keras_fixes as fixes
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import data, graphs, keras_fixes, launchers, relay, replicas, timing
@@ -51,6 +52,8 @@ class TorchEngine(Engine):
         failed fit leaves the last consistent state in the template.
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
+        if template.compiled and self.num_replicas > 1:
+            fixes.loss_kind(template)  # losses the ranks cannot weigh: refused before any work
         resets = bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
         if resets:
             models.reset_states(template)  # what the ranks start from; they reset each epoch

@@ -189,11 +189,9 @@ class SplitStep:
         model = self.model
         with self.forward(n_real):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss = keras_fixes.compute_loss(model, x, y, y_pred, sw, training=True)
-        scaled = model.optimizer.scale_loss(loss)
-        share = n_real / n_global if self.world > 1 else 1.0
-        if self.world > 1:
-            scaled = scaled * share
+        loss, part = self._loss(x, y, y_pred, sw, n_real, n_global)
+        scaled = model.optimizer.scale_loss(part)
+        share = n_real / n_global if self.world > 1 else 1.0  # BatchNorm statistics
         grads = torch.autograd.grad(scaled, [v.value for v in self.trainable],
                                     allow_unused=True)
         if self.used is None:
@@ -209,6 +207,28 @@ class SplitStep:
             for view, v in zip(views[n:], self.averaged):
                 torch.mul(v.value, share, out=view)
         return loss.detach(), _map(lambda t: t.detach(), y_pred)
+
+    def _loss(self, x, y, y_pred, sw, n_real, n_global):
+        """(what the loss tracker gets, with weight n_real; this replica's part of the
+        global loss): the rule of ``kmgpu.engines.keras_fixes.replica_loss``."""
+        from kmgpu.engines import keras_fixes as common
+
+        if self.world == 1:  # one replica: Keras's own loss, whatever its reductions
+            loss = keras_fixes.compute_loss(self.model, x, y, y_pred, sw, training=True)
+            return loss, loss
+
+        def sum_weights(w):
+            if self.reduce is None:
+                return w
+            total = (w * (1.0 if n_real else 0.0)).reshape(1).clone()  # a stand-in row: 0
+            self.reduce([total])
+            return total[0]
+
+        kind, local, part = common.replica_loss(self.model, x, y, y_pred, sw, True, n_real,
+                                                max(n_global, 1), sum_weights)
+        if not n_real:  # a stand-in row: nothing of it counts
+            return local, part * 0.0
+        return common.tracker_update(kind, local, part, n_real, n_global)[0], part
 
     def update(self, x, y, sw, loss, y_pred, n_real, n_global):
         """Stage B, after the all-reduce: optimizer, statistics, loss tracker, metrics.

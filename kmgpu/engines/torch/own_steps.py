@@ -5,12 +5,14 @@ user's step (the Keras guide's pattern: ``compute_loss``, ``loss.backward()``,
 ``optimizer.apply``, a loss tracker updated with the loss) is kept as written, and
 made equal to one device around it:
 
-- ``optimizer.apply`` sums the ranks' gradients weighted by each rank's rows
-  (``n_rank / n_global``): the gradient of the global batch's mean loss, also when
-  the last batch splits unevenly;
+- ``optimizer.apply`` sums the ranks' gradients weighted by each rank's part of the
+  global loss (``kmgpu.engines.keras_fixes.replica_share``: ``n_rank / n_global`` for
+  a mean, 1 for a sum): the gradient of the global batch's loss, also when the last
+  batch splits unevenly (a model's own losses, regularizers included, are taken to
+  reduce like the compiled loss here);
 - a loss tracker (a ``keras.metrics.Mean`` given one value per step, no weight)
-  counts each rank's value with weight ``N * n_rank / n_global``: summed over the
-  ranks, it holds the mean over steps of the global batch's loss;
+  counts each rank's value (``tracker_update``) with weight ``N * n_rank / n_global``:
+  summed over the ranks, it holds the mean over steps of the global batch's loss;
 - a rank whose share of a small last batch is empty (one stand-in row) runs the
   step for the collectives, and its metrics are put back as they were after it.
 
@@ -34,6 +36,8 @@ class OwnSteps:
     def __init__(self, strategy):
         self.strategy = strategy
         self.rows = None  # (real rows here, rows in the global batch) inside a step
+        self.share = None  # this rank's weight in the step's global loss, inside a step
+        self.kind = "rows"  # how the model's loss reduces (kmgpu.engines.keras_fixes)
 
     def prepare(self, replica, averaged):
         """Install the hooks on ``replica`` (instance attributes; its class untouched).
@@ -42,8 +46,10 @@ class OwnSteps:
             replica: the rank's replica, with its own train_step or test_step.
             averaged: BatchNorm moving statistics to average after every update.
         """
+        from kmgpu.engines import keras_fixes as common
         from kmgpu.engines.torch import keras_fixes
 
+        self.kind = common.loss_kind(replica) if replica.compiled else "rows"
         if keras_fixes.has_own_train_step(replica):
             replica.train_step = self._step(replica, replica.train_step, "train")
             self._hook_optimizer(replica, averaged)
@@ -64,11 +70,11 @@ class OwnSteps:
             if rows is not None and rows[0] == 0:  # a stand-in row: keep it out
                 saved = [(v, v.value.detach().clone()) for m in replica.metrics
                          for v in m.variables]
-            self.rows = rows
+            self.rows, self.share = rows, self._share(replica, data, rows)
             try:
                 logs = step(data)
             finally:
-                self.rows = None
+                self.rows = self.share = None
             if saved is not None:
                 with torch.no_grad():
                     for v, value in saved:
@@ -77,14 +83,36 @@ class OwnSteps:
 
         return own_step
 
+    def _share(self, replica, data, rows):
+        """This rank's weight in the step's global loss (``replica_share``, the rule of
+        ``kmgpu.engines.keras_fixes``), or None outside a distributed call."""
+        from kmgpu.engines import keras_fixes as common
+
+        if rows is None or not rows[1]:
+            return None
+        n_real, n_global = rows
+        kind, weights, total = self.kind, None, None
+        sample_weight = keras.utils.unpack_x_y_sample_weight(data)[2]
+        if kind == "weights" and sample_weight is not None:
+            leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
+            weights = float(torch.sum(leaves[0].float())) if n_real else 0.0
+            s = self.strategy
+            total = float(collectives.sum_tensors([torch.tensor(weights)], s.device)[0]) or 1.0
+        return common.replica_share(kind, n_real, n_global, weights, total) if n_real else 0.0
+
     def _weigh(self, metric):
         update = metric.update_state
         world = self.strategy.world
 
         def update_state(values, sample_weight=None):
-            rows = self.rows
-            if (rows is not None and sample_weight is None and rows[1]
+            rows, share = self.rows, self.share
+            if (rows is not None and sample_weight is None and rows[1] and share is not None
                     and len(getattr(values, "shape", ())) == 0):
+                from kmgpu.engines import keras_fixes as common
+
+                if rows[0]:
+                    values, _ = common.tracker_update(self.kind, values, values * share,
+                                                      rows[0], rows[1])
                 sample_weight = rows[0] * world / rows[1]
             return update(values, sample_weight=sample_weight)
 
@@ -98,7 +126,8 @@ class OwnSteps:
 
         def apply_synced(grads, trainable_variables=None):
             rows = self.rows or self._current("train")
-            share = rows[0] / rows[1] if rows and rows[1] else 1.0 / s.world
+            share = (self.share if self.share is not None
+                     else rows[0] / rows[1] if rows and rows[1] else 1.0 / s.world)
             grads = list(grads)
             present = [i for i, g in enumerate(grads) if g is not None]
             sums = collectives.sum_tensors([grads[i] * share for i in present], s.device)

@@ -41,56 +41,6 @@ def replica_key(template, sync_batchnorm, lr_scale):
 
 
 # -- the model as config ----------------------------------------------------------------
-def _custom_objects(template):
-    """The classes and functions outside Keras that the model's config and its
-    compile() need: its layer classes, the objects its compile arguments hold and
-    whatever registered objects its serialized configs name (schedules,
-    initializers, regularizers...)."""
-    custom = {}
-
-    def add(obj):
-        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
-        module = getattr(cls, "__module__", "") or ""
-        if module.startswith("keras") or module == "builtins" or not callable(cls):
-            return
-        try:
-            name = keras.saving.get_registered_name(cls)
-        except Exception:
-            name = getattr(cls, "__name__", None)
-        if name:
-            custom[name] = cls
-            custom.setdefault(getattr(cls, "__name__", name), cls)
-
-    def walk(node):
-        if isinstance(node, dict):
-            module, name = node.get("module"), node.get("registered_name")
-            if isinstance(module, str) and isinstance(name, str) and \
-                    not module.startswith("keras") and name != "function":
-                obj = keras.saving.get_registered_object(name)
-                if obj is not None:
-                    add(obj)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-
-    for layer in template._flatten_layers(include_self=True):
-        add(layer)
-    walk(keras.saving.serialize_keras_object(template))
-    if template.compiled:
-        config = template._compile_config.config
-        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
-            value = config.get(key)
-            if value is None or isinstance(value, str):
-                continue
-            for leaf in keras.tree.flatten(value):
-                if leaf is not None and not isinstance(leaf, (str, int, float)):
-                    add(leaf)
-        walk(template.get_compile_config())
-    return custom
-
-
 def model_spec(template):
     """The template as a ``ModelSpec`` for the workers.
 
@@ -103,7 +53,7 @@ def model_spec(template):
     """
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)
-    custom = _custom_objects(template)
+    custom = models.custom_objects(template)
     try:
         blob = transport.dumps(custom)
         pickle.loads(blob)

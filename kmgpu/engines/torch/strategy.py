@@ -8,11 +8,12 @@ starts processes). It turns a compiled Keras model into this rank's replica
 How one global batch becomes N equal steps: every rank feeds Keras the same number
 of batches (``data.RankSlices``). The step (``train_step``, the documented Keras
 extension point) runs the forward pass through ``DistributedDataParallel`` and
-weights the rank's mean loss by ``n_local / n_global`` before ``backward``; DDP's
+weighs the rank's loss by its part of the global batch's loss before ``backward``
+(``kmgpu.engines.keras_fixes.replica_loss``: ``n_local / n_global`` for a mean); DDP's
 buckets are summed (not averaged) by a comm hook, so the update equals the
 one-device update of the global batch, also for a partial last batch. Keras's loss
-tracker is updated with the rank's own loss and row count, and at the end of every
-epoch and evaluation the metric variables (Keras keeps additive totals and counts)
+tracker is updated with the rank's value (``tracker_update``) and row count, and at
+the end of every epoch and evaluation the metric variables (Keras keeps additive totals and counts)
 are summed over ranks before Keras reads them. BatchNormalization moving statistics
 are averaged over ranks after every step (weighted by batch share), or with
 ``sync_batchnorm`` the moments are computed over the global batch.
@@ -171,11 +172,9 @@ class DDPStrategy:
             finally:
                 self.in_train_step = False
             replica.zero_grad()
-            loss = keras_fixes.compute_loss(replica, x, y, y_pred, sample_weight, training=True)
-            if n_real:
-                replica._loss_tracker.update_state(loss, sample_weight=n_real)
+            part = self._track_loss(replica, x, y, y_pred, sample_weight, True, n_real, n_global)
             share = n_real / n_global
-            loss = replica.optimizer.scale_loss(loss) * share
+            loss = replica.optimizer.scale_loss(part)
             trainable = replica.trainable_weights[:]
             loss.backward()  # DDP sums the weighted gradients over ranks
             gradients = [v.value.grad for v in trainable]
@@ -234,14 +233,36 @@ class DDPStrategy:
                 y_pred = replica(x, training=False)
             else:
                 y_pred = replica(x)
-            loss = keras_fixes.compute_loss(replica, x, y, y_pred, sample_weight,
-                                            training=False)
+            n_global = self.test.current[1] if self.test is not None else n_real
+            self._track_loss(replica, x, y, y_pred, sample_weight, False, n_real, n_global)
             if not n_real:
                 return replica.get_metrics_result()
-            replica._loss_tracker.update_state(loss, sample_weight=n_real)
             return replica.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
         return test_step
+
+    def sum_weights(self, n_real):
+        """``sum_weights(w)``: a rank's sum of sample weights summed over the ranks (a
+        rank with only a stand-in row adds 0), for ``replica_loss``."""
+        def sum_weights(w):
+            return collectives.sum_tensors([w * (1.0 if n_real else 0.0)], self.device)[0]
+
+        return sum_weights
+
+    def _track_loss(self, replica, x, y, y_pred, sample_weight, training, n_real, n_global):
+        """Update the loss tracker with this rank's value (``replica_loss``, the rule of
+        ``kmgpu.engines.keras_fixes``); returns the rank's part of the global loss (0
+        for a stand-in row)."""
+        from kmgpu.engines import keras_fixes as common
+
+        kind, local, part = common.replica_loss(
+            replica, x, y, y_pred, sample_weight, training, n_real, max(n_global, 1),
+            self.sum_weights(n_real))
+        if not n_real:
+            return part * 0.0
+        value, weight = common.tracker_update(kind, local, part, n_real, n_global)
+        replica._loss_tracker.update_state(value, sample_weight=weight)
+        return part
 
     @contextlib.contextmanager
     def _summed_metrics(self, replica):
