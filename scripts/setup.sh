@@ -1,7 +1,7 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: make .venv with kmgpu and all three
 # backends. The pinned CPU build of torch goes first: an unpinned torch pulls CUDA.
 if [ ! -x .venv/bin/python ]; then
-  echo "kmgpu: first run - creating .venv with kmgpu, TensorFlow, JAX and torch (1-2 minutes)..."
+  echo "kmgpu: first run - creating .venv with kmgpu, TensorFlow, JAX and torch (a few minutes)..."
   python3 -m venv .venv || exit 1
 fi
 . .venv/bin/activate
