@@ -68,8 +68,9 @@ _KINDS = {"sum_over_batch_size": "rows", "mean": "rows", "mean_with_sample_weigh
 def loss_kind(model):
     """How the replicas' losses add up to one device's loss of the global batch, from
     the reduction of the model's compiled losses: "rows" (a mean over rows: Keras's
-    default, "mean", a plain function, a model's own ``compute_loss``), "weights" ("mean_with_sample_weight": divided
-    by the sum of the sample weights), "sum" or "none" (not reduced: a loss per row).
+    default, "mean", a plain function, a model's own ``compute_loss``), "weights"
+    ("mean_with_sample_weight": divided by the sum of the sample weights), "sum" or
+    "none" (not reduced: a loss per row).
 
     Raises:
         ValueError: the outputs' losses reduce differently (kmgpu weighs one loss).
