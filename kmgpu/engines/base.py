@@ -54,8 +54,10 @@ class Engine(abc.ABC):
         """Run ``template.<method>(**kwargs)`` on the replicas.
 
         Args:
-            method: "fit", "evaluate" or "predict".
-            template: the user's own built (and, for fit/evaluate, compiled) model.
+            method: "fit", "evaluate", "predict", "train_on_batch", "test_on_batch"
+                or "predict_on_batch".
+            template: the user's own built (and, for fit/evaluate/train_on_batch/
+                test_on_batch, compiled) model.
             kwargs: Keras keyword arguments, batch sizes already global; for fit,
                 ``callbacks`` already holds kmgpu's learning-rate callbacks.
             lr_scale: (factor, warmup_steps) for a LearningRateSchedule optimizer:
@@ -125,9 +127,31 @@ class InProcessEngine(Engine):
         for v, a in zip(models.state_variables(replica), arrays):
             v.assign(a)
 
+    def same_values(self, pairs):
+        """Which (template variable, replica variable) pairs hold the same value already,
+        so that copying the template in would change nothing there.
+
+        Must be sound: True only when it is certain. The default knows nothing (every
+        call copies the whole state in); an engine answers cheaply from what its
+        backend guarantees (``note_synced`` marks the state it last made equal).
+
+        Returns:
+            One bool per pair.
+        """
+        return [False] * len(pairs)
+
+    def note_synced(self, pairs):
+        """Hook: every pair holds the same value now (just copied, either way)."""
+
+    def run_on_batch(self, replica, method, kwargs):
+        """``replica.<method>(**kwargs)`` for the ``*_on_batch`` methods (an engine may
+        place the batch first, e.g. split it over its replicas)."""
+        return getattr(replica, method)(**kwargs)
+
     def _ensure_replica(self, template, lr_scale):
         key = (models.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
+            self.replica, self._built_from = None, None
             with self.scope():
                 fixed = models.fixed_batch(template)
                 replica = (models.clone(template) if fixed is None
@@ -139,27 +163,47 @@ class InProcessEngine(Engine):
         return self.replica
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        """One call on the replica. The template's state is copied in where it differs
+        from the replica's (``same_values``): the replica stays resident, so a loop of
+        calls on an unchanged model copies nothing in; after ``fit`` and
+        ``train_on_batch`` (also when they raise) the trained state is copied back."""
         import keras
 
         replica = self._ensure_replica(template, lr_scale)
+        on_batch = method in ON_BATCH
         states = models.state_variables(template)
-        if states and self.options.reset_states == "epoch":
+        if states and self.options.reset_states == "epoch" and not on_batch:
             models.reset_states(template)
             if method == "fit":
                 kwargs = dict(kwargs, callbacks=[models.reset_callback(replica)]
                               + list(kwargs.get("callbacks") or []))
         with self.scope():
-            models.copy_state(template, replica)
+            pairs = models.state_pairs(template, replica)
+            models.copy_state(template, replica, pairs, skip=self.same_values(pairs))
+            self.note_synced(pairs)
+            if method == "train_on_batch":  # fit sets it from its callbacks
+                models.copy_lr(template, replica)
             if states:
                 self.write_states(replica, [keras.ops.convert_to_numpy(v.value) for v in states])
         try:
             with self.scope(), self.call_context(method):
-                result = getattr(replica, method)(**kwargs)
+                if on_batch:
+                    result = self.run_on_batch(replica, method, kwargs)
+                else:
+                    result = getattr(replica, method)(**kwargs)
         finally:
-            if method == "fit":
-                models.copy_state(replica, template)
+            if method in TRAINING:
+                back = models.state_pairs(replica, template)
+                models.copy_state(replica, template, back)
+                self.note_synced([(t, r) for r, t in back])
             for v, a in zip(states, self.read_states(replica) if states else ()):
                 v.assign(a)
         if method == "fit":
             template.history = result
         return result
+
+
+#: the methods that run one batch (``keras.Model.train_on_batch`` etc.)
+ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
+#: the methods after which the replica's trained state goes back to the template
+TRAINING = ("fit", "train_on_batch")
