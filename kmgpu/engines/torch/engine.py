@@ -29,6 +29,7 @@ class TorchEngine(Engine):
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
+        self.rank_rows = None  # for tests: each rank's real rows of the last *_on_batch
         self.launcher = launchers.choose(self.device_ids, available, options.sync_batchnorm)
         self.device_ids = self.launcher.device_ids
         self.device_names = self.launcher.device_names
@@ -51,7 +52,8 @@ class TorchEngine(Engine):
         failed fit leaves the last consistent state in the template.
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
-        resets = bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
+        resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
+                  and not method.endswith("_on_batch"))
         if resets:
             models.reset_states(template)  # what the ranks start from; they reset each epoch
         kwargs = dict(kwargs)
@@ -77,12 +79,13 @@ class TorchEngine(Engine):
                 raise
             replicas.states_back(template, [a.states for a in answers])
             out = self._finish(method, template, [a.result for a in answers], driver)
+            self.rank_rows = [a.rows for a in answers]
             clock("state back")
             clock.report()
         except BaseException:
             launcher.end_call(failed=True)
             raise
-        launcher.end_call(failed=False)
+        launcher.end_call(failed=False, touched=any(a.touched for a in answers))
         return out
 
     def _finish(self, method, template, results, driver):
@@ -98,7 +101,9 @@ class TorchEngine(Engine):
                 self.launcher.load_state(template)
             template.history = driver.history
             return driver.history
-        if method == "predict":
+        if method == "train_on_batch":
+            self.launcher.load_state(template)  # rank 0's state after the step
+        if method in ("predict", "predict_on_batch"):
             return data.assemble(results)
         return results[0]
 
