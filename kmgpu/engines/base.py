@@ -100,6 +100,7 @@ class InProcessEngine(Engine):
         super().__init__(device_ids, available, options)
         self.replica = None
         self._built_from = None  # (config json, id of the template's optimizer)
+        self.copied_in = None  # variables the last call copied into the replica
 
     @abc.abstractmethod
     def scope(self):
@@ -179,7 +180,9 @@ class InProcessEngine(Engine):
                               + list(kwargs.get("callbacks") or []))
         with self.scope():
             pairs = models.state_pairs(template, replica)
-            models.copy_state(template, replica, pairs, skip=self.same_values(pairs))
+            skip = self.same_values(pairs)
+            self.copied_in = skip.count(False)  # for tests and benchmarks
+            models.copy_state(template, replica, pairs, skip=skip)
             self.note_synced(pairs)
             if method == "train_on_batch":  # fit sets it from its callbacks
                 models.copy_lr(template, replica)

@@ -93,12 +93,17 @@ class JaxEngine(InProcessEngine):
         return getattr(replica, method)(**kwargs)
 
     def _sharded(self, x):
+        import jax
         import keras
+        from jax.sharding import NamedSharding, PartitionSpec
 
         d = self.distribution
-        flat = keras.tree.flatten(x)
-        if self.multiprocess or any(a.shape[0] % self.num_replicas for a in flat):
-            return x  # replicated on every device (as fit places such a batch)
+        if self.multiprocess:
+            return x
+        if any(a.shape[0] % self.num_replicas for a in keras.tree.flatten(x)):
+            # replicated on every device, as fit places such a batch
+            everywhere = NamedSharding(d.device_mesh.backend_mesh, PartitionSpec())
+            return keras.tree.map_structure(lambda a: jax.device_put(a, everywhere), x)
         return keras.tree.map_structure(
             lambda a: keras.distribution.distribute_tensor(a, d.get_data_layout(a.shape)), x)
 

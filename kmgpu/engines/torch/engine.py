@@ -125,6 +125,11 @@ class TorchEngine(Engine):
         self.launcher.close()
 
     # -- for tests and describe() ---------------------------------------------------
+    @property
+    def copied_in(self):
+        """Arrays of the template's state the last call sent to the ranks (0: none)."""
+        return self.launcher.copied_in
+
     def worker_pids(self):
         """The pool's worker process ids (empty in-process or before the first call)."""
         return self.launcher.worker_pids()

@@ -78,6 +78,8 @@ class Launcher(abc.ABC):
     name = "?"
     is_interactive_compatible = False
     runs_callbacks = True
+    #: arrays of the template's state the last call sent to the ranks (0: none needed)
+    copied_in = None
 
     @abc.abstractmethod
     def launch(self, call, template, driver, clock):
@@ -206,6 +208,7 @@ class PoolLauncher(Launcher):
             state = pool.state_file(layout.arrays)
         self._candidate = (replicas.marks(template), layout)
         self._state = (state, layout)
+        self.copied_in = len(layout.arrays) if state_in else 0
         clock("state out")
         call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
                                    model=None if pool.model_key == call.key else spec,
@@ -348,6 +351,7 @@ class InProcessLauncher(Launcher):
             self.push_state(template)
             s.broadcast_state(replica)
         self._candidate = replicas.marks(template)
+        self.copied_in = len(self._candidate) if state_in else 0
         s.write_state_rows(replica, call.rnn_states)
         clock("replica")
         kwargs = data.local(call.kwargs, call.method, template)
