@@ -144,6 +144,10 @@ class InProcessEngine(Engine):
     def note_synced(self, pairs):
         """Hook: every pair holds the same value now (just copied, either way)."""
 
+    def settle(self, replica):
+        """Hook after every call, also one that raised: leave the replica's variables
+        holding their values (default: nothing to do)."""
+
     def run_on_batch(self, replica, method, kwargs):
         """``replica.<method>(**kwargs)`` for the ``*_on_batch`` methods (an engine may
         place the batch first, e.g. split it over its replicas)."""
@@ -195,6 +199,7 @@ class InProcessEngine(Engine):
                 else:
                     result = getattr(replica, method)(**kwargs)
         finally:
+            self.settle(replica)
             if method in TRAINING:
                 back = models.state_pairs(replica, template)
                 models.copy_state(replica, template, back)

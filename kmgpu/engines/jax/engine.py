@@ -74,6 +74,9 @@ class JaxEngine(InProcessEngine):
         marks = getattr(self, "_marks", {})
         same, unsure = [], []
         for i, (t, r) in enumerate(pairs):
+            if getattr(r, "_value", None) is None:  # emptied: copy it in
+                same.append(False)
+                continue
             mark = marks.get(id(t))
             same.append(mark is not None and mark[0] is t and mark[1] is r
                         and mark[2] is t.value and mark[3] is r.value)
@@ -83,6 +86,12 @@ class JaxEngine(InProcessEngine):
             for i, ok in zip(unsure, _equal([pairs[i] for i in unsure])):
                 same[i] = ok
         return same
+
+    def settle(self, replica):
+        # Keras's JAX evaluate / predict take the variables' values out for the loop and
+        # put them back only when it ends: a callback that raises leaves them empty
+        # (fit does this in a finally). The last step's state is still at hand.
+        replica.jax_state_sync()
 
     def note_synced(self, pairs):
         self._marks = {id(t): (t, r, t.value, r.value) for t, r in pairs}
