@@ -144,6 +144,12 @@ class InProcessEngine(Engine):
     def note_synced(self, pairs):
         """Hook: every pair holds the same value now (just copied, either way)."""
 
+    def copy_back(self, pairs):
+        """Copy each (replica variable, template variable) pair's value to the template
+        (default: through NumPy, one variable at a time)."""
+        for r, t in pairs:
+            t.assign(keras_numpy(r.value))
+
     def settle(self, replica):
         """Hook after every call, also one that raised: leave the replica's variables
         holding their values (default: nothing to do)."""
@@ -202,13 +208,19 @@ class InProcessEngine(Engine):
             self.settle(replica)
             if method in TRAINING:
                 back = models.state_pairs(replica, template)
-                models.copy_state(replica, template, back)
+                self.copy_back(back)
                 self.note_synced([(t, r) for r, t in back])
             for v, a in zip(states, self.read_states(replica) if states else ()):
                 v.assign(a)
         if method == "fit":
             template.history = result
         return result
+
+
+def keras_numpy(value):
+    import keras
+
+    return keras.ops.convert_to_numpy(value)
 
 
 #: the methods that run one batch (``keras.Model.train_on_batch`` etc.)

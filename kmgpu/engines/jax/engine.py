@@ -87,6 +87,16 @@ class JaxEngine(InProcessEngine):
                 same[i] = ok
         return same
 
+    def copy_back(self, pairs):
+        """One batched on-device copy of the replicas' first copies to the template's
+        devices (through NumPy it was ~1 s per fit for ResNet-50 + Adam on CPU)."""
+        import jax
+
+        values = [r.value.addressable_shards[0].data for r, _ in pairs]
+        places = [t.value.sharding for _, t in pairs]
+        for (_, t), v in zip(pairs, jax.device_put(values, places, may_alias=False)):
+            t.assign(v)
+
     def settle(self, replica):
         # Keras's JAX evaluate / predict take the variables' values out for the loop and
         # put them back only when it ends: a callback that raises leaves them empty
