@@ -5,11 +5,12 @@ An engine answers *how replicas are made and synchronised* on one backend. It
 never decides batch sizes or learning rates (that is ``plan.py``) and never
 starts processes by itself unless its backend needs them (torch).
 
-The contract every engine keeps: ``fit`` / ``evaluate`` / ``predict`` run on
-``num_replicas`` devices with Keras's own trainer, take the user's ``template``
-model as the source of truth for weights and compile settings before each call,
-and after ``fit`` -- also when it is interrupted -- leave the trained weights
-and the optimizer state in ``template``.
+The contract every engine keeps: ``fit`` / ``evaluate`` / ``predict`` and the
+``*_on_batch`` methods run on ``num_replicas`` devices with Keras's own trainer,
+take the user's ``template`` model as the source of truth for weights and compile
+settings before each call (copying in only what changed since the last one), and
+after ``fit`` and ``train_on_batch`` -- also when interrupted -- leave the trained
+weights and the optimizer state in ``template``.
 """
 
 import abc
@@ -86,7 +87,8 @@ class InProcessEngine(Engine):
 
     Keeps one replica model, created inside ``scope()`` from the template's config
     (a variable's placement is fixed when it is created), and copies weights and
-    optimizer state template -> replica before each call and back after fit.
+    optimizer state template -> replica before each call (where they differ:
+    ``same_values``) and back after fit and train_on_batch.
     The replica and its optimizer live across calls so optimizer state carries over.
 
     Stateful RNN states travel the same way, before and after every call: the
