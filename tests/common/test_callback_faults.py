@@ -76,12 +76,10 @@ def _call(fitter, method, x, y, vx, vy, callbacks):
 
 #: an exception takes the path of KeyboardInterrupt (torch: the driver aborts every rank
 #: at that hook): a few hooks suffice for it
-SOME = [CASES[0], CASES[3], CASES[7], CASES[10]]
+SOME = [CASES[3], CASES[10]]
 
 
-@pytest.mark.parametrize("error, cases", [(KeyboardInterrupt, CASES), (RuntimeError, SOME)],
-                         ids=["KeyboardInterrupt", "RuntimeError"])
-def test_a_callback_raising_from_any_hook_leaves_the_model_where_plain_keras_does(error, cases):
+def test_a_callback_raising_from_any_hook_leaves_the_model_where_plain_keras_does():
     x, y = data("mlp", 80)
     vx, vy = data("mlp", 16, seed=3)
     ref, model = mlp(), mlp()
@@ -91,7 +89,10 @@ def test_a_callback_raising_from_any_hook_leaves_the_model_where_plain_keras_doe
         m.optimizer.build(m.trainable_variables)
     parallel = kmgpu.parallelize(model, gpus=2)
     pids = None
-    for method, hook, when in cases:
+    # one kmgpu model for all (on TensorFlow a second one, made after the first had
+    # been interrupted, ran its fits ~15x slower in this process)
+    for error, method, hook, when in ([(KeyboardInterrupt,) + c for c in CASES]
+                                      + [(RuntimeError,) + c for c in SOME]):
         for m in (ref, model):
             _reset(m, initial)
         before = _state(model)
