@@ -115,6 +115,53 @@ class ParallelModel:
         return self._engine.run("predict", self.model, environment.for_this_process(call),
                                 self._lr_scale)
 
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """``keras.Model.train_on_batch``: one step on every replica, the rows of ``x``
+        split over them (the one-device step of this batch, at the user's learning
+        rate: the batch policy, LR scaling and warm-up apply to ``fit``). Afterwards the
+        user's model holds the new weights and optimizer state."""
+        self._require_compiled("train_on_batch")
+        kwargs = self._on_batch("train_on_batch", x, y, sample_weight)
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError("Arguments `sample_weight` and `class_weight` cannot be "
+                                 "specified at the same time: pass one of them.")
+            kwargs["sample_weight"] = _class_weights(y, class_weight)
+        return self._engine.run("train_on_batch", self.model,
+                                dict(kwargs, return_dict=return_dict), (1.0, 0))
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """``keras.Model.test_on_batch``: the loss and metrics of one batch, its rows split
+        over the replicas."""
+        self._require_compiled("test_on_batch")
+        kwargs = self._on_batch("test_on_batch", x, y, sample_weight)
+        return self._engine.run("test_on_batch", self.model,
+                                dict(kwargs, return_dict=return_dict), (1.0, 0))
+
+    def predict_on_batch(self, x):
+        """``keras.Model.predict_on_batch``: the rows of ``x`` split over the replicas, the
+        predictions in order."""
+        kwargs = self._on_batch("predict_on_batch", x, None, None)
+        return self._engine.run("predict_on_batch", self.model, kwargs, (1.0, 0))
+
+    def _on_batch(self, method, x, y, sample_weight):
+        """Checks shared by the ``*_on_batch`` methods: arrays, not a dataset; no stateful
+        RNN (refused before anything runs, the model untouched)."""
+        if models.stateful_layers(self.model):
+            raise ValueError(
+                f"kmgpu: {method} on a model with stateful RNN layers is not supported "
+                "(the states of one fixed batch would have to travel per call): use "
+                "parallel.fit / evaluate / predict, which carry them, or call the model's "
+                f"own parallel.model.{method}(...) on one device.")
+        if checks.is_dataset(x):
+            raise TypeError(f"{method}() takes one batch as arrays (x, y), not a "
+                            f"{type(x).__name__}: use fit / evaluate / predict for a dataset.")
+        checks._data(self.model, method, x, y, sample_weight,
+                     finite=(method != "predict_on_batch"))
+        return dict(x=x) if method == "predict_on_batch" else dict(
+            x=x, y=y, sample_weight=sample_weight)
+
     def reset_states(self):
         """Zero the states of the model's stateful RNN layers (on every replica)."""
         models.reset_states(self.model)  # the engines take the states from the user's model
@@ -222,6 +269,17 @@ class ParallelModel:
                     continue  # the dataset brings its own batches
                 call[key] = plan.global_batch(self._options, size, self.num_replicas)
         return call
+
+
+def _class_weights(y, class_weight):
+    """Per-row weights from ``class_weight``, as Keras's ``train_on_batch`` makes them."""
+    import numpy as np
+
+    y = np.asarray(y)
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    y = np.round(y).astype("int32")
+    return np.array([class_weight.get(int(c), 1.0) for c in y], dtype="float32")
 
 
 def _steps(x, samples, global_batch):

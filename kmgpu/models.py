@@ -182,24 +182,46 @@ def weights(model):
     return [v for v in model.weights if id(v) not in states]
 
 
-def copy_state(src, dst):
-    """Copy weights, and optimizer state where ``src``'s optimizer has any, src -> dst."""
+def state_pairs(src, dst):
+    """(src variable, dst variable) for the weights, then the optimizer state where
+    ``src``'s optimizer has any (``dst``'s is built first when it is not yet): what
+    ``copy_state`` copies, in its order."""
     src_w, dst_w = weights(src), weights(dst)
     if [tuple(v.shape) for v in src_w] != [tuple(v.shape) for v in dst_w]:
         raise ValueError(f"{dst.name}'s weights no longer match {src.name}'s.")
-    for s, d in zip(src_w, dst_w):
-        d.assign(keras.ops.convert_to_numpy(s.value))
+    pairs = list(zip(src_w, dst_w))
     src_opt = getattr(src, "optimizer", None)
     dst_opt = getattr(dst, "optimizer", None)
     if src_opt is None or dst_opt is None or not src_opt.built:
-        return
+        return pairs
     if not dst_opt.built:
         dst_opt.build(dst.trainable_variables)
     src_vars, dst_vars = optimizer_state(src_opt), optimizer_state(dst_opt)
     if [tuple(v.shape) for v in src_vars] != [tuple(v.shape) for v in dst_vars]:
-        return  # a different optimizer: keep dst's own state
-    for s, d in zip(src_vars, dst_vars):
-        d.assign(s.numpy())
+        return pairs  # a different optimizer: keep dst's own state
+    return pairs + list(zip(src_vars, dst_vars))
+
+
+def copy_state(src, dst, pairs=None, skip=None):
+    """Copy weights, and optimizer state where ``src``'s optimizer has any, src -> dst.
+
+    Args:
+        pairs: ``state_pairs(src, dst)`` when the caller has them already.
+        skip: one bool per pair: True leaves that variable alone (it holds the
+            same value already).
+    """
+    pairs = state_pairs(src, dst) if pairs is None else pairs
+    for i, (s, d) in enumerate(pairs):
+        if skip is None or not skip[i]:
+            d.assign(keras.ops.convert_to_numpy(s.value))
+
+
+def copy_lr(src, dst):
+    """Copy the learning rate ``src``'s optimizer holds in a variable to ``dst``'s."""
+    a = getattr(getattr(src, "optimizer", None), "_learning_rate", None)
+    b = getattr(getattr(dst, "optimizer", None), "_learning_rate", None)
+    if isinstance(a, keras.Variable) and isinstance(b, keras.Variable) and a is not b:
+        b.assign(keras.ops.convert_to_numpy(a.value))
 
 
 def stateful_layers(model):

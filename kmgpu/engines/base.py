@@ -5,11 +5,12 @@ An engine answers *how replicas are made and synchronised* on one backend. It
 never decides batch sizes or learning rates (that is ``plan.py``) and never
 starts processes by itself unless its backend needs them (torch).
 
-The contract every engine keeps: ``fit`` / ``evaluate`` / ``predict`` run on
-``num_replicas`` devices with Keras's own trainer, take the user's ``template``
-model as the source of truth for weights and compile settings before each call,
-and after ``fit`` -- also when it is interrupted -- leave the trained weights
-and the optimizer state in ``template``.
+The contract every engine keeps: ``fit`` / ``evaluate`` / ``predict`` and the
+``*_on_batch`` methods run on ``num_replicas`` devices with Keras's own trainer,
+take the user's ``template`` model as the source of truth for weights and compile
+settings before each call (copying in only what changed since the last one), and
+after ``fit`` and ``train_on_batch`` -- also when interrupted -- leave the trained
+weights and the optimizer state in ``template``.
 """
 
 import abc
@@ -54,8 +55,10 @@ class Engine(abc.ABC):
         """Run ``template.<method>(**kwargs)`` on the replicas.
 
         Args:
-            method: "fit", "evaluate" or "predict".
-            template: the user's own built (and, for fit/evaluate, compiled) model.
+            method: "fit", "evaluate", "predict", "train_on_batch", "test_on_batch"
+                or "predict_on_batch".
+            template: the user's own built (and, for fit/evaluate/train_on_batch/
+                test_on_batch, compiled) model.
             kwargs: Keras keyword arguments, batch sizes already global; for fit,
                 ``callbacks`` already holds kmgpu's learning-rate callbacks.
             lr_scale: (factor, warmup_steps) for a LearningRateSchedule optimizer:
@@ -84,7 +87,8 @@ class InProcessEngine(Engine):
 
     Keeps one replica model, created inside ``scope()`` from the template's config
     (a variable's placement is fixed when it is created), and copies weights and
-    optimizer state template -> replica before each call and back after fit.
+    optimizer state template -> replica before each call (where they differ:
+    ``same_values``) and back after fit and train_on_batch.
     The replica and its optimizer live across calls so optimizer state carries over.
 
     Stateful RNN states travel the same way, before and after every call: the
@@ -98,6 +102,7 @@ class InProcessEngine(Engine):
         super().__init__(device_ids, available, options)
         self.replica = None
         self._built_from = None  # (config json, id of the template's optimizer)
+        self.copied_in = None  # variables the last call copied into the replica
 
     @abc.abstractmethod
     def scope(self):
@@ -125,9 +130,41 @@ class InProcessEngine(Engine):
         for v, a in zip(models.state_variables(replica), arrays):
             v.assign(a)
 
+    def same_values(self, pairs):
+        """Which (template variable, replica variable) pairs hold the same value already,
+        so that copying the template in would change nothing there.
+
+        Must be sound: True only when it is certain. The default knows nothing (every
+        call copies the whole state in); an engine answers cheaply from what its
+        backend guarantees (``note_synced`` marks the state it last made equal).
+
+        Returns:
+            One bool per pair.
+        """
+        return [False] * len(pairs)
+
+    def note_synced(self, pairs):
+        """Hook: every pair holds the same value now (just copied, either way)."""
+
+    def copy_back(self, pairs):
+        """Copy each (replica variable, template variable) pair's value to the template
+        (default: through NumPy, one variable at a time)."""
+        for r, t in pairs:
+            t.assign(keras_numpy(r.value))
+
+    def settle(self, replica):
+        """Hook after every call, also one that raised: leave the replica's variables
+        holding their values (default: nothing to do)."""
+
+    def run_on_batch(self, replica, method, kwargs):
+        """``replica.<method>(**kwargs)`` for the ``*_on_batch`` methods (an engine may
+        place the batch first, e.g. split it over its replicas)."""
+        return getattr(replica, method)(**kwargs)
+
     def _ensure_replica(self, template, lr_scale):
         key = (models.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
+            self.replica, self._built_from = None, None
             with self.scope():
                 fixed = models.fixed_batch(template)
                 replica = (models.clone(template) if fixed is None
@@ -139,27 +176,56 @@ class InProcessEngine(Engine):
         return self.replica
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        """One call on the replica. The template's state is copied in where it differs
+        from the replica's (``same_values``): the replica stays resident, so a loop of
+        calls on an unchanged model copies nothing in; after ``fit`` and
+        ``train_on_batch`` (also when they raise) the trained state is copied back."""
         import keras
 
         replica = self._ensure_replica(template, lr_scale)
+        on_batch = method in ON_BATCH
         states = models.state_variables(template)
-        if states and self.options.reset_states == "epoch":
+        if states and self.options.reset_states == "epoch" and not on_batch:
             models.reset_states(template)
             if method == "fit":
                 kwargs = dict(kwargs, callbacks=[models.reset_callback(replica)]
                               + list(kwargs.get("callbacks") or []))
         with self.scope():
-            models.copy_state(template, replica)
+            pairs = models.state_pairs(template, replica)
+            skip = self.same_values(pairs)
+            self.copied_in = skip.count(False)  # for tests and benchmarks
+            models.copy_state(template, replica, pairs, skip=skip)
+            self.note_synced(pairs)
+            if method == "train_on_batch":  # fit sets it from its callbacks
+                models.copy_lr(template, replica)
             if states:
                 self.write_states(replica, [keras.ops.convert_to_numpy(v.value) for v in states])
         try:
             with self.scope(), self.call_context(method):
-                result = getattr(replica, method)(**kwargs)
+                if on_batch:
+                    result = self.run_on_batch(replica, method, kwargs)
+                else:
+                    result = getattr(replica, method)(**kwargs)
         finally:
-            if method == "fit":
-                models.copy_state(replica, template)
+            self.settle(replica)
+            if method in TRAINING:
+                back = models.state_pairs(replica, template)
+                self.copy_back(back)
+                self.note_synced([(t, r) for r, t in back])
             for v, a in zip(states, self.read_states(replica) if states else ()):
                 v.assign(a)
         if method == "fit":
             template.history = result
         return result
+
+
+def keras_numpy(value):
+    import keras
+
+    return keras.ops.convert_to_numpy(value)
+
+
+#: the methods that run one batch (``keras.Model.train_on_batch`` etc.)
+ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
+#: the methods after which the replica's trained state goes back to the template
+TRAINING = ("fit", "train_on_batch")

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import types
 
-from kmgpu.engines.base import InProcessEngine
+from kmgpu.engines.base import ON_BATCH, InProcessEngine
 from kmgpu.engines.tensorflow import data, keras_fixes
 
 
@@ -95,6 +95,12 @@ class TensorFlowEngine(InProcessEngine):
         if template.compiled and self.num_replicas > 1:
             fixes.loss_kind(template)  # losses the replicas cannot weigh: refused up front
         self._feed["first"] = None
+        if method in ON_BATCH:
+            try:
+                return super().run(method, template, kwargs, lr_scale)
+            finally:
+                if method == "train_on_batch" and self._single_worker() and self.replica:
+                    self._average_moving_statistics(self.replica, template)
         if self._single_worker():
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
@@ -107,6 +113,28 @@ class TensorFlowEngine(InProcessEngine):
             self._feed["first"] = None
             if method == "fit" and self._single_worker() and self.replica is not None:
                 self._average_moving_statistics(self.replica, template)
+
+    def same_values(self, pairs):
+        """TF variables are mutable (a graph assigns them without Python seeing it): the
+        template is compared with the replica's first copy, bit for bit, on the device
+        (one fused comparison per call; the replicas of a MirroredVariable are equal)."""
+        return _same_values(self.strategy, pairs)
+
+    def run_on_batch(self, replica, method, kwargs):
+        """Keras hands the whole batch to every replica (``strategy.run`` of plain
+        tensors): give replica r its contiguous block of rows instead."""
+        if not self._single_worker():
+            return getattr(replica, method)(**kwargs)
+        batch = {k: v for k, v in kwargs.items() if k in ("x", "y", "sample_weight")}
+        first, placed = _per_replica(self.strategy, batch)
+        replica._maybe_symbolic_build(data_batch=(first.get("x"), first.get("y"),
+                                                  first.get("sample_weight")))
+        result = getattr(replica, method)(**dict(kwargs, **placed))
+        if method == "predict_on_batch":
+            return result
+        # Keras returns the mean of the replicas' own results, wrong for an uneven
+        # split: read the metrics as fit does, summed over replicas
+        return keras_fixes.metrics_logs(replica, kwargs.get("return_dict", False))
 
     def _average_moving_statistics(self, replica, template):
         """Local BatchNorm: each replica kept its own moving mean and variance; the
@@ -146,3 +174,74 @@ class TensorFlowEngine(InProcessEngine):
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)
+
+
+def _per_replica(strategy, batch):
+    """Replica r's contiguous block of every array in ``batch`` (sizes differ by at most
+    one row; a replica of a batch smaller than N gets none), as distributed values.
+
+    Returns:
+        (replica 0's block of each array, to build the model from; the placed values).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    n = strategy.num_replicas_in_sync
+    placed, first = {}, {}
+    for key, value in batch.items():
+        if value is None:
+            placed[key] = first[key] = None
+            continue
+        blocks = keras.tree.map_structure(lambda a: np.array_split(np.asarray(a), n), value)
+        first[key] = keras.tree.map_structure_up_to(value, lambda b: b[0], blocks)
+        placed[key] = strategy.experimental_distribute_values_from_function(
+            lambda ctx, blocks=blocks, value=value: keras.tree.map_structure_up_to(
+                value, lambda b: tf.constant(b[ctx.replica_id_in_sync_group]), blocks))
+    return first, placed
+
+
+def _same_values(strategy, pairs):
+    """Whether each (template variable, replica variable) pair holds the same bits: one
+    ``tf.function`` over all pairs, against each replica variable's first copy."""
+    import tensorflow as tf
+
+    todo = [(i, t.value, strategy.experimental_local_results(r.value)[0])
+            for i, (t, r) in enumerate(pairs)
+            if tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype]
+    out = [False] * len(pairs)
+    if todo:
+        same = _SAME([a for _, a, _ in todo], [b for _, _, b in todo]).numpy()
+        for (i, _, _), ok in zip(todo, same):
+            out[i] = bool(ok)
+    return out
+
+
+def _bits(a):
+    import tensorflow as tf
+
+    if a.dtype.is_floating:
+        return tf.bitcast(a, {2: tf.uint16, 4: tf.uint32, 8: tf.uint64}[a.dtype.size])
+    return a
+
+
+def _same(xs, ys):
+    import tensorflow as tf
+
+    return tf.stack([tf.reduce_all(tf.equal(_bits(tf.convert_to_tensor(x)),
+                                            _bits(tf.convert_to_tensor(y))))
+                     for x, y in zip(xs, ys)])
+
+
+class _Lazy:
+    fn = None
+
+    def __call__(self, xs, ys):
+        import tensorflow as tf
+
+        if self.fn is None:
+            self.fn = tf.function(_same)
+        return self.fn(xs, ys)
+
+
+_SAME = _Lazy()

@@ -66,6 +66,11 @@ PATCHES = [
      "reads a PyDataset (workers, shuffling, class weights) for the per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "class weights of a generator fed per replica"),
+    ("keras.src.utils.python_utils", "pythonify_logs",
+     "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
+     "mean of each replica's own metric results, wrong when a batch splits unevenly; "
+     "kmgpu reads the summed metric variables instead, formatted as Keras does"),
+    ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order", "same"),
 ]
 
 
@@ -253,6 +258,15 @@ def train_step(self, data):
         gradients = tape.gradient(loss, self.trainable_weights)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def metrics_logs(model, return_dict):
+    """``train_on_batch`` / ``test_on_batch``'s return value, from the metric variables
+    read across replicas (summed), in Keras's format."""
+    from keras.src.utils.python_utils import pythonify_logs
+
+    logs = pythonify_logs(model.get_metrics_result())
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
 
 
 def test_step(self, data):

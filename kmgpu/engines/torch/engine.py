@@ -30,6 +30,7 @@ class TorchEngine(Engine):
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
+        self.rank_rows = None  # for tests: each rank's real rows of the last *_on_batch
         self.launcher = launchers.choose(self.device_ids, available, options.sync_batchnorm)
         self.device_ids = self.launcher.device_ids
         self.device_names = self.launcher.device_names
@@ -54,7 +55,8 @@ class TorchEngine(Engine):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
             fixes.loss_kind(template)  # losses the ranks cannot weigh: refused before any work
-        resets = bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
+        resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
+                  and not method.endswith("_on_batch"))
         if resets:
             models.reset_states(template)  # what the ranks start from; they reset each epoch
         kwargs = dict(kwargs)
@@ -80,12 +82,13 @@ class TorchEngine(Engine):
                 raise
             replicas.states_back(template, [a.states for a in answers])
             out = self._finish(method, template, [a.result for a in answers], driver)
+            self.rank_rows = [a.rows for a in answers]
             clock("state back")
             clock.report()
         except BaseException:
             launcher.end_call(failed=True)
             raise
-        launcher.end_call(failed=False)
+        launcher.end_call(failed=False, touched=any(a.touched for a in answers))
         return out
 
     def _finish(self, method, template, results, driver):
@@ -101,7 +104,9 @@ class TorchEngine(Engine):
                 self.launcher.load_state(template)
             template.history = driver.history
             return driver.history
-        if method == "predict":
+        if method == "train_on_batch":
+            self.launcher.load_state(template)  # rank 0's state after the step
+        if method in ("predict", "predict_on_batch"):
             return data.assemble(results)
         return results[0]
 
@@ -121,6 +126,11 @@ class TorchEngine(Engine):
         self.launcher.close()
 
     # -- for tests and describe() ---------------------------------------------------
+    @property
+    def copied_in(self):
+        """Arrays of the template's state the last call sent to the ranks (0: none)."""
+        return self.launcher.copied_in
+
     def worker_pids(self):
         """The pool's worker process ids (empty in-process or before the first call)."""
         return self.launcher.worker_pids()

@@ -27,7 +27,7 @@ from kmgpu import models
 from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, transport
 from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.pool import WorkerPool, start_method
-from kmgpu.engines.torch.strategy import DDPStrategy
+from kmgpu.engines.torch.strategy import ON_BATCH, DDPStrategy
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
 MAX_POOLS = 2  # live pools kept; the least recently used beyond that is closed
@@ -78,6 +78,8 @@ class Launcher(abc.ABC):
     name = "?"
     is_interactive_compatible = False
     runs_callbacks = True
+    #: arrays of the template's state the last call sent to the ranks (0: none needed)
+    copied_in = None
 
     @abc.abstractmethod
     def launch(self, call, template, driver, clock):
@@ -104,8 +106,9 @@ class Launcher(abc.ABC):
     def push_state(self, template):
         """Send ``template``'s state to the ranks during a call (the callbacks set it)."""
 
-    def end_call(self, failed):
-        """The call is over (``failed``: it raised); free what it held."""
+    def end_call(self, failed, touched=False):
+        """The call is over (``failed``: it raised; ``touched``: a rank's replica changed
+        in a call that does not train); free what it held."""
 
     @abc.abstractmethod
     def rank_weights(self):
@@ -142,6 +145,11 @@ class PoolLauncher(Launcher):
         self._files = None
         self._state = None  # (StateFile, StateLayout) once this call's state is written
         self._feed = None  # fit's training data read pass by pass (feeds.Feed)
+        # the template's state as the workers' replicas hold it: (pool, token, marks,
+        # layout) after a call that left them equal; the next call sends no state
+        # while the template's tensors are unchanged (``unchanged``)
+        self._synced = None
+        self._candidate = None  # (marks, layout) of this call, once they are equal
 
     @property
     def _key(self):
@@ -178,18 +186,33 @@ class PoolLauncher(Launcher):
             spec, inherit = replicas.model_spec(template)
             if inherit:
                 self._fork_next()
+        synced = self._synced
         pool = self._ensure_pool()
         clock("pool")
-        self._files = transport.CallFiles(data.nbytes(call.kwargs))
-        kwargs, self._feed = data.ship(call.kwargs, self._files, call.method, template)
+        if call.method in ON_BATCH:  # one batch: through the pipe, no files
+            kwargs = {k: data.as_numpy(v) if k in data.DATA_KEYS else v
+                      for k, v in call.kwargs.items()}
+        else:
+            self._files = transport.CallFiles(data.nbytes(call.kwargs))
+            kwargs, self._feed = data.ship(call.kwargs, self._files, call.method, template)
         clock("data out")
-        layout, arrays = replicas.state_of(template, with_optimizer=(call.method == "fit"))
-        state = pool.state_file(layout.arrays)
-        state.write(0, arrays)
+        state_in = not (synced is not None and synced[0] is pool and pool.synced is synced[1]
+                        and pool.model_key == call.key and replicas.unchanged(template, synced[2]))
+        pool.synced = None  # until this call has left the replicas equal to the template
+        if state_in:
+            layout, arrays = replicas.state_of(template, with_optimizer=True)
+            state = pool.state_file(layout.arrays)
+            state.write(0, arrays)
+        else:  # the replicas hold this state already
+            layout = synced[3]
+            state = pool.state_file(layout.arrays)
+        self._candidate = (replicas.marks(template), layout)
         self._state = (state, layout)
+        self.copied_in = len(layout.arrays) if state_in else 0
         clock("state out")
         call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
-                                   model=None if pool.model_key == call.key else spec)
+                                   model=None if pool.model_key == call.key else spec,
+                                   state_in=state_in)
         stop = state.request_stop if call.method == "fit" else None
         try:
             answers = pool.call([call] * pool.world, on_event=driver, on_interrupt=stop)
@@ -207,13 +230,21 @@ class PoolLauncher(Launcher):
         if latest is None:
             return False
         replicas.load_arrays(template, latest[0], self._state[1])
+        self._candidate = (replicas.marks(template), self._state[1])  # rank 0's, as loaded
         return True
 
     def push_state(self, template):
         state, layout = self._state
         state.write(0, replicas.model_arrays(template, layout))
 
-    def end_call(self, failed):
+    def end_call(self, failed, touched=False):
+        self._synced = None
+        candidate, self._candidate = self._candidate, None
+        if not failed and not touched and candidate is not None and self.pool is not None \
+                and not self.pool.closed:
+            token = object()
+            self.pool.synced = token  # another engine's call on this pool clears it
+            self._synced = (self.pool, token) + candidate
         files, self._files, self._state = self._files, None, None
         feed, self._feed = self._feed, None
         if feed is not None:
@@ -293,6 +324,8 @@ class InProcessLauncher(Launcher):
         self.runs_callbacks = self.strategy.rank == 0
         self.replica, self._built_key = None, None
         self._live = False  # the replica holds this call's state
+        self._synced = None  # (replica, marks) after a call that left them equal
+        self._candidate = None
 
     def _replica_for(self, call, template):
         if self.replica is None or call.key != self._built_key:
@@ -307,14 +340,23 @@ class InProcessLauncher(Launcher):
     def launch(self, call, template, driver, clock):
         s = self.strategy
         replica = self._replica_for(call, template)
-        self.push_state(template)
-        s.broadcast_state(replica)
+        synced = self._synced
+        state_in = not (synced is not None and synced[0] is replica
+                        and replicas.unchanged(template, synced[1]))
+        # the others learn which hooks rank 0's callbacks take, its shuffling seed and
+        # whether its template's state must reach the replicas (rank 0's decides)
+        hooks, seed, state_in = collectives.broadcast_object((call.hooks, call.seed,
+                                                              state_in))
+        if state_in:
+            self.push_state(template)
+            s.broadcast_state(replica)
+        self._candidate = replicas.marks(template)
+        self.copied_in = len(self._candidate) if state_in else 0
         s.write_state_rows(replica, call.rnn_states)
         clock("replica")
-        # the others learn which hooks rank 0's callbacks take, and its shuffling seed
-        hooks, seed = collectives.broadcast_object((call.hooks, call.seed))
         kwargs = data.local(call.kwargs, call.method, template)
         self._live = True
+        before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
         result = s.run(replica, call.method, kwargs, seed=seed, hooks=hooks,
                        relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
                        fit_callbacks=[feeds.NextPass(kwargs.get("x"))])
@@ -329,24 +371,32 @@ class InProcessLauncher(Launcher):
             if s.rank != 0 and record is not None and result is None:
                 driver.history = relay.history_from(template, record)
         results = [result] + [None] * (s.world - 1)
-        if call.method == "predict" and not isinstance(result, Aborted):
+        if call.method in ("predict", "predict_on_batch") and not isinstance(result, Aborted):
             results = collectives.all_gather_object(result)
+        touched = [False] * s.world
+        if before is not None:  # a custom step may assign variables in a call that tests
+            touched = collectives.all_gather_object(not replicas.unchanged(replica, before))
         clock("call")
-        return [RankResult(r, states) for r, states in zip(results, rows)]
+        return [RankResult(r, states, s.last_rows, t)
+                for r, states, t in zip(results, rows, touched)]
 
     def load_state(self, template):
         if not self._live:
             return False
         models.copy_state(self.replica, template)
         replicas.copy_lr(self.replica, template)
+        self._candidate = replicas.marks(template)
         return True
 
     def push_state(self, template):
         models.copy_state(template, self.replica)
         replicas.copy_lr(template, self.replica)
 
-    def end_call(self, failed):
+    def end_call(self, failed, touched=False):
         self._live = False
+        candidate, self._candidate = self._candidate, None
+        self._synced = (None if failed or touched or candidate is None
+                        else (self.replica, candidate))
         # A rank that failed may have left its peers inside a collective: a barrier
         # at exit would keep this process (and its sockets) alive, and they would
         # wait on it. Ending without one lets them fail too.

@@ -58,10 +58,12 @@ class Port:
 
 @dataclass(frozen=True)
 class Call:
-    """One ``fit`` / ``evaluate`` / ``predict`` call, the same for every rank.
+    """One ``fit`` / ``evaluate`` / ``predict`` / ``*_on_batch`` call, the same for every
+    rank.
 
     Args:
-        method: "fit", "evaluate" or "predict".
+        method: "fit", "evaluate", "predict", "train_on_batch", "test_on_batch" or
+            "predict_on_batch".
         key: what the rank's cached replica must match (``replicas.replica_key``).
         kwargs: Keras's keyword arguments, global batch sizes, without callbacks
             (the pool replaces arrays by ``transport.Leaf`` files).
@@ -75,6 +77,8 @@ class Call:
         model: the model for a worker that has no replica for ``key`` yet.
         state_path: the pool's ``transport.StateFile``; slot 0 holds the state in.
         layout: the arrays in that file.
+        state_in: False when the ranks' replicas hold the template's state already
+            (nothing written to slot 0: the replicas stay as they are).
     """
 
     method: str
@@ -90,6 +94,7 @@ class Call:
     model: Optional[ModelSpec] = None
     state_path: Optional[str] = None
     layout: Optional[StateLayout] = None
+    state_in: bool = True
 
 
 @dataclass(frozen=True)
@@ -198,10 +203,15 @@ class RankResult:
         result: fit: None; evaluate: Keras's return value (summed over ranks);
             predict: Predictions; or Aborted.
         states: this rank's stateful RNN state rows (empty list: none).
+        rows: the ``*_on_batch`` methods: the real rows of the batch this rank ran.
+        touched: a call that does not train changed this rank's replica state (a
+            custom step assigned a variable): the template's goes in next time.
     """
 
     result: Any = None
     states: list = field(default_factory=list)
+    rows: Optional[int] = None
+    touched: bool = False
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ class WorkerPool:
         self.world = len(self.devices)
         self.procs, self.conns, self.outs, self._pids = [], [], [], []
         self.model_key = None
+        self.synced = None  # the token of the launcher whose template the replicas hold
         self.closed = False
         self._state = None  # kept between calls: its pages are mapped already
         self._marks = [0] * self.world

@@ -199,8 +199,9 @@ class CallbackDriver:
     progress bar shows them too. The reply also carries whether to stop and the
     learning rate, or ``abort`` once a callback has raised: the exception is kept in
     ``error`` and raised by the engine after every rank has left the call, so the
-    worker pool stays usable. KeyboardInterrupt propagates: the engine then kills
-    the workers, like a Ctrl-C anywhere else in the call. Before ``on_train_end``,
+    worker pool stays usable -- a KeyboardInterrupt as well: the workers are waiting
+    for this reply, so they stop at this hook and the model keeps what plain Keras
+    keeps (the steps done). Before ``on_train_end``,
     and before ``on_epoch_end`` unless every callback is known to leave the weights
     alone (``_weight_free``), it loads rank 0's latest state into the model, so a
     checkpoint or early-stopping callback sees current weights.
@@ -218,7 +219,8 @@ class CallbackDriver:
         self.error, self.final_loaded, self._params = None, False, None
         callbacks = list(callbacks or [])
         hooks = implemented_hooks(callbacks)
-        family = {"fit": TRAIN_HOOKS, "evaluate": TEST_HOOKS, "predict": PREDICT_HOOKS}[method]
+        family = {"fit": TRAIN_HOOKS, "evaluate": TEST_HOOKS,
+                  "predict": PREDICT_HOOKS}.get(method, ())  # *_on_batch: no callbacks
         if method == "fit":  # fit's validation runs the test hooks too
             family = family + TEST_HOOKS
             hooks |= {"on_train_begin", "on_epoch_end"}  # the History lives here
@@ -260,10 +262,11 @@ class CallbackDriver:
             for callback in self.callbacks.callbacks:
                 fn = getattr(callback, hook)
                 fn(logs) if index is None else fn(index, logs)
-        except KeyboardInterrupt:
-            raise  # Ctrl-C: the engine stops every worker now
         except BaseException as e:
-            self.error = e  # the workers leave the call together; the engine raises it
+            # KeyboardInterrupt too (raised by a callback, or Ctrl-C while one runs): the
+            # workers wait for this reply, so they leave the call together at this hook
+            # and keep the state plain Keras keeps; the engine raises it, the pool lives
+            self.error = e
             return Reply(abort=True)
         initial_epoch, reload = None, False
         if hook == "on_train_begin":

@@ -178,6 +178,24 @@ def copy_lr(src, dst):
         b.assign(a.numpy())
 
 
+def marks(model):
+    """What tells whether ``model``'s state changed later: each weight's and optimizer
+    variable's tensor with its ``_version`` (torch bumps it at every in-place change;
+    a new tensor is another object)."""
+    variables = list(model.weights)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and opt.built:
+        variables += list(opt.variables)
+    return [(t, t._version) for t in (v.value for v in variables)]
+
+
+def unchanged(model, old):
+    """True when ``model``'s state is still what ``marks`` saw (same tensors, versions)."""
+    new = marks(model)
+    return len(new) == len(old) and all(
+        a is b and va == vb for (a, va), (b, vb) in zip(new, old))
+
+
 # -- stateful RNN rows ------------------------------------------------------------------
 def states_of(template):
     """The template's stateful RNN states, all B rows each (empty list: none)."""

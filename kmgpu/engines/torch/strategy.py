@@ -31,6 +31,9 @@ from kmgpu.engines.torch import collectives, data, keras_fixes, own_steps
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.relay import Abort, SyncCallback
 
+#: the methods that run one batch (as ``kmgpu.engines.base.ON_BATCH``)
+ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
+
 
 class DDPStrategy:
     """This rank's place in the group and what its replica's steps share.
@@ -50,6 +53,7 @@ class DDPStrategy:
         self.collective = False  # metric variables are summed over ranks when read
         self.n_real = None       # real rows of this rank's current training batch
         self.in_train_step = False
+        self.last_rows = None    # real rows of this rank's share of the last *_on_batch
 
     # -- state across ranks -------------------------------------------------------------
     def broadcast_state(self, replica):
@@ -333,6 +337,8 @@ class DDPStrategy:
             stand-in rows dropped.
         """
         kwargs = dict(kwargs)
+        if method in ON_BATCH:
+            return self._on_batch(replica, method, kwargs)
         kwargs.pop("callbacks", None)
         verbose = kwargs.pop("verbose", "auto") if self.rank == 0 else 0
         kwargs.pop("verbose", None)
@@ -363,6 +369,34 @@ class DDPStrategy:
         except Abort:
             return Aborted()
         raise ValueError(method)
+
+    def _on_batch(self, replica, method, kwargs):
+        """``train_on_batch`` / ``test_on_batch`` / ``predict_on_batch`` on this rank's
+        contiguous rows of the one batch (``RankSlices`` of one global batch: a stand-in
+        row of weight 0 where the share is empty). Train and test return Keras's logs
+        with the metrics summed over ranks; predict this rank's ``Predictions``."""
+        x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
+        n = data.num_rows(x)
+        slices = data.RankSlices(data.source_of(x, y, sw), n, self.rank, self.world)
+        batch = slices[0]
+        n_real = self.last_rows = slices.current[0]
+        if method == "predict_on_batch":
+            out = replica.predict_on_batch(batch[0])
+            lo, _ = data.split(n, self.world, self.rank)
+            return Predictions(np.arange(lo, lo + n_real), keras.tree.map_structure(
+                lambda a: np.asarray(a)[:n_real], out))
+        part = "train" if method == "train_on_batch" else "test"
+        saved = getattr(self, part), self.collective
+        setattr(self, part, slices)
+        self.collective = True
+        try:
+            getattr(replica, method)(*batch, return_dict=True)
+            with self._summed_metrics(replica):
+                logs = keras_fixes.pythonify_logs(replica.get_metrics_result())
+        finally:
+            setattr(self, part, saved[0])
+            self.collective = saved[1]
+        return logs if kwargs.get("return_dict") else replica._flatten_metrics_in_order(logs)
 
     def _predict(self, replica, kwargs, verbose, sync):
         x = kwargs.pop("x")

@@ -240,9 +240,10 @@ class Worker:
         clock("replica")
         state = transport.StateFile(call.state_path, call.layout.arrays)
         try:
-            if self.rank == 0:
-                replicas.load_arrays(replica, state.read(0), call.layout)
-            s.broadcast_state(replica)
+            if call.state_in:  # else the replicas hold the template's state already
+                if self.rank == 0:
+                    replicas.load_arrays(replica, state.read(0), call.layout)
+                s.broadcast_state(replica)
             s.write_state_rows(replica, call.rnn_states)
             clock("state in")
             kwargs = data.receive(call.kwargs)
@@ -250,6 +251,8 @@ class Worker:
             def reload(model):  # the driver's callbacks set the model's state: slot 0
                 replicas.load_arrays(model, state.read(0), call.layout)
 
+            before = None if call.method in ("fit", "train_on_batch") else \
+                replicas.marks(replica)
             snapshot = None
             if call.method == "fit" and self.rank == 0:
                 snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
@@ -261,10 +264,14 @@ class Worker:
                                           _stop_on_request(state, self.rank)])
             if isinstance(result, Aborted) and snapshot is not None:
                 snapshot(replica, -2)  # stopped: the last completed step's state goes back
+            if call.method == "train_on_batch" and self.rank == 0:
+                _Snapshots(state, call.layout, True, clock)(replica, -1)  # the new state
             clock(call.method)
             clock.report()
             # this rank's stateful RNN rows go back to the user's model, like the weights
-            return RankResult(result, s.state_rows(replica))
+            rows = s.last_rows if call.method.endswith("_on_batch") else None
+            touched = before is not None and not replicas.unchanged(replica, before)
+            return RankResult(result, s.state_rows(replica), rows, touched)
         finally:
             state.close()
 
