@@ -66,18 +66,18 @@ def _distributed(strategy, source, shuffle, class_weight, repeat):
     import tensorflow as tf
 
     if inspect.isgenerator(source):
-        first = keras_fixes.standardize_batch(next(source), class_weight)
-        rest = (keras_fixes.standardize_batch(b, class_weight) for b in source)
+        first = common.standardize_batch(next(source), class_weight)
+        rest = (common.standardize_batch(b, class_weight) for b in source)
         stream = itertools.chain([first], rest)  # one stream: epochs continue it
 
         def batches():
             return stream
     else:
-        first = keras_fixes.standardize_batch(source[0], class_weight)
+        first = common.standardize_batch(source[0], class_weight)
 
         def batches():  # fit: pass after pass; evaluate / predict: one pass
             for _ in itertools.count() if repeat else range(1):
-                yield from keras_fixes.py_dataset_pass(source, shuffle, class_weight)
+                yield from common.py_dataset_pass(source, shuffle, class_weight)
 
     first = keras.tree.map_structure(np.asarray, first)
     signature = keras.tree.map_structure(

@@ -62,10 +62,6 @@ PATCHES = [
     ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
      "made a direct call in cross-replica context while accumulate_across_replicas runs "
      "the optimizer's apply there (it would ask a missing replica context to merge)"),
-    ("keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetAdapter._get_iterator",
-     "reads a PyDataset (workers, shuffling, class weights) for the per-replica feed"),
-    ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
-     "class weights of a generator fed per replica"),
     ("keras.src.utils.python_utils", "pythonify_logs",
      "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
      "mean of each replica's own metric results, wrong when a batch splits unevenly; "
@@ -483,31 +479,3 @@ def reduce_before_clipping(optimizer):
     optimizer._clip_gradients, optimizer._all_reduce_sum_gradients = clip_summed, \
         all_reduce_once
     optimizer._kmgpu_clip = True
-
-
-# -- Python data: batches for the per-replica feed ---------------------------------------
-def standardize_batch(batch, class_weight=None):
-    """A generator's batch as Keras reads it: (x,), (x, y) or (x, y, sample_weight)."""
-    import numpy as np
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    if isinstance(batch, dict) or isinstance(batch, np.ndarray):
-        batch = (batch,)
-    batch = tuple(batch)
-    if class_weight is not None and len(batch) == 2:
-        batch += (data_adapter_utils.class_weight_to_sample_weights(batch[1], class_weight),)
-    return batch
-
-
-def py_dataset_pass(dataset, shuffle=False, class_weight=None):
-    """One pass over a PyDataset through Keras's own adapter (its workers, its batch
-    shuffling, its class weights), with the dataset's epoch hooks around it; endless
-    for a PyDataset without length."""
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-
-    adapter = PyDatasetAdapter(dataset, class_weight=class_weight, shuffle=shuffle)
-    adapter.on_epoch_begin()
-    try:
-        yield from adapter._get_iterator()
-    finally:
-        adapter.on_epoch_end()
