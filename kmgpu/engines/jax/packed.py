@@ -49,17 +49,19 @@ def enabled():
 def describe(function):
     """The train step line of describe() for a ``PackedTrainFunction`` (or None)."""
     off = "switch off: KMGPU_JAX_FAST=0"
+    undecided = ("Keras's jitted step or kmgpu's packed one (the model state as a few flat "
+                 f"arrays), whichever measures faster in the first fit ({off})")
     if function is None or function.arrays is None:
-        return ("Keras's jitted step or kmgpu's packed one (the model state as a few flat "
-                f"arrays), whichever measures faster in the first fit ({off})")
+        return undecided
     packed = (f"kmgpu's packed step (the model state as {function.groups} flat array(s) "
               f"instead of {function.arrays})")
     if function.mode == "packed":
         return f"{packed}, KMGPU_JAX_FAST=packed ({off})"
     m = function.measured
     times = ", ".join(f"{k} {1e3 * m[k]:.2f} ms/step" for k in ("keras", "packed") if k in m)
-    if function.choice is None:
-        return f"measuring Keras's jitted step against {packed}: {times or 'not yet'} ({off})"
+    if function.choice is None:  # a fit shorter than the measurement: no choice yet
+        return undecided if not times else (
+            f"measuring Keras's jitted step against {packed}: {times} so far ({off})")
     chosen = packed if function.choice == "packed" else "Keras's jitted step"
     return f"{chosen}, measured faster ({times}; {off})"
 
