@@ -176,7 +176,7 @@ def _kmgpu_measuring(callback):
     Without this, timing a fit with them made the driver load rank 0's whole state
     (weights + optimizer state) at every epoch end, and rank 0 snapshot it for that:
     ~280 MB for ResNet-50 with Adam, ~0.5 s per epoch on 2 H200s
-    (``profiles/torch/RESULTS.md`` section 7)."""
+    (``benchmarks/profiles/torch/RESULTS.md`` section 7)."""
     from kmgpu.callbacks import EpochTimer, GPUMonitor
 
     if not isinstance(callback, (EpochTimer, GPUMonitor)):
