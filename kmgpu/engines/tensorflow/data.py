@@ -17,7 +17,7 @@ once, and predict's outputs (replica blocks concatenated) stay in order.
 import inspect
 import itertools
 
-from kmgpu.engines.tensorflow import keras_fixes
+from kmgpu.engines import keras_fixes as common
 
 
 def is_python_data(x):
