@@ -48,11 +48,6 @@ def _one(model):
         return kmgpu.parallelize(model, gpus=1)
 
 
-def _fit_one(*args, **kwargs):
-    with pytest.warns(UserWarning, match="kmgpu: one device"):
-        return _fit(*args, **kwargs)
-
-
 _MODEL = []
 
 
@@ -94,7 +89,7 @@ def test_default_on_a_gpu_is_the_captured_step_on_one_device_and_on_two(monkeypa
         calls = _forced_capture(monkeypatch, fail_update=True)
         x, y = data("mlp", 97)
         ref, ref_history, _ = _fit(mlp, x, y, None, jit=False, batch=8)
-        model, history, parallel = _fit_one(mlp, x, y, 1, jit="auto", batch=8)
+        model, history, parallel = _fit(mlp, x, y, 1, jit="auto", batch=8)  # asserts the one-device note
         assert len(calls) == 2  # graph A and graph B of the full batch
         assert parallel.describe().count("captured: forward+backward") == 1
         assert rel_diff(ref.get_weights(), model.get_weights()) <= 1e-5
