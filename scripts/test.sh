@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (if needed) and run the test suite, one process per
 # Keras backend: tests/unit, tests/common and tests/<backend> run under
-# KERAS_BACKEND=<backend>. About 7 minutes on an idle 2-core machine (417 s, 653 tests;
-# 1698 s for 668 on a loaded one), plus a few minutes to make .venv the first time. With
-# several backends the sessions run in two lanes side by side (the suite is ~600
+# KERAS_BACKEND=<backend>. About 20 minutes on an idle 2-core machine (1,189 s, 731 tests,
+# measured in a fresh clone), plus a few minutes to make .venv the first time. With
+# several backends the sessions run in two lanes side by side (the suite is ~1,800
 # CPU-seconds; one session leaves the second core mostly idle); each line of progress
 # (one per finished test file, tests/conftest.py --file-progress) is printed as it comes,
-# prefixed with its backend; about 90 lines in all, the summary last.
+# prefixed with its backend; about 105 lines in all, the summary last.
 # KMGPU_TEST_SERIAL=1 runs them one after the other.
 # Usage: bash scripts/test.sh [backend ...] [-- extra pytest args]
 set -u
