@@ -241,8 +241,7 @@ def epoch_iterator(x, steps_per_epoch=None, build=None):
 
 
 # -- the captured step (graphs.py) --------------------------------------------------------
-_SWAP = {"depth": 0, "code": None, "kwdefaults": None}
-_SWAP_LOCK = threading.Lock()
+_SWAP = {"code": None, "kwdefaults": None}
 _CONSTANTS = {}
 _CONSTANTS_MAX = 1024
 
@@ -306,26 +305,37 @@ def _swap_out():
     _SWAP["code"] = _SWAP["kwdefaults"] = None
 
 
-class device_scalars:
+class _Swap:
+    """Re-entrant, thread-safe: swap_in() as the outer block opens, swap_out() as it ends."""
+
+    def __init__(self, swap_in, swap_out):
+        self._in, self._out, self._depth, self._lock = swap_in, swap_out, 0, threading.Lock()
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._in()
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._out()
+        return False
+
+
+_SCALARS = _Swap(_swap_in, _swap_out)
+
+
+def device_scalars():
     """Within the block, Keras's torch ``convert_to_tensor`` makes python scalars on
     the device (``torch.full``) and constant lists once (then a device copy each
     call), so a step has no host-to-device copy and can be captured as a CUDA
     graph; the values are Keras's own. The function's code object is swapped (not
     the module attribute: Keras's modules import it by name). Re-entrant."""
-
-    def __enter__(self):
-        with _SWAP_LOCK:
-            if _SWAP["depth"] == 0:
-                _swap_in()
-            _SWAP["depth"] += 1
-        return self
-
-    def __exit__(self, *exc):
-        with _SWAP_LOCK:
-            _SWAP["depth"] -= 1
-            if _SWAP["depth"] == 0:
-                _swap_out()
-        return False
+    return _SCALARS
 
 
 def wants_captured_step(model):
@@ -342,8 +352,7 @@ def set_jit_compile(model, value):
 
 
 # -- random layers inside the captured step (graphs.py) ----------------------------------
-_RANDOM = {"depth": 0, "made": None}
-_RANDOM_LOCK = threading.Lock()
+_RANDOM = {"made": None}
 
 
 def _draw_key(seed, device):
@@ -469,7 +478,16 @@ def _random_functions():
         (RandomCrop, "transform_images", crop, crop_images)]
 
 
-class device_random:
+def _swap_random(use):
+    _RANDOM["made"] = _RANDOM["made"] or _random_functions()
+    for owner, name, keras_fn, device_fn in _RANDOM["made"]:
+        setattr(owner, name, device_fn if use else keras_fn)
+
+
+_RANDOMS = _Swap(lambda: _swap_random(True), lambda: _swap_random(False))
+
+
+def device_random():
     """Within the block, Keras's torch random functions (``normal``, ``uniform``,
     ``randint``, ``dropout`` with a seed or noise_shape, ``shuffle``, ``categorical``;
     ``truncated_normal`` calls ``normal``) draw from the seed generator's device state
@@ -479,21 +497,4 @@ class device_random:
     ``RandomCrop`` crops at its device offsets. Module attributes are swapped (Keras
     calls them as ``backend.random.<name>``).
     Re-entrant."""
-
-    def __enter__(self):
-        with _RANDOM_LOCK:
-            if _RANDOM["depth"] == 0:
-                if _RANDOM["made"] is None:
-                    _RANDOM["made"] = _random_functions()
-                for owner, name, _, fn in _RANDOM["made"]:
-                    setattr(owner, name, fn)
-            _RANDOM["depth"] += 1
-        return self
-
-    def __exit__(self, *exc):
-        with _RANDOM_LOCK:
-            _RANDOM["depth"] -= 1
-            if _RANDOM["depth"] == 0:
-                for owner, name, fn, _ in _RANDOM["made"]:
-                    setattr(owner, name, fn)
-        return False
+    return _RANDOMS
