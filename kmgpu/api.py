@@ -7,7 +7,8 @@ from kmgpu import checks, connector, environment, lr, models, plan
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
-                sync_batchnorm=False, reset_states="epoch", drop_remainder=False):
+                sync_batchnorm=False, reset_states="epoch", drop_remainder=False,
+                shard_optimizer=False):
     """Wrap a built Keras model so fit / evaluate / predict run on several devices.
 
     Args:
@@ -31,18 +32,24 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             ``parallel.reset_states()``).
         drop_remainder: stateful RNNs: drop the samples after the last whole batch
             instead of raising an error.
+        shard_optimizer: True lays the optimizer's state (Adam's moments, momentum...)
+            out over the devices, 1/N on each (ZeRO stage 1); weights and gradients
+            stay replicated. JAX only; a no-op on one device.
 
     Returns:
         A ``ParallelModel``.
     """
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                                drop_remainder)
+                                drop_remainder, shard_optimizer)
     engine, backend = connector.connect(model, gpus, options)
     if engine.num_replicas == 1:
         warnings.warn(
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",
             stacklevel=2,
         )
+        if shard_optimizer:
+            warnings.warn("kmgpu: shard_optimizer=True on one device: nothing to shard, the "
+                          "optimizer state stays whole on that device (a no-op).", stacklevel=2)
     return ParallelModel(model, engine, options, backend)
 
 

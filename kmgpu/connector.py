@@ -8,6 +8,13 @@ The front (``api.py``) never asks which backend runs; each engine lives in
 from kmgpu import environment, hardware, models, plan
 from kmgpu.engines import engine_class
 
+#: backends whose engine has no sharded optimizer state (``shard_optimizer=True``): why
+NO_SHARDED_OPTIMIZER = {
+    "tensorflow": "tf.distribute.MirroredStrategy has no sharded optimizer state (every "
+                  "replica keeps a whole copy)",
+    "torch": "it is not yet available on the torch backend",
+}
+
 
 def connect(model, gpus, options):
     """Check ``model`` and ``gpus`` and make the engine that will run it.
@@ -26,6 +33,10 @@ def connect(model, gpus, options):
     """
     models.check_model(model)
     backend = hardware.backend_name()
+    if options.shard_optimizer and backend in NO_SHARDED_OPTIMIZER:
+        raise NotImplementedError(
+            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX backend has it "
+            "(KERAS_BACKEND=jax); or pass shard_optimizer=False (the default).")
     cls = engine_class(backend)
     if models.stateful_layers(model) and not cls.supports_stateful:
         raise NotImplementedError(

@@ -30,7 +30,7 @@ keeps the faster, on one device (``JaxLocalEngine``) and on several.
 import contextlib
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.jax import keras_fixes, packed
+from kmgpu.engines.jax import keras_fixes, packed, zero
 from kmgpu.engines.local import LocalEngine
 
 
@@ -93,6 +93,12 @@ class JaxEngine(InProcessEngine):
     def scope(self):
         return self.distribution.scope()
 
+    def _ensure_replica(self, template, lr_scale):
+        replica = super()._ensure_replica(template, lr_scale)
+        if self.options.shard_optimizer:  # before its optimizer makes a variable
+            zero.shard(getattr(replica, "optimizer", None), self.distribution)
+        return replica
+
     def prepare_replica(self, replica, template):
         d = self.distribution
         self._bn = (0, [])
@@ -132,7 +138,7 @@ class JaxEngine(InProcessEngine):
 
         if self.multiprocess:  # arrays across processes: through NumPy, as before
             return super().copy_back(pairs)
-        values = [r.value.addressable_shards[0].data for r, _ in pairs]
+        values = [zero.gather(r.value) for r, _ in pairs]
         places = [t.value.sharding for _, t in pairs]
         for (_, t), v in zip(pairs, jax.device_put(values, places, may_alias=False)):
             t.assign(v)
@@ -170,7 +176,8 @@ class JaxEngine(InProcessEngine):
     def call_context(self, method):
         # several processes: each would measure and choose alone, and all must run the
         # same program; they keep Keras's step
-        steps = contextlib.nullcontext() if self.multiprocess else self._packed.context(
+        steps = contextlib.nullcontext() if (
+            self.multiprocess or self.options.shard_optimizer) else self._packed.context(
             method, self.replica)
         with keras_fixes.replicate_indivisible(self.distribution), steps:
             yield
@@ -178,6 +185,8 @@ class JaxEngine(InProcessEngine):
     def train_step_mode(self, template):
         if self.multiprocess:
             return "Keras's own jitted step (several processes)"
+        if self.options.shard_optimizer:
+            return "Keras's own jitted step (shard_optimizer=True)"
         return self._packed.describe(self.replica or template)
 
     def batchnorm_mode(self):

@@ -33,6 +33,13 @@ PATCHES = [
      "reads fit's _jax_state lists (packed.py hands lazy lists that unpack when read)"),
     ("keras.src.trainers.trainer", "Trainer.compile",
      "sets _compile_config anew on each compile: what a cached packed step is keyed on"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.add_variable_from_reference",
+     "shard_optimizer=True (zero.py): it passes each slot its weight's _layout (whole on every "
+     "device under DataParallel); lay_out_optimizer replaces add_variable on the replica's "
+     "optimizer (instance attribute) to pass a layout sharded over the devices instead"),
+    ("keras.src.backend.jax.core", "JaxVariable._direct_assign",
+     "shard_optimizer=True: an optimizer variable built before is re-laid by setting its "
+     "private _layout and assigning its value again (_direct_assign places it by _layout)"),
 ]
 
 
@@ -184,3 +191,33 @@ def train_function(model, function):
 def compiled_with(model):
     """An object that is new on every ``compile()`` of ``model`` (its compile config)."""
     return getattr(model, "_compile_config", None)
+
+
+def lay_out_optimizer(optimizer, layout_of):
+    """``shard_optimizer=True`` (``zero.py``): give ``optimizer``'s variables the layout
+    ``layout_of(shape)`` (None: the layout Keras gives).
+
+    Keras's ``add_variable_from_reference`` passes each slot its weight's ``_layout``
+    (whole on every device under DataParallel) to ``add_variable``; an instance
+    attribute ``add_variable`` (on the replica's optimizer, never the user's) swaps in
+    the sharded layout, so a slot is created sharded. Variables the optimizer has
+    already are re-laid (``_layout``, then re-assigned: ``_direct_assign`` places the
+    value by it).
+    """
+    if getattr(optimizer, "_kmgpu_laid_out", False):
+        return
+    original = optimizer.add_variable
+
+    def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
+                     layout=None, name=None):
+        layout = layout_of(tuple(shape)) or layout
+        return original(shape, initializer=initializer, dtype=dtype,
+                        aggregation=aggregation, layout=layout, name=name)
+
+    object.__setattr__(optimizer, "add_variable", add_variable)
+    object.__setattr__(optimizer, "_kmgpu_laid_out", True)
+    for v in optimizer.variables:
+        new = layout_of(tuple(v.shape))
+        if new is not None:
+            v._layout = new
+            v.assign(v.value)

@@ -1,0 +1,72 @@
+"""``shard_optimizer=True`` on JAX: the optimizer's state laid out over the devices
+(ZeRO stage 1, Rajbhandari et al. 2020).
+
+Keras gives each optimizer slot (Adam's moments, SGD's momentum, RMSprop's average...)
+its weight's layout, which under ``DataParallel`` is a whole copy on every device. Here
+the replica's optimizer creates its variables laid out along the device axis instead,
+each on the first of its dimensions the device count N divides: every device holds 1/N
+of each. Weights and gradients stay replicated, as without the option; Keras's own
+jitted train step runs as always, and its ``out_shardings`` (the variables' shardings)
+tell XLA to keep the state sharded: XLA's SPMD partitioner computes each device's part
+of the update and gathers the new weights.
+
+A variable none of whose dimensions N divides (a bias of 3 on 4 devices, the step
+counter, a scalar) stays whole on every device; ``state_bytes`` counts it so.
+Nothing changes in the arithmetic: the update is the same elementwise expression, so
+the weights equal the unsharded run's.
+
+The user's model holds the whole state after every ``fit``: ``gather`` brings a
+sharded value back whole (the engine's ``copy_back``).
+"""
+
+from kmgpu.engines.jax import keras_fixes
+
+
+def layout(shape, distribution):
+    """The sharded ``TensorLayout`` for a variable of ``shape``, or None (keep it whole):
+    the device axis on the first dimension the device count divides."""
+    import keras
+
+    n = distribution.num_model_replicas
+    for i, size in enumerate(shape):
+        if size and size >= n and size % n == 0:
+            axes = [None] * len(shape)
+            axes[i] = distribution.batch_dim_name
+            return keras.distribution.TensorLayout(axes, distribution.device_mesh)
+    return None
+
+
+def shard(optimizer, distribution):
+    """Lay ``optimizer``'s state (and a wrapped inner optimizer's) out over the devices:
+    the variables it creates from now on, and those it has already.
+
+    Idempotent; a no-op on one device.
+    """
+    if distribution.num_model_replicas < 2 or optimizer is None:
+        return
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None:
+            keras_fixes.lay_out_optimizer(opt, lambda shape: layout(shape, distribution))
+
+
+def gather(value):
+    """What ``copy_back`` puts on the template's device for a replica's value: a
+    replicated value's first copy, a sharded one as it is (``jax.device_put`` to the
+    template's placement gathers it whole)."""
+    return value.addressable_shards[0].data if value.sharding.is_fully_replicated else value
+
+
+def is_sharded(value):
+    return not value.sharding.is_fully_replicated
+
+
+def state_bytes(variables):
+    """(bytes on the fullest device, bytes of the whole state) of ``variables``, from the
+    arrays' addressable shards."""
+    per_device, whole = {}, 0
+    for v in variables:
+        a = v.value
+        whole += a.nbytes
+        for s in a.addressable_shards:
+            per_device[s.device] = per_device.get(s.device, 0) + s.data.nbytes
+    return max(per_device.values(), default=0), whole
