@@ -152,7 +152,10 @@ def _compile_args(template, lr_scale):
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        optimizer = optimizer.__class__.from_config(optimizer.get_config())
+        from kmgpu.engines import keras_fixes
+
+        source, optimizer = optimizer, optimizer.__class__.from_config(optimizer.get_config())
+        keras_fixes.copy_weight_decay_exclusions(source, optimizer)
         factor, warmup_steps = lr_scale
         if lr.is_schedule(optimizer) and (factor != 1.0 or warmup_steps):
             optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,

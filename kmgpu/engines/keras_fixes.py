@@ -33,6 +33,10 @@ PATCHES = [
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "class weights of a generator fed per replica (TensorFlow)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
+     "keeps var_names in a private _exclude_from_weight_decay_pattern, not in get_config(): "
+     "a replica's optimizer made from the config decays every variable (AdamW's exclusions "
+     "lost); copy_weight_decay_exclusions copies the pattern"),
 ]
 
 
@@ -266,3 +270,12 @@ def py_dataset_pass(dataset, shuffle=False, class_weight=None):
         yield from adapter._get_iterator()
     finally:
         adapter.on_epoch_end()
+
+
+def copy_weight_decay_exclusions(src, dst):
+    """Give optimizer ``dst`` the ``exclude_from_weight_decay(var_names=...)`` of ``src``
+    (Keras keeps it outside ``get_config()``). Exclusions given as ``var_list`` name the
+    template's own variables and are not carried."""
+    pattern = getattr(src, "_exclude_from_weight_decay_pattern", None)
+    if pattern is not None:
+        dst.exclude_from_weight_decay(var_names=[pattern.pattern])
