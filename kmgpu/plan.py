@@ -104,9 +104,33 @@ def describe(*, backend, engine, options, template, samples=None, batch_size=Non
         *([("train step", step)] if (step := engine.train_step_mode(template)) else []),
         ("stateful RNNs", stateful),
         ("all-reduce/step", f"{_bytes(reduced)} (params {_bytes(params)} x 2(N-1)/N)"),
+        ("memory/device", _memory(engine, options, template, params)),
     ]
     width = max(len(k) for k, _ in lines)
     return "kmgpu plan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
+
+
+def _memory(engine, options, template, grads):
+    """Bytes per device of the weights, the gradients and the optimizer state, with
+    ``shard_optimizer`` and without (activations and temporaries not counted)."""
+    n = engine.num_replicas
+    w = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in models.weights(template))
+    text = f"weights {_bytes(w)}, gradients {_bytes(grads)} (whole on every device), optimizer "
+    opt = getattr(template, "optimizer", None)
+    whole = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in models.optimizer_state(
+        opt)) if opt is not None and opt.built else None
+    shard = engine.optimizer_bytes(template) if n > 1 else None
+    if shard is None and whole is None:
+        return text + "state: known once the optimizer is built (after the first fit)"
+    if shard is None:
+        return text + f"state {_bytes(whole)} (whole on every device)"
+    per, whole, kept = shard
+    kept_text = f"; {_bytes(kept)} of it whole: no dimension splits over {n}" if kept else ""
+    if options.shard_optimizer:
+        return (text + f"state {_bytes(per)} (shard_optimizer=True: 1/{n} of "
+                f"{_bytes(whole)}{kept_text})")
+    return (text + f"state {_bytes(whole)} (whole on every device; shard_optimizer=True: "
+            f"{_bytes(per)}{kept_text})")
 
 
 def _itemsize(dtype):

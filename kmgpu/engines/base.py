@@ -72,6 +72,13 @@ class Engine(abc.ABC):
         """How each replica's train step runs, for describe() (None: say nothing)."""
         return None
 
+    def optimizer_bytes(self, template):
+        """The optimizer state sharded over the devices (``shard_optimizer``), for
+        describe(): (bytes on the fullest device, whole bytes, bytes kept whole on every
+        device), measured where it is sharded, else what sharding would give; None when
+        this engine does not shard it."""
+        return None
+
     def batchnorm_mode(self):
         """How BatchNormalization statistics are computed, for describe()."""
         if self.num_replicas == 1:

@@ -73,6 +73,7 @@ def _fit(name, n=None, shard=False, epochs=2, model=None):
 
 
 _REFS = {}
+_SHARDED = {}  # name -> the ParallelModel of test_equals_one_device, for the memory test
 
 
 def _reference(name):
@@ -109,6 +110,7 @@ FLOAT16_TOL = 1e-3
 def test_equals_one_device(name):
     ref, _, ref_history = _reference(name)
     model, parallel, history = _fit(name, n=4, shard=True)
+    _SHARDED[name] = parallel
     if "float16" in name:  # Adam's second moment squares the float16 gradients' error
         _assert_same(model, history, ref, ref_history, FLOAT16_TOL, 10 * FLOAT16_TOL)
     else:
@@ -149,3 +151,25 @@ def test_save_load_and_a_second_fit_continue_exactly(tmp_path):
     loaded, _, _ = _fit("rmsprop", n=4, shard=True, epochs=1, model=loaded)
     assert rel_diff(ref.get_weights(), loaded.get_weights()) <= TOL
     assert rel_diff(_state(ref), _state(loaded)) <= TOL
+
+
+def test_optimizer_bytes_per_device_are_one_nth():
+    """From the replica's arrays' addressable shards: each device holds 1/4 of every
+    variable with a dimension 4 divides and the rest whole; describe() says so."""
+    from kmgpu import models
+    from kmgpu.engines.jax import zero
+
+    parallel = _SHARDED.get(ALL) or _fit(ALL, n=4, shard=True)[1]
+    state = models.optimizer_state(parallel._engine.replica.optimizer)
+    per_device = {}
+    for v in state:
+        for shard in v.value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    whole = sum(v.value.nbytes for v in state)
+    kept = sum(v.value.nbytes for v in state if not any(d % 4 == 0 for d in v.shape))
+    assert len(per_device) == 4 and 0 < kept < whole
+    assert set(per_device.values()) == {(whole - kept) // 4 + kept}
+    assert zero.planned_bytes(state, 4) == ((whole - kept) // 4 + kept, whole, kept)
+    assert zero.measured_bytes(state) == zero.planned_bytes(state, 4)
+    line = [x for x in parallel.describe().splitlines() if "memory/device" in x][0]
+    assert "optimizer state" in line and "shard_optimizer=True: 1/4 of" in line

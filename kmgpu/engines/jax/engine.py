@@ -189,6 +189,10 @@ class JaxEngine(InProcessEngine):
             return "Keras's own jitted step (shard_optimizer=True)"
         return self._packed.describe(self.replica or template)
 
+    def optimizer_bytes(self, template):
+        return zero.state_bytes(self.replica, template, self.distribution,
+                                self.options.shard_optimizer)
+
     def batchnorm_mode(self):
         if self.num_replicas == 1:
             return "one device"

@@ -56,17 +56,44 @@ def gather(value):
     return value.addressable_shards[0].data if value.sharding.is_fully_replicated else value
 
 
-def is_sharded(value):
-    return not value.sharding.is_fully_replicated
-
-
-def state_bytes(variables):
-    """(bytes on the fullest device, bytes of the whole state) of ``variables``, from the
-    arrays' addressable shards."""
-    per_device, whole = {}, 0
+def measured_bytes(variables):
+    """(bytes on the fullest device, bytes of the whole values, bytes of the variables
+    kept whole on every device) of ``variables``, from their arrays' addressable shards."""
+    per_device, whole, kept = {}, 0, 0
     for v in variables:
         a = v.value
         whole += a.nbytes
+        kept += a.nbytes if a.sharding.is_fully_replicated else 0
         for s in a.addressable_shards:
             per_device[s.device] = per_device.get(s.device, 0) + s.data.nbytes
-    return max(per_device.values(), default=0), whole
+    return max(per_device.values(), default=0), whole, kept
+
+
+def planned_bytes(variables, n):
+    """What ``measured_bytes`` would give with ``variables`` sharded over ``n`` devices by
+    ``layout``'s rule (a variable with a dimension n divides: 1/n; else whole)."""
+    import numpy as np
+
+    per, whole, kept = 0, 0, 0
+    for v in variables:
+        size = int(np.prod(v.shape, dtype=np.int64)) * np.dtype(v.dtype).itemsize
+        whole += size
+        if any(d and d >= n and d % n == 0 for d in v.shape):
+            per += size // n
+        else:
+            per, kept = per + size, kept + size
+    return per, whole, kept
+
+
+def state_bytes(replica, template, distribution, sharded):
+    """``Engine.optimizer_bytes``: measured on ``replica`` when its optimizer is sharded
+    and built, else planned from whichever optimizer is built (None if neither is)."""
+    from kmgpu import models
+
+    n = distribution.num_model_replicas
+    for model, measure in ((replica, sharded), (template, False)):
+        opt = getattr(model, "optimizer", None)
+        if opt is not None and opt.built:
+            state = models.optimizer_state(opt)
+            return measured_bytes(state) if measure else planned_bytes(state, n)
+    return None
