@@ -1,0 +1,158 @@
+"""``shard_optimizer=True`` (issue 32, ZeRO stage 1 on JAX): what it saves and what it costs.
+
+``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices.
+
+1. Memory. For N = 1, 2, 4, 8 devices, with and without sharding, a model of Dense
+   layers whose sizes 8 divides is fitted one step with Adam in float32, and the bytes
+   each device holds are read from the arrays' addressable shards (the replica's
+   weights and optimizer state; the gradients are whole on every device during the
+   step, as many bytes as the trainable weights). Divided by the parameter count they
+   give the bytes per parameter per device, b(N), and the largest model that fits one
+   H200 is ``P_max = M / b(N)`` with M = 141e9 bytes (the H200's 141 GB), i.e.
+
+       b(N) = 4 (weights) + 4 (gradients) + 8 / N (Adam's m and v; 8 unsharded)
+
+   Left out of b(N), so the real limit is lower: activations (which grow with the batch
+   and the depth, and often dominate), XLA's temporaries in the step (the updated
+   weights before they are gathered, fusion buffers), the step counter and variables
+   no dimension of which N divides (kept whole; ~0 here), the framework's own
+   reservation (XLA preallocates 75% of the GPU by default), and the whole copy of the
+   weights and optimizer state that the user's own model keeps on its device (device 0)
+   between calls.
+
+2. ``--speed``: the step time of the sharded and the unsharded fit on 4 simulated
+   devices, order-balanced in one process (unsharded, sharded, unsharded, sharded...,
+   each after its own compile), median epoch time of each.
+
+Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` asserts
+the bytes per device on a tiny model).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+H200 = 141e9  # bytes
+
+
+def _model(width, depth, features=16):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((features,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    return keras.Sequential(layers + [keras.layers.Dense(8)])
+
+
+def _parallel(n, shard, width, depth):
+    import kmgpu
+
+    model = _model(width, depth)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one device; few steps
+        parallel = kmgpu.parallelize(model, gpus=n, shard_optimizer=shard)
+    parallel.compile(optimizer="adam", loss="mse")
+    return model, parallel
+
+
+def _per_device(variables):
+    sizes = {}
+    for v in variables:
+        for s in v.value.addressable_shards:
+            sizes[s.device] = sizes.get(s.device, 0) + s.data.nbytes
+    return max(sizes.values())
+
+
+def memory(width, depth):
+    import numpy as np
+
+    from kmgpu import models
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 8)).astype("float32")
+    rows = []
+    for n in (1, 2, 4, 8):
+        for shard in (False, True):
+            if n == 1 and shard:
+                continue  # a no-op
+            model, parallel = _parallel(n, shard, width, depth)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                parallel.fit(x, y, batch_size=64, epochs=1, verbose=0)
+            live = parallel._engine.replica if n > 1 else model
+            params = sum(int(np.prod(v.shape)) for v in live.trainable_variables)
+            w = _per_device(models.weights(live)) / params
+            g = sum(v.value.nbytes for v in live.trainable_variables) / params
+            o = _per_device(models.optimizer_state(live.optimizer)) / params
+            b = w + g + o
+            rows.append((n, "yes" if shard else ("no" if n > 1 else "-"), w, g, o, b,
+                         H200 / b / 1e9, params))
+            parallel.close()
+    print(f"Adam, float32; measured on a {depth} x Dense({width}) model "
+          f"({rows[0][-1]:,} parameters), 8 simulated CPU devices; "
+          f"largest model on one H200 = 141e9 B / (bytes per parameter per device)\n")
+    print("| devices | sharded | weights B/param | gradients B/param | optimizer B/param "
+          "| total B/param/device | largest model (billion params) |")
+    print("|---|---|---|---|---|---|---|")
+    for n, s, w, g, o, b, pmax, _ in rows:
+        print(f"| {n} | {s} | {w:.3f} | {g:.3f} | {o:.3f} | {b:.3f} | {pmax:.2f} |")
+
+
+def speed(width, depth, rounds, steps):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = 64 * steps
+    x, y = rng.normal(size=(rows, 16)).astype("float32"), rng.normal(size=(rows, 8)).astype(
+        "float32")
+    runs = {shard: _parallel(4, shard, width, depth)[1] for shard in (False, True)}
+    times = {False: [], True: []}
+
+    def epoch(shard):
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[shard].fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        return (time.perf_counter() - start) / steps
+
+    for shard in (False, True):
+        epoch(shard)  # compile
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for shard in order:
+            times[shard].append(epoch(shard))
+    a, b = statistics.median(times[False]), statistics.median(times[True])
+    params = sum(int(np.prod(v.shape)) for v in runs[False].model.trainable_variables)
+    print(f"\n4 simulated CPU devices, {depth} x Dense({width}) ({params:,} parameters), Adam, "
+          f"batch 64, {steps} steps per fit, {rounds} rounds alternating the order\n")
+    print("| run | median ms/step | all ms/step |")
+    print("|---|---|---|")
+    print(f"| unsharded | {1e3 * a:.2f} | {', '.join(f'{1e3 * t:.1f}' for t in times[False])} |")
+    print(f"| shard_optimizer=True | {1e3 * b:.2f} | "
+          f"{', '.join(f'{1e3 * t:.1f}' for t in times[True])} |")
+    print(f"\nsharded / unsharded: {b / a:.3f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--speed", action="store_true", help="also time the step")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    import kmgpu
+
+    kmgpu.simulate_devices(8)
+    memory(args.width, args.depth)
+    if args.speed:
+        speed(args.width, args.depth, args.rounds, args.steps)
+
+
+if __name__ == "__main__":
+    main()
