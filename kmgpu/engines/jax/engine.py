@@ -76,6 +76,10 @@ class JaxEngine(InProcessEngine):
 
         self._packed = _PackedSteps()
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
+        if self.multiprocess and options.shard_optimizer:  # gathering across processes: untested
+            raise NotImplementedError(
+                "shard_optimizer=True runs in one process (any number of its devices) for "
+                "now, not under kmgpu launch: pass shard_optimizer=False there.")
         if self.multiprocess:  # every process passes the same data; kmgpu places it
             self.distribution.auto_shard_dataset = False
             self.name += f", {jax.process_count()} processes (jax.distributed)"
