@@ -76,10 +76,6 @@ class JaxEngine(InProcessEngine):
 
         self._packed = _PackedSteps()
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
-        if self.multiprocess and options.shard_optimizer:  # gathering across processes: untested
-            raise NotImplementedError(
-                "shard_optimizer=True runs in one process (any number of its devices) for "
-                "now, not under kmgpu launch: pass shard_optimizer=False there.")
         if self.multiprocess:  # every process passes the same data; kmgpu places it
             self.distribution.auto_shard_dataset = False
             self.name += f", {jax.process_count()} processes (jax.distributed)"
@@ -141,7 +137,9 @@ class JaxEngine(InProcessEngine):
         import jax
 
         if self.multiprocess:  # arrays across processes: through NumPy, as before
-            return super().copy_back(pairs)
+            for r, t in pairs:
+                t.assign(zero.host_value(r.value))
+            return
         values = [zero.gather(r.value) for r, _ in pairs]
         places = [t.value.sharding for _, t in pairs]
         for (_, t), v in zip(pairs, jax.device_put(values, places, may_alias=False)):

@@ -16,7 +16,8 @@ Nothing changes in the arithmetic: the update is the same elementwise expression
 the weights equal the unsharded run's.
 
 The user's model holds the whole state after every ``fit``: ``gather`` brings a
-sharded value back whole (the engine's ``copy_back``).
+sharded value back whole (the engine's ``copy_back``; under ``kmgpu launch``
+``host_value``, which gathers the shards of every process).
 """
 
 from kmgpu.engines.jax import keras_fixes
@@ -54,6 +55,19 @@ def gather(value):
     replicated value's first copy, a sharded one as it is (``jax.device_put`` to the
     template's placement gathers it whole)."""
     return value.addressable_shards[0].data if value.sharding.is_fully_replicated else value
+
+
+def host_value(value):
+    """A variable's whole value as a NumPy array, also when its shards span several
+    processes (kmgpu launch: every process calls this for the same variables in the
+    same order, a collective)."""
+    import numpy as np
+
+    if value.is_fully_addressable or value.sharding.is_fully_replicated:
+        return np.asarray(value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def measured_bytes(variables):

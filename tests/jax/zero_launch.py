@@ -1,0 +1,47 @@
+"""What tests/jax/test_zero.py starts with ``kmgpu launch`` on 2 "hosts" x 1 process: an
+Adam fit with ``shard_optimizer=True`` (the slots' shards on different processes), then
+``$KMGPU_TEST_OUT/rank<r>.json`` with the largest relative difference of the weights and of
+the optimizer variables to a one-process fit, and this process's optimizer bytes.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+import kmgpu  # noqa: E402
+from tests.helpers import data, mlp, rel_diff  # noqa: E402
+
+
+def main():
+    from kmgpu import environment, models
+    from kmgpu.engines.jax import zero
+
+    x, y = data("mlp", 64)
+    ref = mlp()
+    ref.compile(optimizer="adam", loss="mse")
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = mlp()
+    parallel = kmgpu.parallelize(model, shard_optimizer=True)
+    parallel.compile(optimizer="adam", loss="mse")
+    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    state = models.optimizer_state(parallel._engine.replica.optimizer)
+    result = {
+        "replicas": parallel.num_replicas,
+        "weights": rel_diff(ref.get_weights(), model.get_weights()),
+        "optimizer": rel_diff([np.asarray(v) for v in ref.optimizer.variables],
+                              [np.asarray(v) for v in model.optimizer.variables]),
+        "bytes": zero.measured_bytes(state),
+        "planned": zero.planned_bytes(state, parallel.num_replicas),
+    }
+    with open(os.path.join(os.environ["KMGPU_TEST_OUT"],
+                           f"rank{environment.process_index()}.json"), "w") as f:
+        json.dump(result, f)
+    parallel.close()
+
+
+if __name__ == "__main__":
+    main()
