@@ -16,9 +16,10 @@
    and the depth, and often dominate), XLA's temporaries in the step (the updated
    weights before they are gathered, fusion buffers), the step counter and variables
    no dimension of which N divides (kept whole; ~0 here), the framework's own
-   reservation (XLA preallocates 75% of the GPU by default), and the whole copy of the
-   weights and optimizer state that the user's own model keeps on its device (device 0)
-   between calls.
+   reservation (XLA preallocates 75% of the GPU by default). The user's own model keeps a
+   whole copy of the weights and the optimizer state on its device (device 0) between
+   calls (kmgpu copies the state back after every fit): the last two columns count it,
+   measured the same way, b0(N) = b(N) + 4 + 8 on device 0, which then sets the limit.
 
 2. ``--speed``: the step time of the sharded and the unsharded fit on 4 simulated
    devices, order-balanced in one process (unsharded, sharded, unsharded, sharded...,
@@ -60,12 +61,16 @@ def _parallel(n, shard, width, depth):
     return model, parallel
 
 
-def _per_device(variables):
+def _on_devices(variables):
     sizes = {}
     for v in variables:
         for s in v.value.addressable_shards:
             sizes[s.device] = sizes.get(s.device, 0) + s.data.nbytes
-    return max(sizes.values())
+    return sizes
+
+
+def _per_device(variables):
+    return max(_on_devices(variables).values())
 
 
 def memory(width, depth):
@@ -90,17 +95,24 @@ def memory(width, depth):
             g = sum(v.value.nbytes for v in live.trainable_variables) / params
             o = _per_device(models.optimizer_state(live.optimizer)) / params
             b = w + g + o
+            # device 0 also holds your own model's weights and optimizer state, whole
+            mine = models.weights(model) + models.optimizer_state(model.optimizer)
+            first = parallel._engine.replica.weights[0].value.addressable_shards[0].device \
+                if n > 1 else None
+            b0 = b + (_on_devices(mine).get(first, 0) / params if n > 1 else 0)
             rows.append((n, "yes" if shard else ("no" if n > 1 else "-"), w, g, o, b,
-                         H200 / b / 1e9, params))
+                         H200 / b / 1e9, params, b0, H200 / b0 / 1e9))
             parallel.close()
     print(f"Adam, float32; measured on a {depth} x Dense({width}) model "
-          f"({rows[0][-1]:,} parameters), 8 simulated CPU devices; "
+          f"({rows[0][7]:,} parameters), 8 simulated CPU devices; "
           f"largest model on one H200 = 141e9 B / (bytes per parameter per device)\n")
     print("| devices | sharded | weights B/param | gradients B/param | optimizer B/param "
-          "| total B/param/device | largest model (billion params) |")
-    print("|---|---|---|---|---|---|---|")
-    for n, s, w, g, o, b, pmax, _ in rows:
-        print(f"| {n} | {s} | {w:.3f} | {g:.3f} | {o:.3f} | {b:.3f} | {pmax:.2f} |")
+          "| total B/param/device | largest model (billion params) | device 0 with your "
+          "model's copy: B/param | largest model, device 0 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, s, w, g, o, b, pmax, _, b0, pmax0 in rows:
+        print(f"| {n} | {s} | {w:.3f} | {g:.3f} | {o:.3f} | {b:.3f} | {pmax:.2f} | {b0:.3f} "
+              f"| {pmax0:.2f} |")
 
 
 def speed(width, depth, rounds, steps):
