@@ -49,6 +49,8 @@ def _optimizer(name):
         return opt
     if name == "rmsprop":
         return o.RMSprop(0.01)
+    if name == "adafactor":  # factored moments: slots of other shapes than the weights
+        return o.Adafactor(0.05)
     return o.Adam(0.02)  # "adam_mixed_float16": compile wraps it in a LossScaleOptimizer
 
 
@@ -99,7 +101,7 @@ def _assert_same(model, history, ref, ref_history, tol=TOL, state_tol=TOL):
 
 
 NAMES = ["sgd_momentum_clipnorm", "adamw_exclusions_global_clipnorm_schedule", "rmsprop",
-         "adam_mixed_float16"]
+         "adafactor", "adam_mixed_float16"]
 ALL = NAMES[1]
 #: float16 arithmetic: kmgpu on 4 devices is 4.8e-4 from one device unsharded already (the
 #: order of float16 sums), and sharded 1.6e-4 from unsharded; float16's resolution is 9.8e-4
