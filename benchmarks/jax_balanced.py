@@ -21,8 +21,10 @@ Figures: seconds, the median over rounds, the spread (min-max) beside it; "x" = 
 time / the variant's time (above 1: faster than plain).
 
 Variants: ``plain`` the model's own fit; ``kmgpu`` ``kmgpu.parallelize(model,
-gpus=N)`` as the code stands; ``keras`` / ``packed`` the same with KMGPU_JAX_FAST=0 /
-=packed, where the code still has that switch. ``--devices N`` simulates N CPU devices
+gpus=N)`` as the code stands; ``keras`` the same with KMGPU_JAX_FAST=0 where the code
+still has that switch; ``packed`` (after ``keras``) KMGPU_JAX_FAST=packed through a second
+``parallelize`` of the ``keras`` variant's model: it compiles only its own train step, and
+is timed on fit only (evaluate and predict do not use it). ``--devices N`` simulates N CPU devices
 (set before JAX starts) and gives kmgpu N of them; ``--models mlp_deep`` is a model of
 many small arrays (host time per step: what the packed step takes out).
 """
@@ -112,18 +114,24 @@ def data(w):
 
 
 class Runner:
-    def __init__(self, variant, w, builder, devices):
+    def __init__(self, variant, w, builder, devices, share=None):
         import kmgpu
 
-        self.variant, self.model = variant, builder()
-        self.model.compile(**w.compile_args())
+        self.variant, self.target, self.shared = variant, None, share is not None
+        if share is not None:  # the packed step over the kmgpu variant's model
+            self.model = share
+        else:
+            self.model = builder()
+            self.model.compile(**w.compile_args())
         self.target = self.model
+        self.shared = share is not None
         if variant != "plain":
             import warnings
 
             with self._env(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.target = kmgpu.parallelize(self.model, gpus=devices)
+        self.shared = share is not None
 
     def _env(self):
         import contextlib
@@ -166,26 +174,40 @@ def run_model(name, variants, args, index):
     rows = min(len(x), args.eval_rows) // w.batch * w.batch or w.batch
     xv, yv = x[:rows], y[:rows]
     fit = dict(batch_size=w.batch, epochs=1, shuffle=False, verbose=0)
-    runners = {v: Runner(v, w, builder, args.devices) for v in variants}
+    runners = {}
+    for v in variants:
+        share = runners.get("keras") if v == "packed" else None
+        runners[v] = Runner(v, w, builder, args.devices, share and share.model)
     times = {v: {m: [] for m in MEASURES} for v in variants}
     k = index % len(variants)
     for v in variants[k:] + variants[:k]:  # who compiles first rotates over the models
         r = runners[v]
         times[v]["first"].append(r.timed("fit", x, y, **fit))
-        r.timed("evaluate", xv, yv, batch_size=w.batch, verbose=0)
-        r.timed("predict", xv, batch_size=w.batch, verbose=0)
+        if not r.shared:
+            r.timed("evaluate", xv, yv, batch_size=w.batch, verbose=0)
+            r.timed("predict", xv, batch_size=w.batch, verbose=0)
     for i in range(args.rounds):
         for v in (variants if i % 2 == 0 else variants[::-1]):
             r, t = runners[v], times[v]
             t["steady"].append(r.timed("fit", x, y, **fit))
             t["validation"].append(r.timed("fit", x, y, validation_data=(xv, yv), **fit))
-            t["evaluate"].append(r.timed("evaluate", xv, yv, batch_size=w.batch, verbose=0))
-            t["predict"].append(r.timed("predict", xv, batch_size=w.batch, verbose=0))
+            if not r.shared:  # the packed step changes fit only
+                t["evaluate"].append(r.timed("evaluate", xv, yv, batch_size=w.batch,
+                                             verbose=0))
+                t["predict"].append(r.timed("predict", xv, batch_size=w.batch, verbose=0))
+    from kmgpu import checks
+
+    scan = []
+    for _ in range(3):  # kmgpu's NaN/inf scan of the evaluate rows (x), alone
+        t0 = time.perf_counter()
+        checks._finite("x", xv)
+        scan.append(time.perf_counter() - t0)
     mode = None
-    if "kmgpu" in runners:
-        mode = runners["kmgpu"].target._engine.train_step_mode(runners["kmgpu"].model)
+    for v in ("kmgpu", "packed"):
+        if v in runners:
+            mode = runners[v].target._engine.train_step_mode(runners[v].model)
     return dict(model=name, batch=w.batch, train_rows=len(x), eval_rows=rows,
-                devices=args.devices, times=times, kmgpu_step=mode)
+                devices=args.devices, times=times, kmgpu_step=mode, scan_s=min(scan))
 
 
 def fmt(values):
@@ -260,7 +282,8 @@ def main(argv=None):
         results.append(run_model(name, variants, args, i))
         print(table(results[-1:], variants), flush=True)
         print(f"({name}: {time.perf_counter() - t0:.0f} s; kmgpu step: "
-              f"{results[-1]['kmgpu_step']})", flush=True)
+              f"{results[-1]['kmgpu_step']}; NaN/inf scan of the evaluate x: "
+              f"{1e3 * results[-1]['scan_s']:.1f} ms)", flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "jax_balanced.json"), "w") as f:

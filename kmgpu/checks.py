@@ -331,6 +331,8 @@ def _finite(path, leaf):
     n = arr.shape[0]
     per_row = max(1, int(np.prod(arr.shape[1:], dtype=np.int64)))
     step = max(1, _SCAN_ELEMENTS // per_row)
+    if _all_finite(arr, step):
+        return
     for lo in range(0, n, step):
         block = np.asarray(arr[lo:lo + step])
         ok = np.isfinite(block)
@@ -347,3 +349,19 @@ def _finite(path, leaf):
             f"{path} holds {what} values in {total} of {n} rows (first: row {first}). "
             "They would turn the weights (or the metrics) into NaN: drop those rows, or "
             "fill them in (np.nan_to_num, or an imputer), before calling.")
+
+
+def _all_finite(arr, step):
+    """Whether every value is finite, the blocks scanned on several threads (NumPy lets
+    go of the GIL: the scan is memory-bound, ~20 ms for 200 MB on one core, a tenth of
+    a ResNet-50 epoch's time per row on one H200, paid at every fit / evaluate call)."""
+    import concurrent.futures
+    import os
+
+    blocks = range(0, arr.shape[0], step)
+    threads = min(len(blocks), os.cpu_count() or 1, 8)
+    if threads < 2:
+        return all(np.isfinite(np.asarray(arr[lo:lo + step])).all() for lo in blocks)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return all(pool.map(lambda lo: bool(np.isfinite(np.asarray(arr[lo:lo + step])).all()),
+                            blocks))
