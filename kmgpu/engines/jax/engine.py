@@ -20,44 +20,18 @@ the whole batch, the step equals the one-device step, and no sample is dropped.
 With local BatchNorm such a batch normalises with the moments of the whole batch
 (every device holds all of it; still no collective).
 
-The train step (``packed.py``): in each model's first ``fit`` kmgpu times Keras's own
-jitted step against one that passes the model state as a few flat arrays (Keras's
-passes each of ~750 arrays on ResNet-50: 12 ms of host time per step on one H200) and
-keeps the faster, on one device (``JaxLocalEngine``) and on several.
-``KMGPU_JAX_FAST=0``: Keras's own step, kmgpu adds nothing.
+The train step is Keras's own jitted step, on one device (the user's own ``fit``) and
+on several. A step that passed the model state as a few flat arrays (``packed.py``,
+issue 22) was measured order-balanced and removed (issue 29): its compile took 7-35 s
+longer than Keras's step, and the step gained 1.0-1.45x on ResNet-50 64x64 (host-bound)
+and lost 3% on a BERT-style encoder on one H200
+(``benchmarks/results/jax-balanced-h200.md``).
 """
 
 import contextlib
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.jax import keras_fixes, packed
-from kmgpu.engines.local import LocalEngine
-
-
-class _PackedSteps:
-    """The packed train step (``packed.py``) of one compiled model, kept across calls."""
-
-    def __init__(self):
-        self.function, self.key = None, None
-
-    def context(self, method, model):
-        if method != "fit" or not packed.applies(model):
-            return contextlib.nullcontext()
-        key = keras_fixes.compiled_with(model)
-        if (self.function is None or self.function.model is not model or self.key is not key
-                or self.function.mode != packed.mode()):
-            self.function, self.key = packed.PackedTrainFunction(model, packed.mode()), key
-        return keras_fixes.train_function(model, self.function)
-
-    def describe(self, model):
-        if not (model is not None and getattr(model, "compiled", False)):
-            return None
-        if not packed.applies(model):
-            why = ("KMGPU_JAX_FAST=0" if not packed.enabled() else
-                   "run_eagerly, jit_compile=False or steps_per_execution > 1")
-            return f"Keras's own jitted step ({why})"
-        return packed.describe(self.function if self.function
-                               and self.function.model is model else None)
+from kmgpu.engines.jax import keras_fixes
 
 
 class JaxEngine(InProcessEngine):
@@ -74,7 +48,6 @@ class JaxEngine(InProcessEngine):
         )
         from kmgpu.engines.jax import runtime
 
-        self._packed = _PackedSteps()
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
         if self.multiprocess:  # every process passes the same data; kmgpu places it
             self.distribution.auto_shard_dataset = False
@@ -168,17 +141,8 @@ class JaxEngine(InProcessEngine):
 
     @contextlib.contextmanager
     def call_context(self, method):
-        # several processes: each would measure and choose alone, and all must run the
-        # same program; they keep Keras's step
-        steps = contextlib.nullcontext() if self.multiprocess else self._packed.context(
-            method, self.replica)
-        with keras_fixes.replicate_indivisible(self.distribution), steps:
+        with keras_fixes.replicate_indivisible(self.distribution):
             yield
-
-    def train_step_mode(self, template):
-        if self.multiprocess:
-            return "Keras's own jitted step (several processes)"
-        return self._packed.describe(self.replica or template)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -194,69 +158,3 @@ class JaxEngine(InProcessEngine):
             text += (f"; global batch in {len(kept)} layer(s) with renorm, synchronized=True "
                      f"or their own call ({names})")
         return text
-
-
-class JaxLocalEngine(LocalEngine):
-    """One device: the user's own ``fit``, with kmgpu's packed train step
-    (``packed.py``: the state as a few flat arrays; Keras's own step where it does not
-    apply, or with KMGPU_JAX_FAST=0)."""
-
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
-        self._packed = _PackedSteps()
-
-    def train_step_mode(self, template):
-        return self._packed.describe(template)
-
-    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        import keras
-
-        if keras.distribution.distribution() is not None:  # the user's own: Keras's step
-            return super().run(method, template, kwargs, lr_scale)
-        with self._packed.context(method, template):
-            return super().run(method, template, kwargs, lr_scale)
-
-    def close(self):
-        self._packed = _PackedSteps()
-
-
-JaxEngine.local_engine = JaxLocalEngine
-def _equal(pairs):
-    """Whether each (template variable, replica variable) pair holds the same bits, on the
-    device (a replica value is compared through its first device's copy)."""
-    import jax
-
-    todo, out = [], [False] * len(pairs)
-    for i, (t, r) in enumerate(pairs):
-        a, b = t.value, r.value
-        if a.shape == b.shape and a.dtype == b.dtype:
-            b = b.addressable_shards[0].data
-            todo.append((i, a if a.devices() == b.devices() else jax.device_put(a, b.device), b))
-    if todo:
-        same = jax.device_get(_same_bits([a for _, a, _ in todo], [b for _, _, b in todo]))
-        for (i, _, _), ok in zip(todo, same):
-            out[i] = bool(ok)
-    return out
-
-
-def _bits(a):
-    import jax
-    import jax.numpy as jnp
-
-    if jnp.issubdtype(a.dtype, jnp.floating):
-        return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
-    return a
-
-
-def _same_bits(a, b):
-    import jax
-    import jax.numpy as jnp
-
-    global _SAME
-    if _SAME is None:
-        _SAME = jax.jit(lambda xs, ys: [jnp.array_equal(_bits(x), _bits(y))
-                                         for x, y in zip(xs, ys)])
-    return _SAME(a, b)
-
-
-_SAME = None
