@@ -158,3 +158,44 @@ class JaxEngine(InProcessEngine):
             text += (f"; global batch in {len(kept)} layer(s) with renorm, synchronized=True "
                      f"or their own call ({names})")
         return text
+
+
+def _equal(pairs):
+    """Whether each (template variable, replica variable) pair holds the same bits, on the
+    device (a replica value is compared through its first device's copy)."""
+    import jax
+
+    todo, out = [], [False] * len(pairs)
+    for i, (t, r) in enumerate(pairs):
+        a, b = t.value, r.value
+        if a.shape == b.shape and a.dtype == b.dtype:
+            b = b.addressable_shards[0].data
+            todo.append((i, a if a.devices() == b.devices() else jax.device_put(a, b.device), b))
+    if todo:
+        same = jax.device_get(_same_bits([a for _, a, _ in todo], [b for _, _, b in todo]))
+        for (i, _, _), ok in zip(todo, same):
+            out[i] = bool(ok)
+    return out
+
+
+def _bits(a):
+    import jax
+    import jax.numpy as jnp
+
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+    return a
+
+
+def _same_bits(a, b):
+    import jax
+    import jax.numpy as jnp
+
+    global _SAME
+    if _SAME is None:
+        _SAME = jax.jit(lambda xs, ys: [jnp.array_equal(_bits(x), _bits(y))
+                                         for x, y in zip(xs, ys)])
+    return _SAME(a, b)
+
+
+_SAME = None
