@@ -44,6 +44,23 @@ def test_evaluate_and_predict_scan_no_x(pair, scanned):
     assert scanned == ["y", "x", "y"]
 
 
+def test_one_device_compiles_once_and_reuses_the_model_own_functions(pair):
+    from kmgpu.engines.local import LocalEngine
+
+    _, parallel, x, y = pair
+    assert type(parallel._engine) is LocalEngine  # no step of kmgpu's own: Keras's
+    model = parallel.model
+    parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    parallel.evaluate(x, y, batch_size=8, verbose=0)
+    parallel.predict(x, batch_size=8, verbose=0)
+    functions = (model.train_function, model.test_function, model.predict_function)
+    assert all(functions)
+    parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    parallel.evaluate(x, y, batch_size=8, verbose=0)
+    parallel.predict(x, batch_size=8, verbose=0)
+    assert (model.train_function, model.test_function, model.predict_function) == functions
+
+
 def test_nan_in_x_shows_in_the_loss_as_plain_keras_and_nan_labels_are_refused(pair):
     plain, parallel, x, y = pair
     bad = x.copy()
