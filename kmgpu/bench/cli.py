@@ -329,9 +329,9 @@ def _finish(results, written, log_path=None):
     print()
     print(report.COMPARISON_LEGEND)
     print()
-    print(report.headline(results))
+    print(report.tables.legend(results))  # the speedup table's columns; the table last
     print()
-    print(report.tables.legend(results))
+    print(report.headline(results))
 
 
 def _merge_only(args, out, argv):
