@@ -25,8 +25,9 @@ gpus=N)`` as the code stands; ``keras`` the same with KMGPU_JAX_FAST=0 where the
 still has that switch; ``packed`` (after ``keras``) KMGPU_JAX_FAST=packed through a second
 ``parallelize`` of the ``keras`` variant's model: it compiles only its own train step, and
 is timed on fit only (evaluate and predict do not use it). ``--devices N`` simulates N CPU devices
-(set before JAX starts) and gives kmgpu N of them; ``--models mlp_deep`` is a model of
-many small arrays (host time per step: what the packed step takes out).
+(set before JAX starts) and gives kmgpu N of them; ``--models mlp_deep`` (``mlp_deepD``: D
+hidden layers, default 60) is a model of many small arrays and little arithmetic (host
+time per step: what the former packed step took out).
 """
 
 import argparse
@@ -60,9 +61,9 @@ def workload(name, quick):
                                           ("name", "EfficientNetB0")),
             input_shape=base.input_shape if quick else (224, 224, 3),
             classes=base.classes if quick else 1000)
-    elif name in ("bert", "mlp_deep"):
+    elif name == "bert" or name.startswith("mlp_deep"):
         w = dataclasses.replace(workloads.get("transformer", quick), name=name)
-        if name == "mlp_deep":
+        if name.startswith("mlp_deep"):
             w = dataclasses.replace(w, batch=64, steps=20, loss="mse", input_shape=(16,))
     else:
         w = workloads.get(name, quick)
@@ -93,9 +94,10 @@ def build(w, quick):
                 h + L.Dense(d)(L.Dense(ffn, activation="gelu")(h)))
         out = L.Dense(2)(L.Dense(d, activation="tanh")(h[:, 0]))
         return keras.Model(tokens, out, name="bert")
-    if w.name == "mlp_deep":  # many small arrays, little arithmetic: host-bound
+    if w.name.startswith("mlp_deep"):  # many small arrays, little arithmetic: host-bound
+        depth = int(w.name[len("mlp_deep"):] or 60)  # mlp_deep20: 20 hidden layers
         layers = [keras.Input(w.input_shape)]
-        layers += [keras.layers.Dense(16, activation="relu") for _ in range(60)]
+        layers += [keras.layers.Dense(16, activation="relu") for _ in range(depth)]
         return keras.Sequential(layers + [keras.layers.Dense(1)], name="mlp_deep")
     return w.build()
 
@@ -106,7 +108,7 @@ def data(w):
     if w.name == "bert":
         x, _ = dataclasses.replace(w, name="transformer").data()
         return x, (x[:, 0] % 2).astype("int32")
-    if w.name == "mlp_deep":
+    if w.name.startswith("mlp_deep"):
         rng = np.random.default_rng(0)
         x = rng.standard_normal((w.samples(), 16), dtype=np.float32)
         return x, x[:, :1] * 0.5
