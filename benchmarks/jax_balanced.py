@@ -172,6 +172,8 @@ class Runner:
 
 def run_model(name, variants, args, index):
     w, builder = workload(name, args.quick)
+    if args.steps:
+        w = dataclasses.replace(w, steps=args.steps)
     x, y = data(w)
     rows = min(len(x), args.eval_rows) // w.batch * w.batch or w.batch
     xv, yv = x[:rows], y[:rows]
@@ -261,6 +263,7 @@ def main(argv=None):
     p.add_argument("--variants", default="plain,kmgpu")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--eval-rows", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=0, help="steps per epoch (0: the model's)")
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds: start no new model after this (0: no limit)")
     p.add_argument("--out", default="")
