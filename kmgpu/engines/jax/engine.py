@@ -23,7 +23,7 @@ With local BatchNorm such a batch normalises with the moments of the whole batch
 The train step is Keras's own jitted step, on one device (the user's own ``fit``) and
 on several. A step that passed the model state as a few flat arrays (``packed.py``,
 issue 22) was measured order-balanced and removed (issue 29): its compile made the first
-epoch 7 s longer on ResNet-50 64x64 on one H200 (13-34 s on CPU), and the step gained
+epoch 7 s longer on ResNet-50 64x64 on one H200 (9-35 s on CPU), and the step gained
 1.13-1.45x there (host-bound) and lost 3% on a BERT-style encoder
 (``benchmarks/results/jax-balanced-h200.md``).
 """
