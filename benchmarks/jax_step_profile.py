@@ -2,7 +2,7 @@
 on one device (issue 22). A script that prints a Markdown table, not a test.
 
     KERAS_BACKEND=jax python benchmarks/jax_step_profile.py [--quick] [--workloads ...]
-        [--variants fit,sync,iter,loop,trace,spe8,kmgpu,kmgpu_off] [--out FILE.md]
+        [--variants fit,sync,iter,loop,trace,spe8] [--out FILE.md]
 
 Per workload and batch, in one process, one model (same initial weights):
 
@@ -20,8 +20,10 @@ Per workload and batch, in one process, one model (same initial weights):
     device    GPU busy time per step from a ``jax.profiler`` trace of the hand loop
               (union of kernel intervals; "-" without a GPU trace)
     spe8      plain fit compiled with ``steps_per_execution=8``
-    kmgpu     ``kmgpu.parallelize(model, gpus=1)`` + the same fit (kmgpu's path)
-    kmgpu_off the same with KMGPU_JAX_FAST=0 (kmgpu's JAX step options off)
+
+Plain Keras only: kmgpu against plain fit is ``benchmarks/jax_balanced.py`` (order-
+balanced). This script's former kmgpu variants timed kmgpu after plain in one process,
+which favoured kmgpu (issue 29), and the packed step they measured is gone.
 
 Each figure is the median over epochs after the first (the first compiles), so every
 variant is timed after its own warm-up.
@@ -43,7 +45,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 WORKLOADS = ("resnet50_small", "transformer", "efficientnetb0", "lstm")
-VARIANTS = ("fit", "sync", "iter", "loop", "trace", "spe8", "kmgpu", "kmgpu_off")
+VARIANTS = ("fit", "sync", "iter", "loop", "trace", "spe8")
 
 
 def workload(name, quick, steps, epochs):
@@ -186,38 +188,13 @@ def device_busy_ms(loop, steps):
     return busy / 1e3 / steps
 
 
-def kmgpu_fit(w, init, x, y, batch, epochs, off):
-    import warnings
-
-    import kmgpu
-
-    os.environ["KMGPU_JAX_FAST"] = "0" if off else "1"
-    model = w.build()
-    model.set_weights(init)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        parallel = kmgpu.parallelize(model, gpus=1)
-    parallel.compile(**w.compile_args())
-    try:
-        ms = timed_fit(parallel, x, y, batch, epochs)
-        mode = parallel.describe()
-    finally:
-        parallel.close()
-        os.environ.pop("KMGPU_JAX_FAST", None)
-    return ms, model.get_weights(), mode
-
-
 def profile(w, batch, variants, log):
-    import numpy as np
-
     row = {"workload": w.name, "batch": batch}
     x, y = w.data(batch)
     x, y = x[: w.steps * batch], y[: w.steps * batch]
     model = w.build()
-    init = model.get_weights()
     model.compile(**w.compile_args())
     row["fit"] = timed_fit(model, x, y, batch, w.epochs)
-    plain_weights = model.get_weights()
     log(f"  {w.name} B={batch} fit {row['fit']:.2f} ms/step")
     if "sync" in variants:
         row["sync"] = timed_fit(model, x, y, batch, w.epochs, extra=[EveryStep()])
@@ -236,22 +213,13 @@ def profile(w, batch, variants, log):
         other = w.build()
         other.compile(**w.compile_args(), steps_per_execution=8)
         row["spe8"] = timed_fit(other, x, y, batch, w.epochs)
-    for name in ("kmgpu", "kmgpu_off"):
-        if name in variants:
-            row[name], weights, mode = kmgpu_fit(w, init, x, y, batch, w.epochs,
-                                                 off=name == "kmgpu_off")
-            row[name + "_diff"] = max(
-                float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) or 1.0))
-                for a, b in zip(weights, plain_weights))
-            row[name + "_mode"] = [line for line in mode.splitlines() if "step" in line]
     log("  " + json.dumps({k: v for k, v in row.items() if not k.endswith("_mode")},
                           default=str))
     return row
 
 
 COLUMNS = [("fit", "fit"), ("sync", "sync"), ("iter", "iter"), ("loop", "loop"),
-           ("dispatch", "dispatch"), ("device", "device"), ("spe8", "spe8"),
-           ("kmgpu", "kmgpu"), ("kmgpu_off", "kmgpu off")]
+           ("dispatch", "dispatch"), ("device", "device"), ("spe8", "spe8")]
 
 
 def table(rows):
@@ -271,21 +239,11 @@ def table(rows):
         by.setdefault(r["workload"], []).append(r)
     for name, (big, small) in ((n, sorted(rs, key=lambda r: -r["batch"])[:2])
                                for n, rs in by.items() if len(rs) >= 2):
-        for key in ("fit", "spe8", "kmgpu", "kmgpu_off"):
+        for key in ("fit", "spe8"):
             if key in big and key in small:
                 a, b = 1e3 * big["batch"] / big[key], 1e3 * small["batch"] / small[key]
                 lines.append(f"| {name} | {key} | {a:,.0f} | {b:,.0f} | {b / a:.2f} | "
                              f"{2 * b / a:.2f}x |")
-    diffs = [(r["workload"], r["batch"], k, r[k + "_diff"]) for r in rows
-             for k in ("kmgpu", "kmgpu_off") if k + "_diff" in r]
-    if diffs:
-        lines += ["", "kmgpu's weights against plain fit (max |a-b| / max |b| per array, "
-                  "the largest): " + "; ".join(f"{n} B={b} {k} {d:.1e}"
-                                              for n, b, k, d in diffs)]
-    modes = {(r["workload"], r["batch"]): r.get("kmgpu_mode") for r in rows}
-    for (n, b), m in modes.items():
-        if m:
-            lines.append(f"- {n} B={b}: " + " / ".join(m))
     return "\n".join(lines)
 
 

@@ -178,7 +178,9 @@ def _main(argv, child_env):
     name = args.name or ((slug(gpus[0]) + f"-x{len(gpus)}") if gpus else
                          f"cpu-sim{simulate}" if simulate else "cpu") + \
         ("-quick" if args.quick else "")
-    replay = (not args.quick) if args.replay is None else args.replay
+    # runs that share a process (--quick) take plain fit again after kmgpu: the overhead
+    # is then order-balanced (plain, kmgpu, plain)
+    replay = True if args.replay is None else args.replay
     runs = plan.plan(backends, names, counts, replay, _split(args.policies),
                      _split(args.runners), lean=args.quick or args.lean)
     top = max(counts)
@@ -324,6 +326,10 @@ def _finish(results, written, log_path=None):
     print("\nwrote " + ", ".join(written) + (f" (no plot: {no_plot})" if no_plot else "")
           + "\n")
     print(report.comparison_table(results))
+    print()
+    print(report.COMPARISON_LEGEND)
+    print()
+    print(report.tables.legend(results))  # the speedup table's columns; the table last
     print()
     print(report.headline(results))
 

@@ -25,7 +25,7 @@ last loss and the final weights.
 
 Every Keras-based run is timed after its own warm-up (issue 22): at least
 ``WARMUP_STEPS`` untimed steps (whole epochs of the run's own data) through the same
-``fit`` (it compiles the step, fills the caches, lets kmgpu measure its JAX step choice),
+``fit`` (it compiles the step, fills the caches),
 then the model's weights and optimizer state back to where they were (the compiled step
 stays), then the timed epochs. Its wall time is the run's ``warmup_s`` (the compile
 included); samples/s is the median of the timed epochs.

@@ -10,6 +10,7 @@ resnet50_small.
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -61,14 +62,20 @@ def test_quick_bench_smoke(tmp_path):
     sys.stderr.write(f"\nkmgpu bench --quick ({backend}, {','.join(names)}): {seconds:.1f} s\n")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    expected = plan.plan([backend], list(names), [1, 2], lean=True)
+    # plain fit runs again after kmgpu (order-balanced overhead) unless --no-replay
+    expected = plan.plan([backend], list(names), [1, 2], lean=True,
+                         replay=backend != GPU_RUN)
     assert f"{len(expected)}/{len(expected)}" in out  # the progress bar reached the end
     assert ".{json,md,png,log}" in out.splitlines()[0]
     assert "\x1b[" not in out and "\b" not in out  # a log: no colours, no redraws
     assert "share this machine's" in out and "not speedups" in out
     if backend == GPU_RUN:
         assert "budget 520 s" in out and "one process per workload" in out
-    assert "kmgpu overhead vs plain fit" in out and "**missed**" not in out
+    assert "kmgpu overhead vs plain fit" in out and "overhead: how much longer" in out
+    overheads = re.findall(r"\| ([+-]\d+\.\d%[^|]*) \| [^|]* \| [^|]* \|\n", out)
+    assert overheads and all(re.fullmatch(r"[+-][\d.]+% (met|\*\*missed\*\*)( \(unbalanced\))?",
+                                          o) for o in overheads), overheads
+    assert "efficiency: speedup / N (it can exceed 1" in out and "parity: the largest" in out
     tail = out.rstrip().splitlines()
     assert tail[-1].startswith("| ") and any("2 simulated devices vs 1" in line for line in tail)
     results = json.loads((tmp_path / "smoke.json").read_text())
@@ -124,7 +131,7 @@ def test_bench_says_when_it_draws_no_plot(monkeypatch, capsys, tmp_path, termina
     assert cli.main(["--quick", "--backends", backend, "--workloads", "sine", "--budget", "1",
                      "--out", str(tmp_path), "--name", "bare"]) == 0
     out = capsys.readouterr().out
-    n = len(plan.plan([backend], ["sine"], [1, 2], lean=True))
+    n = len(plan.plan([backend], ["sine"], [1, 2], lean=True, replay=True))  # plain again
     lines = out.splitlines()
     assert lines[0].endswith(f"{tmp_path / 'bare'}.{{json,md,log}}"), lines[0]
     assert lines[1] == "kmgpu bench: no plot (matplotlib is not installed: pip install matplotlib)"

@@ -20,44 +20,18 @@ the whole batch, the step equals the one-device step, and no sample is dropped.
 With local BatchNorm such a batch normalises with the moments of the whole batch
 (every device holds all of it; still no collective).
 
-The train step (``packed.py``): in each model's first ``fit`` kmgpu times Keras's own
-jitted step against one that passes the model state as a few flat arrays (Keras's
-passes each of ~750 arrays on ResNet-50: 12 ms of host time per step on one H200) and
-keeps the faster, on one device (``JaxLocalEngine``) and on several.
-``KMGPU_JAX_FAST=0``: Keras's own step, kmgpu adds nothing.
+The train step is Keras's own jitted step, on one device (the user's own ``fit``) and
+on several. A step that passed the model state as a few flat arrays (``packed.py``,
+issue 22) was measured order-balanced and removed (issue 29): its compile made the first
+epoch 7 s longer on ResNet-50 64x64 on one H200 (9-35 s on CPU), and the step gained
+1.13-1.45x there (host-bound) and lost 3% on a BERT-style encoder
+(``benchmarks/results/jax-balanced-h200.md``).
 """
 
 import contextlib
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.jax import keras_fixes, packed, zero
-from kmgpu.engines.local import LocalEngine
-
-
-class _PackedSteps:
-    """The packed train step (``packed.py``) of one compiled model, kept across calls."""
-
-    def __init__(self):
-        self.function, self.key = None, None
-
-    def context(self, method, model):
-        if method != "fit" or not packed.applies(model):
-            return contextlib.nullcontext()
-        key = keras_fixes.compiled_with(model)
-        if (self.function is None or self.function.model is not model or self.key is not key
-                or self.function.mode != packed.mode()):
-            self.function, self.key = packed.PackedTrainFunction(model, packed.mode()), key
-        return keras_fixes.train_function(model, self.function)
-
-    def describe(self, model):
-        if not (model is not None and getattr(model, "compiled", False)):
-            return None
-        if not packed.applies(model):
-            why = ("KMGPU_JAX_FAST=0" if not packed.enabled() else
-                   "run_eagerly, jit_compile=False or steps_per_execution > 1")
-            return f"Keras's own jitted step ({why})"
-        return packed.describe(self.function if self.function
-                               and self.function.model is model else None)
+from kmgpu.engines.jax import keras_fixes, zero
 
 
 class JaxEngine(InProcessEngine):
@@ -74,7 +48,6 @@ class JaxEngine(InProcessEngine):
         )
         from kmgpu.engines.jax import runtime
 
-        self._packed = _PackedSteps()
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
         if self.multiprocess:  # every process passes the same data; kmgpu places it
             self.distribution.auto_shard_dataset = False
@@ -176,20 +149,8 @@ class JaxEngine(InProcessEngine):
 
     @contextlib.contextmanager
     def call_context(self, method):
-        # several processes: each would measure and choose alone, and all must run the
-        # same program; they keep Keras's step
-        steps = contextlib.nullcontext() if (
-            self.multiprocess or self.options.shard_optimizer) else self._packed.context(
-            method, self.replica)
-        with keras_fixes.replicate_indivisible(self.distribution), steps:
+        with keras_fixes.replicate_indivisible(self.distribution):
             yield
-
-    def train_step_mode(self, template):
-        if self.multiprocess:
-            return "Keras's own jitted step (several processes)"
-        if self.options.shard_optimizer:
-            return "Keras's own jitted step (shard_optimizer=True)"
-        return self._packed.describe(self.replica or template)
 
     def optimizer_bytes(self, template):
         return zero.state_bytes(self.replica, template, self.distribution,
@@ -211,31 +172,6 @@ class JaxEngine(InProcessEngine):
         return text
 
 
-class JaxLocalEngine(LocalEngine):
-    """One device: the user's own ``fit``, with kmgpu's packed train step
-    (``packed.py``: the state as a few flat arrays; Keras's own step where it does not
-    apply, or with KMGPU_JAX_FAST=0)."""
-
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
-        self._packed = _PackedSteps()
-
-    def train_step_mode(self, template):
-        return self._packed.describe(template)
-
-    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        import keras
-
-        if keras.distribution.distribution() is not None:  # the user's own: Keras's step
-            return super().run(method, template, kwargs, lr_scale)
-        with self._packed.context(method, template):
-            return super().run(method, template, kwargs, lr_scale)
-
-    def close(self):
-        self._packed = _PackedSteps()
-
-
-JaxEngine.local_engine = JaxLocalEngine
 def _equal(pairs):
     """Whether each (template variable, replica variable) pair holds the same bits, on the
     device (a replica value is compared through its first device's copy)."""

@@ -25,14 +25,6 @@ PATCHES = [
      "user's model) when sync_batchnorm=False: each replica's own moments, no collective "
      "(batchnorm.py); reads the layer's axis, momentum, epsilon, center, scale, renorm, "
      "synchronized, gamma, beta, moving_mean, moving_variance"),
-    ("keras.src.backend.jax.trainer", "JAXTrainer.make_train_function",
-     "fit keeps an existing train_function: kmgpu sets its packed step (packed.py) as the "
-     "model's train_function for one fit call, the model's own restored after; it calls "
-     "(state, iterator) -> (logs, state) with state the 4 lists of _get_jax_state"),
-    ("keras.src.backend.jax.trainer", "JAXTrainer.jax_state_sync",
-     "reads fit's _jax_state lists (packed.py hands lazy lists that unpack when read)"),
-    ("keras.src.trainers.trainer", "Trainer.compile",
-     "sets _compile_config anew on each compile: what a cached packed step is keyed on"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.add_variable_from_reference",
      "shard_optimizer=True (zero.py): it passes each slot its weight's _layout (whole on every "
      "device under DataParallel); lay_out_optimizer replaces add_variable on the replica's "
@@ -173,24 +165,6 @@ def replicated_predictions(replica, mesh):
             lambda t: jax.lax.with_sharding_constraint(t, replicated), outputs), non_trainable
 
     replica.predict_step = types.MethodType(predict_step, replica)
-
-
-@contextlib.contextmanager
-def train_function(model, function):
-    """Within the block ``model.fit`` runs ``function`` as its train function (Keras's
-    ``fit`` builds one only where ``model.train_function`` is None); the model's own
-    is restored after, so a later plain ``fit`` is Keras's as before."""
-    original = model.train_function
-    model.train_function = function
-    try:
-        yield
-    finally:
-        model.train_function = original
-
-
-def compiled_with(model):
-    """An object that is new on every ``compile()`` of ``model`` (its compile config)."""
-    return getattr(model, "_compile_config", None)
 
 
 def lay_out_optimizer(optimizer, layout_of):
