@@ -1,0 +1,525 @@
+"""Where the GPU time of Keras-on-torch's train step goes, kernel by kernel (issue 31).
+A script that prints Markdown tables, not a test.
+
+    KERAS_BACKEND=torch python benchmarks/torch_kernels.py [--quick] [--models resnet50,...]
+        [--steps 5] [--no-jax] [--out FILE.md]
+
+Per model (ResNet-50 64x64 batch 256, EfficientNetB0 224 batch 64, a BERT-style encoder
+batch 64; ``--quick``: tiny stand-ins on a CPU), one process per backend:
+
+keras-torch   kmgpu's split step (``graphs.SplitStep``: stage A forward+loss+gradients into
+              the flat buffers, stage B ``optimizer.apply`` + loss tracker), run EAGERLY under
+              ``torch.profiler`` inside kmgpu's ``device_scalars``/``device_random`` blocks:
+              the same kernels that the captured step records into its CUDA graphs (the
+              graphs add only the copies of the batch into the static inputs). Each kernel
+              is put in one category: ``optimizer`` (launched inside ``optimizer.apply``),
+              ``batchnorm`` (inside a ``BatchNormalization.call``, or the backward of an op
+              made there: autograd's sequence numbers), else by its launching op / kernel
+              name: ``conv/matmul``, ``copies/permutes`` (copy_, contiguous, cuDNN's
+              nchwToNhwc, memcpy), ``elementwise`` (pointwise and reductions), ``other``.
+captured      the same model's ``CapturedStep`` replayed (graphs A and B): kernels per step
+              as the profiler sees them in the graph launches, and ms per step (CUDA events,
+              median of 3 blocks of ``--steps`` replays): the step kmgpu runs.
+torchvision   hand-written PyTorch: ``torchvision.models.resnet50`` (NCHW), CrossEntropyLoss,
+              ``torch.optim.Adam`` (foreach), eager (ResNet-50 only; skipped without
+              torchvision), same categories.
+keras-jax     (a subprocess, ``KERAS_BACKEND=jax``, that compiles while torch runs and
+              touches the GPU after it) Keras's own jitted train step in a hand loop: GPU kernels per step in a ``jax.profiler`` trace and their busy time, and
+              the ops of the compiled HLO's entry computation (fusions, custom calls, ...).
+
+Adam(1e-3) and SparseCategoricalCrossentropy(from_logits=True) everywhere; float32, TF32 as
+torch's defaults (cuDNN on, matmul off). On a CPU (``--quick``) the "kernels" are the leaf
+aten ops and the times CPU times: a smoke test of the script, nothing to read.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+MODELS = ("resnet50", "efficientnetb0", "bert")
+CATEGORIES = ("conv/matmul", "batchnorm", "optimizer", "elementwise", "copies/permutes",
+              "other")
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+# -- the models (Keras, either backend) ----------------------------------------------------
+def spec(name, quick):
+    """(description, batch, x shape without the batch, input dtype, classes)."""
+    if name == "resnet50":
+        return (("ResNet-style mini 16x16" if quick else "ResNet-50 64x64"), 8 if quick else 256,
+                (16, 16, 3) if quick else (64, 64, 3), "float32", 10)
+    if name == "efficientnetb0":
+        return (("EfficientNetB0 32x32" if quick else "EfficientNetB0 224x224"),
+                2 if quick else 64, (32, 32, 3) if quick else (224, 224, 3), "float32",
+                10 if quick else 1000)
+    if name == "bert":
+        return ("BERT-style encoder " + ("(tiny)" if quick else "4x256, seq 128"),
+                4 if quick else 64, (16 if quick else 128,), "int32", 2)
+    raise ValueError(name)
+
+
+def bert(quick):
+    """A BERT-style encoder: token + learned position embeddings, post-LayerNorm blocks of
+    (bidirectional self-attention, add, LN, GELU FFN, add, LN), mean pool, a 2-class head.
+    Full size: vocab 8192, seq 128, d_model 256, 4 heads, FFN 1024, 4 blocks."""
+    import keras
+
+    L = keras.layers
+    vocab, seq, d, heads, ffn, blocks = ((128, 16, 32, 2, 64, 2) if quick
+                                         else (8192, 128, 256, 4, 1024, 4))
+    tokens = keras.Input((seq,), dtype="int32")
+    h = L.Embedding(vocab, d)(tokens)
+    h = L.EinsumDense("btd,de->bte", output_shape=(seq, d), bias_axes="te")(h)
+    h = L.LayerNormalization(epsilon=1e-12)(h)
+    for _ in range(blocks):
+        a = L.MultiHeadAttention(heads, key_dim=d // heads)(h, h)
+        h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, a]))
+        f = L.Dense(d)(L.Dense(ffn, activation="gelu")(h))
+        h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, f]))
+    h = L.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, L.Dense(2)(h), name="bert_encoder")
+
+
+def build(name, quick):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    _, _, shape, _, classes = spec(name, quick)
+    if name == "resnet50":
+        if quick:
+            from kmgpu.bench import models
+
+            return models.resnet_mini(16, 10, width=4, blocks=(1, 1))
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes,
+                                           classifier_activation=None)
+    if name == "efficientnetb0":
+        return keras.applications.EfficientNetB0(weights=None, input_shape=shape,
+                                                 classes=classes, classifier_activation=None)
+    return bert(quick)
+
+
+def compiled(name, quick):
+    import keras
+
+    model = build(name, quick)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def batch_arrays(name, quick):
+    import numpy as np
+
+    _, batch, shape, dtype, classes = spec(name, quick)
+    rng = np.random.default_rng(0)
+    if dtype == "int32":
+        x = rng.integers(0, 128 if quick else 8192, size=(batch, *shape)).astype("int32")
+    else:
+        x = rng.standard_normal((batch, *shape), dtype=np.float32)
+    return x, rng.integers(0, classes, size=(batch,)).astype("int32")
+
+
+# -- torch: profile and categorise ---------------------------------------------------------
+CONV = ("conv", "gemm", "cutlass", "nvjet", "xmma", "wgrad", "dgrad", "fprop", "winograd",
+        "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear",
+        "scaled_dot_product", "flash", "fmha", "cublas")
+COPY = ("copy", "memcpy", "nchwtonhwc", "nhwctonchw", "transpose", "contiguous", "clone",
+        "aten::cat", "catarray")
+ELEMENTWISE = ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "welford",
+               "aten::")
+BN_NAMES = ("batch_norm", "bn_fw", "bn_bw", "batchnorm")
+
+
+def _chain(e):
+    out = []
+    while e is not None:
+        out.append(e.name)
+        e = e.cpu_parent
+    return out
+
+
+def categorise(kernel, chain, bn_backward):
+    """The category of one kernel: its name, and the names of its launching op and that
+    op's ancestors (innermost first)."""
+    names = [n.lower() for n in chain]
+    if any("kmgpu::optimizer" in n or n.startswith("optimizer.step") for n in names):
+        return "optimizer"
+    if any("kmgpu::batchnorm" in n for n in names) or bn_backward:
+        return "batchnorm"
+    k = kernel.lower()
+    if any(b in k for b in BN_NAMES) or any(any(b in n for b in BN_NAMES) for n in names[:2]):
+        return "batchnorm"
+    leaf = names[0] if names else ""
+    if any(c in k for c in ("nchwtonhwc", "nhwctonchw", "memcpy", "copy")) or any(
+            c in leaf for c in COPY):
+        return "copies/permutes"
+    if any(c in k for c in CONV) or any(any(c in n for c in CONV) for n in names):
+        return "conv/matmul"
+    if "memset" in k or "fill" in k:
+        return "other"
+    if any(c in k for c in ELEMENTWISE):
+        return "elementwise"
+    return "other"
+
+
+def profile_torch(fn, steps, gpu):
+    """Run ``fn()`` ``steps`` times under torch.profiler: per step, (kernels by category:
+    {category: [count, us]}, kernels the profiler saw on the device in total (CUDA-graph
+    replays included), their us)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    events = prof.events()
+    bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::") and any(
+                "kmgpu::batchnorm" in n for n in _chain(e)):
+            bn_seq.add(e.sequence_nr)
+    table = {c: [0, 0.0] for c in CATEGORIES}
+    dev_n, dev_us = 0, 0.0
+    for e in events:
+        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            dev_n += 1
+            dev_us += e.time_range.elapsed_us()
+            continue
+        chain = _chain(e)
+        bn_back = any(n.startswith("autograd::engine::evaluate_function")
+                      for n in chain) and _backward_seq(e) in bn_seq
+        if gpu:
+            kernels = [(k.name, k.duration) for k in e.kernels]
+        elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
+            kernels = [(e.name, e.self_cpu_time_total)]  # CPU: a leaf op stands for a kernel
+        else:
+            kernels = []
+        for name, us in kernels:
+            c = categorise(name, chain, bn_back)
+            table[c][0] += 1
+            table[c][1] += us
+    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
+    return per, dev_n / steps, dev_us / steps / 1e3
+
+
+def _backward_seq(e):
+    """The sequence number of the autograd node (backward) that ``e`` runs inside."""
+    while e is not None:
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return e.sequence_nr
+        e = e.cpu_parent
+    return None
+
+
+def labelled():
+    """Label BatchNormalization.call (this process only) for the profiler."""
+    import keras
+    from torch.profiler import record_function
+
+    cls = keras.layers.BatchNormalization
+    if getattr(cls.call, "_kmgpu_label", False):
+        return
+    call = cls.call
+
+    @functools.wraps(call)  # Keras reads call's signature
+    def wrapped(self, *a, **k):
+        with record_function("kmgpu::batchnorm"):
+            return call(self, *a, **k)
+
+    wrapped._kmgpu_label = True
+    cls.call = wrapped
+
+
+def label_optimizer(optimizer):
+    from torch.profiler import record_function
+
+    apply = optimizer.apply
+
+    def wrapped(*a, **k):
+        with record_function("kmgpu::optimizer"):
+            return apply(*a, **k)
+
+    optimizer.apply = wrapped
+
+
+def timed(fn, steps, gpu):
+    """ms per step: the median of 3 blocks of ``steps`` calls (CUDA events on a GPU)."""
+    import torch
+
+    out = []
+    for _ in range(3):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+        out.append(1e3 * (time.perf_counter() - t) / steps)
+    return statistics.median(out)
+
+
+def keras_torch(name, quick, steps, gpu):
+    import torch
+
+    from kmgpu.engines.torch import graphs, keras_fixes
+
+    labelled()
+    model = compiled(name, quick)
+    dev = "cuda" if gpu else "cpu"
+    xn, yn = batch_arrays(name, quick)
+    x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+    model(x[:1])  # build on the device
+    n = int(x.shape[0])
+    label_optimizer(model.optimizer)
+    split = graphs.SplitStep(model)
+
+    def eager():
+        with keras_fixes.device_scalars(), keras_fixes.device_random():
+            split.layout()
+            return split.step(x, y, None, n, n)
+
+    for _ in range(3):
+        eager()
+    res = {"trainable variables": len(model.trainable_weights)}
+    res["eager"], _, _ = profile_torch(eager, steps, gpu)
+    res["eager ms"] = timed(eager, steps, gpu)
+    if gpu:
+        step = graphs.local_step(model)
+        for _ in range(graphs.WARMUP_STEPS + 2):
+            step.train_step((x, y))
+        res["captured"] = bool(step.graphs) and step.reason is None
+        _, res["captured kernels"], res["captured kernel ms"] = profile_torch(
+            lambda: step.train_step((x, y)), steps, gpu)
+        res["captured ms"] = timed(lambda: step.train_step((x, y)), steps, gpu)
+        step.close()
+    return res
+
+
+def torchvision_resnet(quick, steps, gpu):
+    import torch
+
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    dev = "cuda" if gpu else "cpu"
+    model = torchvision.models.resnet50(num_classes=10).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xn, yn = batch_arrays("resnet50", quick)
+    x = torch.as_tensor(xn, device=dev).permute(0, 3, 1, 2).contiguous()
+    y = torch.as_tensor(yn, device=dev).long()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    res = {"trainable variables": len(list(model.parameters()))}
+    res["eager"], _, _ = profile_torch(step, steps, gpu)
+    res["eager ms"] = timed(step, steps, gpu)
+    return res
+
+
+# -- jax -----------------------------------------------------------------------------------
+def jax_compiled(name, quick):
+    """(Keras's jitted train step compiled for the model, its state, the batch, HLO ops)."""
+    import re
+
+    import jax
+
+    from benchmarks.jax_step_profile import fresh_state, jitted_step
+
+    model = compiled(name, quick)
+    x, y = batch_arrays(name, quick)
+    model.optimizer.build(model.trainable_variables)
+    state = fresh_state(model)
+    data = jax.device_put((x, y))
+    step = jitted_step(model).lower(state, data).compile()
+    hlo = step.as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = {}
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s.*?\s([a-z][\w-]*)\(", line)
+        if m and m.group(1) not in ("parameter", "get-tuple-element", "tuple", "constant",
+                                   "bitcast"):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return step, state, data, {"hlo entry ops": ops,
+                               "trainable variables": len(model.trainable_weights)}
+
+
+def keras_jax(compiled_step, steps):
+    import jax
+
+    step, state, data, res = compiled_step
+    for _ in range(3):
+        _, state = step(state, data)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for _ in range(steps):
+        _, state = step(state, data)
+    jax.block_until_ready(state)
+    res["ms"] = 1e3 * (time.perf_counter() - t) / steps
+    res["kernels"], res["kernel ms"] = jax_trace(step, state, data, steps)
+    return res
+
+
+def jax_trace(step, state, data, steps):
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="kmgpu-trace-")
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        for _ in range(steps):
+            _, state = step(state, data)
+        jax.block_until_ready(state)
+    files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return None, None
+    with gzip.open(files[0]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in names.items() if "GPU" in n or "gpu" in n}
+    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    if not spans:
+        return None, None
+    return len(spans) / steps, sum(e.get("dur", 0) for e in spans) / 1e3 / steps
+
+
+# -- the tables ----------------------------------------------------------------------------
+def row(label, per, ms):
+    total_n = sum(n for n, _ in per.values())
+    total_ms = sum(t for _, t in per.values())
+    cells = [f"{per[c][0]:.0f} / {per[c][1]:.2f}" for c in CATEGORIES]
+    return f"| {label} | {total_n:.0f} / {total_ms:.2f} | " + " | ".join(cells) + \
+        f" | {ms:.2f} |"
+
+
+def markdown(results, gpu):
+    unit = "kernels / GPU ms" if gpu else "leaf CPU ops / CPU ms (smoke test)"
+    lines = [f"Per step: {unit} per category; the last column is wall ms per step.", "",
+             "| model, step | total | " + " | ".join(CATEGORIES) + " | ms/step |",
+             "|---" * (len(CATEGORIES) + 3) + "|"]
+    for name, r in results.items():
+        t = r.get("torch") or {}
+        if "eager" in t:
+            lines.append(row(f"{r['desc']}: Keras-torch split step, eager "
+                             f"({t['trainable variables']} variables)", t["eager"],
+                             t["eager ms"]))
+        v = r.get("torchvision")
+        if v:
+            lines.append(row(f"{r['desc']}: torchvision resnet50, eager, torch Adam "
+                             f"({v['trainable variables']} variables)", v["eager"],
+                             v["eager ms"]))
+    lines += ["", "| model | kmgpu captured: kernels / GPU ms per step | captured ms/step | "
+              "Keras-JAX: kernels / GPU ms per step | JAX ms/step | JAX HLO entry ops |",
+              "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        t, j = r.get("torch") or {}, r.get("jax") or {}
+        cap = (f"{t['captured kernels']:.0f} / {t['captured kernel ms']:.2f}"
+               if "captured kernels" in t else "-")
+        cap_ms = f"{t['captured ms']:.2f}" if "captured ms" in t else "-"
+        jk = (f"{j['kernels']:.0f} / {j['kernel ms']:.2f}" if j.get("kernels") else "-")
+        ops = j.get("hlo entry ops") or {}
+        hlo = (f"{sum(ops.values())} ({', '.join(f'{k} {v}' for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:4])})"
+               if ops else (j.get("error") or "-"))
+        jms = f"{j['ms']:.2f}" if "ms" in j else "-"
+        lines.append(f"| {r['desc']} | {cap} | {cap_ms} | {jk} | {jms} | {hlo} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--jax-part", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--go", help=argparse.SUPPRESS)
+    p.add_argument("--out")
+    a = p.parse_args()
+    names = [m for m in a.models.split(",") if m]
+    if a.jax_part:  # the subprocess: KERAS_BACKEND=jax; compiles while torch runs
+        out, ready = {}, {}
+        for name in names:
+            log(f"jax compile {name}")
+            try:
+                ready[name] = jax_compiled(name, a.quick)
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        while a.go and not os.path.exists(a.go):  # the GPU is torch's until then
+            time.sleep(0.2)
+        for name, compiled_step in ready.items():
+            log(f"jax run {name}")
+            try:
+                out[name] = keras_jax(compiled_step, a.steps)
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print("JSON " + json.dumps(out))
+        return
+    proc, go = None, None
+    if not a.no_jax:
+        go = os.path.join(tempfile.mkdtemp(prefix="kmgpu-go-"), "go")
+        env = dict(os.environ, KERAS_BACKEND="jax", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        cmd = [sys.executable, os.path.abspath(__file__), "--jax-part", "--models",
+               ",".join(names), "--steps", str(a.steps), "--go", go] + (
+                   ["--quick"] if a.quick else [])
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    results = {}
+    for name in names:
+        results[name] = {"desc": spec(name, a.quick)[0]}
+        log(f"torch {name}")
+        try:
+            results[name]["torch"] = keras_torch(name, a.quick, a.steps, gpu)
+        except Exception as e:
+            results[name]["torch"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            log(results[name]["torch"]["error"])
+        if name == "resnet50":
+            results[name]["torchvision"] = torchvision_resnet(a.quick, a.steps, gpu)
+        log(json.dumps(results[name]))
+    if proc is not None:
+        open(go, "w").close()
+        for line in proc.communicate()[0].splitlines():
+            if line.startswith("JSON "):
+                for name, r in json.loads(line[5:]).items():
+                    results[name]["jax"] = r
+    text = markdown(results, gpu)
+    print(text)
+    print("JSON " + json.dumps(results))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
