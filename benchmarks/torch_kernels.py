@@ -20,6 +20,12 @@ keras-torch   kmgpu's split step (``graphs.SplitStep``: stage A forward+loss+gra
 captured      the same model's ``CapturedStep`` replayed (graphs A and B): kernels per step
               as the profiler sees them in the graph launches, and ms per step (CUDA events,
               median of 3 blocks of ``--steps`` replays): the step kmgpu runs.
+--fixes       instead: kmgpu's captured step as it is ("keras"), with stage B on
+              ``flat_optim.FlatOptimizer`` over the flat gradient buffer ("flat_optim"),
+              with ``fast_layers``' BatchNormalization.call ("fast_bn"), and both, from
+              the same initial weights, in the order keras, both, flat_optim, fast_bn,
+              keras, both (one model each): ms per step, kernels; then (first model only) Keras's
+              step vs each for ``--parity-steps`` steps with TF32 off: the weights' difference.
 torchvision   hand-written PyTorch: ``torchvision.models.resnet50`` (NCHW), CrossEntropyLoss,
               ``torch.optim.Adam`` (foreach), eager (ResNet-50 only; skipped without
               torchvision), same categories.
@@ -112,11 +118,12 @@ def build(name, quick):
     return bert(quick)
 
 
-def compiled(name, quick):
+def compiled(name, quick, sgd=False):
     import keras
 
     model = build(name, quick)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    model.compile(optimizer=(keras.optimizers.SGD(0.01, momentum=0.9) if sgd else
+                             keras.optimizers.Adam(1e-3)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -453,6 +460,135 @@ def markdown(results, gpu):
     return "\n".join(lines)
 
 
+# -- --fixes: kmgpu's captured step with flat_optim / fast_layers put in (issue 31) -------
+VARIANTS = ("keras", "both", "flat_optim", "fast_bn", "keras", "both")  # order-balanced
+
+
+def fixed_step(model, variant, device):
+    """kmgpu's CapturedStep for ``model``; ``flat_optim``/``both``: stage B updates with
+    ``FlatOptimizer`` over the split step's flat gradient buffer (what the lead hooks in)."""
+    import torch
+
+    from kmgpu.engines.torch import flat_optim, graphs
+
+    class FlatSplit(graphs.SplitStep):
+        def layout(self):
+            changed = super().layout()
+            if changed:
+                self.flat = flat_optim.FlatOptimizer.from_keras(self.model.optimizer,
+                                                                self.trainable)
+            return changed
+
+        def update(self, x, y, sw, loss, y_pred, n_real, n_global):
+            with torch.no_grad():
+                self.flat.step([f[:g.numel] for f, g in zip(self.flats, self.flat.groups)])
+                self.model._loss_tracker.update_state(loss, sample_weight=n_real)
+                return self.model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    cls = FlatSplit if variant in ("flat_optim", "both") else graphs.SplitStep
+    return graphs.CapturedStep(cls(model), device)
+
+
+def fast_bn(on):
+    """Install (or remove) fast_layers' BatchNormalization.call in this process."""
+    import keras
+
+    from kmgpu.engines.torch import fast_layers
+
+    cls = keras.layers.BatchNormalization
+    original = getattr(cls.call, "__wrapped_by_kmgpu__", cls.call)
+    cls.call = fast_layers.batch_norm_method(original) if on else original
+
+
+def fixes(names, quick, steps, gpu, parity_steps):
+    import numpy as np
+    import torch
+
+    from kmgpu.engines.torch import graphs
+
+    dev = "cuda" if gpu else "cpu"
+    out = {}
+    for name in names:
+        xn, yn = batch_arrays(name, quick)
+        x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+        rows = out[name] = {"desc": spec(name, quick)[0], "runs": []}
+        init = None
+        for variant in VARIANTS:
+            fast_bn(variant in ("fast_bn", "both"))
+            model = compiled(name, quick)
+            init = init or model.get_weights()
+            model.set_weights(init)
+            step = fixed_step(model, variant, dev)
+            for _ in range(graphs.WARMUP_STEPS + 2):
+                step.train_step((x, y))
+            r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None}
+            r["ms"] = timed(lambda: step.train_step((x, y)), steps, gpu)
+            _, r["kernels"], r["kernel ms"] = profile_torch(
+                lambda: step.train_step((x, y)), 2, gpu)
+            rows["runs"].append(r)
+            log(name, json.dumps(r))
+            step.close()
+        if parity_steps and name == names[0]:  # against Keras's step, TF32 off
+            saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            # Adam turns a gradient that is zero up to rounding (a bias whose shift the next
+            # BatchNorm removes) into lr-sized steps of random sign, so the BatchNorm runs
+            # compare under SGD with momentum; the flat optimizer under Adam and SGD
+            runs = [("keras", False), ("flat_optim", False), ("keras", True),
+                    ("flat_optim", True), ("fast_bn", True), ("both", True)]
+            weights = {}
+            for variant, sgd in runs:
+                fast_bn(variant in ("fast_bn", "both"))
+                model = compiled(name, quick, sgd)
+                model.set_weights(init)
+                step = fixed_step(model, variant, dev)
+                for _ in range(parity_steps):
+                    step.train_step((x, y))
+                weights[variant, sgd] = model.get_weights()
+                step.close()
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            rows["parity"] = {"steps": parity_steps}
+            for variant, sgd in runs:
+                if variant != "keras":
+                    worst = 0.0
+                    for a, b in zip(weights["keras", sgd], weights[variant, sgd]):
+                        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                        worst = max(worst, float(np.max(np.abs(a - b))
+                                                 / max(np.max(np.abs(a)), 1e-3)))
+                    rows["parity"][f"{variant}, {'SGD' if sgd else 'Adam'}"] = worst
+            log(name, json.dumps(rows["parity"]))
+        fast_bn(False)
+    return out
+
+
+def fixes_markdown(out, quick, gpu):
+    import collections
+
+    lines = ["| model | variant | runs | captured ms/step (each run) | kernels / kernel ms "
+             "per step | samples/s |", "|---|---|---|---|---|---|"]
+    for name, rows in out.items():
+        batch = spec(name, quick)[1]
+        by = collections.defaultdict(list)
+        for r in rows["runs"]:
+            by[r["variant"]].append(r)
+        for variant in ("keras", "flat_optim", "fast_bn", "both"):
+            rs = by[variant]
+            if not rs:
+                continue
+            ms = statistics.median(r["ms"] for r in rs)
+            lines.append(
+                f"| {rows['desc']} | {variant} | {len(rs)} | "
+                + ", ".join(f"{r['ms']:.2f}" + ("" if r["captured"] else " (eager)") for r in rs)
+                + f" | {rs[0]['kernels']:.0f} / {rs[0]['kernel ms']:.2f} | {batch / ms * 1e3:,.0f} |")
+        if "parity" in rows:
+            p = dict(rows["parity"])
+            steps = p.pop("steps")
+            lines.append(f"| {rows['desc']} | weights after {steps} steps (TF32 off) vs Keras's "
+                         "step, max rel diff | | " + ", ".join(f"{k}: {v:.1e}" for k, v in
+                                                            p.items()) + " | | |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -461,9 +597,25 @@ def main():
     p.add_argument("--no-jax", action="store_true")
     p.add_argument("--jax-part", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--go", help=argparse.SUPPRESS)
+    p.add_argument("--fixes", action="store_true",
+                   help="kmgpu's captured step with flat_optim / fast_bn, order-balanced")
+    p.add_argument("--parity-steps", type=int, default=10)
     p.add_argument("--out")
     a = p.parse_args()
     names = [m for m in a.models.split(",") if m]
+    if a.fixes:
+        import torch
+
+        gpu = torch.cuda.is_available()
+        out = fixes(names, a.quick, a.steps, gpu, a.parity_steps)
+        text = fixes_markdown(out, a.quick, gpu)
+        print(text)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+                json.dump(out, f, indent=1)
+        return
     if a.jax_part:  # the subprocess: KERAS_BACKEND=jax; compiles while torch runs
         out, ready = {}, {}
         for name in names:

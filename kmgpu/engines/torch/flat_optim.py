@@ -135,6 +135,7 @@ class _Group:
         self.constrained = [(v, w) for v, w in zip(variables, self.views)
                             if v.constraint is not None]
         self.numel = self.params.numel()
+        self.sizes_t = torch.tensor(self.sizes, device=self.params.device)
 
     def split(self, flat):
         out, offset = [], 0
@@ -177,6 +178,7 @@ class FlatOptimizer:
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
         self.device = variables[0].value.device
         self.iterations = optimizer.iterations.value  # updated in place, on the device
+        self._consts = {}
 
     @classmethod
     def from_keras(cls, optimizer, variables):
@@ -216,7 +218,11 @@ class FlatOptimizer:
         return torch.tensor(x, dtype=self.dtype, device=self.device)
 
     def _const(self, x):
-        return torch.tensor(x, dtype=self.dtype, device=self.device)
+        """A device constant, made once (the first, eager step): a CUDA graph capture
+        refuses the host-to-device copy of a new one."""
+        if x not in self._consts:
+            self._consts[x] = torch.tensor(x, dtype=self.dtype, device=self.device)
+        return self._consts[x]
 
     @torch.no_grad()
     def step(self, flat_grads):
@@ -258,8 +264,7 @@ class FlatOptimizer:
                 # Keras: g * clipnorm / max(||g||, clipnorm) per variable (0 norm: 0)
                 norms = torch.stack(torch._foreach_norm(g.split(grad)))
                 den = torch.clamp(norms, min=opt.clipnorm)
-                sizes = torch.tensor(g.sizes, device=grad.device)
-                den = torch.repeat_interleave(den, sizes, output_size=g.numel)
+                den = torch.repeat_interleave(den, g.sizes_t, output_size=g.numel)
                 out.append(torch.mul(grad, opt.clipnorm) / den)
             return out
         if opt.global_clipnorm and opt.global_clipnorm > 0:
