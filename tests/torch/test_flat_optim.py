@@ -117,8 +117,10 @@ def test_constraints_and_variables_are_views():
     flat = flat_optim.FlatOptimizer.from_keras(mine, flat_vars)
     # every variable and slot is a view of one flat buffer per dtype
     (params,) = flat.params
-    assert params.numel() == sum(int(np.prod(s)) for s in SHAPES.values())
-    assert all(v.value.data_ptr() >= params.data_ptr() for v in flat_vars)
+    span = flat_optim.ALIGN_BYTES // 4  # every variable at an aligned offset
+    assert params.numel() == sum(-(-int(np.prod(s)) // span) * span for s in SHAPES.values())
+    offsets = [v.value.data_ptr() - params.data_ptr() for v in flat_vars]
+    assert offsets == [0, span * 4, 2 * span * 4, 3 * span * 4]
     for step in range(3):
         grads = _grads(step)
         ref.apply(grads, ref_vars)
@@ -127,7 +129,8 @@ def test_constraints_and_variables_are_views():
     assert float(torch.linalg.vector_norm(flat_vars[0].value.detach(), dim=0).max()) <= 0.5 + 1e-6
     # what Keras assigns (load, set_weights) lands in the flat buffer
     flat_vars[1].assign(np.full((4,), 7.0, "float32"))
-    assert float(params[12:16].sum()) == 28.0
+    assert float(params[span:span + 4].sum()) == 28.0
+    assert float(params[span + 4:2 * span].abs().sum()) == 0.0  # the padding stays 0
 
 
 def test_step_is_capture_safe_on_cpu_no_host_reads():

@@ -7,7 +7,9 @@ does the same arithmetic on ONE contiguous tensor per dtype: the trainable varia
 torch Parameters become views of it: ``param.data = view``, so Keras, autograd and
 save/load see the same memory), the gradient laid out the same way, and every slot variable
 of the Keras optimizer (also made views of a flat buffer, so ``optimizer.variables``,
-``save``/``load`` stay right without copies). The optimizer's own ``iterations`` (and
+``save``/``load`` stay right without copies). Each variable starts ``ALIGN_BYTES`` into
+its buffer (zero padding between: every update leaves it 0), so a gradient buffer must
+have the same layout: ``new_grads()`` / ``grad_views()``. The optimizer's own ``iterations`` (and
 Nadam's ``u_product``) are used in place on the device, and the learning rate is read from
 ``optimizer.learning_rate`` each step (a variable, or the schedule called on the
 iteration tensor): nothing is read back to the host, so ``step`` can be captured in a CUDA
@@ -85,39 +87,35 @@ def supported(optimizer, variables=None):
     return True, None
 
 
+#: each tensor starts this many bytes into its flat buffer (padding between them stays
+#: 0): the CUDA allocator gives every tensor 512-byte alignment and some kernels (cuDNN,
+#: depthwise convolutions, vectorised loads) fault on views that lack it
+ALIGN_BYTES = 256
+
+
+def offsets(tensors):
+    """(each tensor's offset in its flat buffer, the buffer's length), in elements."""
+    step = max(1, ALIGN_BYTES // tensors[0].element_size())
+    out, n = [], 0
+    for t in tensors:
+        out.append(n)
+        n += -(-t.numel() // step) * step
+    return out, n
+
+
 def flatten(tensors):
     """Make ``tensors`` (torch Parameters of one dtype and device) views of one new
-    contiguous buffer holding their values (``param.data = view``: the Parameter objects,
-    hence Keras's variables and autograd, stay the same). Returns the buffer."""
-    if _is_flat(tensors):
-        return _base(tensors[0])
-    n = sum(t.numel() for t in tensors)
-    flat = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
-    offset = 0
+    zero-padded buffer holding their values, each at an ``ALIGN_BYTES`` offset
+    (``param.data = view``: the Parameter objects, hence Keras's variables and autograd,
+    stay the same). Returns the buffer."""
+    where, n = offsets(tensors)
+    flat = torch.zeros(n, dtype=tensors[0].dtype, device=tensors[0].device)
     with torch.no_grad():
-        for t in tensors:
-            view = flat[offset:offset + t.numel()].view(t.shape)
+        for t, o in zip(tensors, where):
+            view = flat[o:o + t.numel()].view(t.shape)
             view.copy_(t)
             t.data = view
-            offset += t.numel()
     return flat
-
-
-def _base(t):
-    return t._base if t._base is not None else t
-
-
-def _is_flat(tensors):
-    base = _base(tensors[0])
-    if base.dim() != 1 or base.numel() != sum(t.numel() for t in tensors):
-        return False
-    offset = 0
-    for t in tensors:
-        if (_base(t) is not base or not t.is_contiguous()
-                or t.storage_offset() != base.storage_offset() + offset):
-            return False
-        offset += t.numel()
-    return True
 
 
 class _Group:
@@ -125,7 +123,7 @@ class _Group:
 
     def __init__(self, variables, slots, decayed):
         self.variables = variables
-        self.sizes = [v.value.numel() for v in variables]
+        self.offsets, self.numel = offsets([v.value for v in variables])
         self.params = flatten([v.value for v in variables])
         self.views = [v.value for v in variables]
         self.slots = {name: flatten([s.value for s in svars]) for name, svars in slots.items()}
@@ -134,15 +132,13 @@ class _Group:
                         else [w for w, d in zip(self.views, decayed) if d])
         self.constrained = [(v, w) for v, w in zip(variables, self.views)
                             if v.constraint is not None]
-        self.numel = self.params.numel()
-        self.sizes_t = torch.tensor(self.sizes, device=self.params.device)
+        # each variable's span (its elements and the padding after): clipnorm's expansion
+        spans = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.numel])]
+        self.spans = torch.tensor(spans, device=self.params.device)
 
     def split(self, flat):
-        out, offset = [], 0
-        for v, n in zip(self.variables, self.sizes):
-            out.append(flat[offset:offset + n].view(v.value.shape))
-            offset += n
-        return out
+        return [flat[o:o + v.value.numel()].view(v.value.shape)
+                for v, o in zip(self.variables, self.offsets)]
 
 
 class FlatOptimizer:
@@ -197,13 +193,12 @@ class FlatOptimizer:
         return [torch.zeros_like(g.params) for g in self.groups]
 
     def flatten_grads(self, grads):
-        """Per-variable gradients (the order of ``variables``) as flat buffers."""
-        out, i = [], 0
-        for g in self.groups:
-            n = len(g.variables)
-            out.append(torch.cat([t.reshape(-1) for t in grads[i:i + n]]))
-            i += n
-        return out
+        """Per-variable gradients (the order of ``variables``) as new flat buffers."""
+        flats = self.new_grads()
+        with torch.no_grad():
+            for view, g in zip(self.grad_views(flats), grads):
+                view.copy_(g)
+        return flats
 
     def grad_views(self, flats):
         """Per-variable views (the order of ``variables``) of flat gradient buffers."""
@@ -264,7 +259,7 @@ class FlatOptimizer:
                 # Keras: g * clipnorm / max(||g||, clipnorm) per variable (0 norm: 0)
                 norms = torch.stack(torch._foreach_norm(g.split(grad)))
                 den = torch.clamp(norms, min=opt.clipnorm)
-                den = torch.repeat_interleave(den, g.sizes_t, output_size=g.numel)
+                den = torch.repeat_interleave(den, g.spans, output_size=g.numel)
                 out.append(torch.mul(grad, opt.clipnorm) / den)
             return out
         if opt.global_clipnorm and opt.global_clipnorm > 0:
