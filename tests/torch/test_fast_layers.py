@@ -107,7 +107,12 @@ def test_what_it_leaves_to_keras():
     renorm = BN(renorm=True)
     renorm.build((4, 2))
     fast_layers.batch_norm_call(renorm, torch.randn(4, 2), True, fallback=fallback)
-    assert calls == ["a mask", "one value per channel in the batch", "renorm=True"]
+    synced = BN()
+    synced.build((4, 2))
+    synced._moments = synced._moments  # as keras_fixes.global_batch_moments does
+    fast_layers.batch_norm_call(synced, torch.randn(4, 2), True, fallback=fallback)
+    assert calls == ["a mask", "one value per channel in the batch", "renorm=True",
+                     "its moments are replaced (global-batch moments)"]
     assert fast_layers.why_not(layer, x, True) is None
 
 

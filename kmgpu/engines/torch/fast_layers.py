@@ -22,7 +22,8 @@ cuDNN (or native) kernel each way. ``batch_norm_call`` computes the same layer w
 The numbers differ from Keras's only by float rounding: torch computes the variance in one
 pass with Welford's method where Keras uses E[x^2] - E[x]^2 (torch's is the more
 accurate). What it does not cover runs Keras's own ``call`` (``fallback``): a mask,
-``renorm``, ``synchronized=True``, a batch of one value per channel, integer inputs,
+``renorm``, ``synchronized=True``, moments replaced on the layer (kmgpu's
+``sync_batchnorm``: ``keras_fixes.global_batch_moments``), a batch of one value per channel, integer inputs,
 symbolic (meta) tensors. Nothing here is installed: ``keras_fixes`` decides that.
 """
 
@@ -38,6 +39,8 @@ def why_not(layer, inputs, training=None, mask=None):
         return "renorm=True"
     if getattr(layer, "synchronized", False):
         return "synchronized=True"
+    if "_moments" in vars(layer):  # kmgpu's sync_batchnorm (keras_fixes.global_batch_moments)
+        return "its moments are replaced (global-batch moments)"
     if not torch.is_tensor(inputs) or inputs.device.type == "meta":
         return "symbolic inputs"
     if not torch.is_floating_point(inputs):
