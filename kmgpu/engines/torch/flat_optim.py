@@ -150,8 +150,9 @@ class FlatOptimizer:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
         self.optimizer, self.kind = optimizer, kind(optimizer)
         variables = list(variables)
-        if not optimizer.built:
-            optimizer.build(variables)
+        if not optimizer.built:  # as Keras's apply builds it (the slots' paths)
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
         missing = [v.path for v in variables
                    if id(v) not in optimizer._trainable_variables_indices]
         if missing:
