@@ -1,0 +1,692 @@
+"""Where the GPU time of Keras-on-torch's train step goes, kernel by kernel (issue 31).
+A script that prints Markdown tables, not a test.
+
+    KERAS_BACKEND=torch python benchmarks/torch_kernels.py [--quick] [--models resnet50,...]
+        [--steps 5] [--no-jax] [--out FILE.md]
+
+Per model (ResNet-50 64x64 batch 256, EfficientNetB0 224 batch 64, a BERT-style encoder
+batch 64; ``--quick``: tiny stand-ins on a CPU), one process per backend:
+
+keras-torch   kmgpu's split step (``graphs.SplitStep``: stage A forward+loss+gradients into
+              the flat buffers, stage B ``optimizer.apply`` + loss tracker), run EAGERLY under
+              ``torch.profiler`` inside kmgpu's ``device_scalars``/``device_random`` blocks:
+              the same kernels that the captured step records into its CUDA graphs (the
+              graphs add only the copies of the batch into the static inputs). Each kernel
+              is put in one category: ``optimizer`` (launched inside ``optimizer.apply``),
+              ``batchnorm`` (inside a ``BatchNormalization.call``, or the backward of an op
+              made there: autograd's sequence numbers), else by its launching op / kernel
+              name: ``conv/matmul``, ``copies/permutes`` (copy_, contiguous, cuDNN's
+              nchwToNhwc, memcpy), ``elementwise`` (pointwise and reductions), ``other``.
+captured      the same model's ``CapturedStep`` replayed (graphs A and B): kernels per step
+              as the profiler sees them in the graph launches, and ms per step (CUDA events,
+              median of 3 blocks of ``--steps`` replays): the step kmgpu runs.
+--fixes       instead: kmgpu's captured step as it is ("keras"), with stage B on
+              ``flat_optim.FlatOptimizer`` over the flat gradient buffer ("flat_optim"),
+              with ``fast_layers``' BatchNormalization.call ("fast_bn"), and both, from
+              the same initial weights, in the order keras, both, flat_optim, fast_bn,
+              keras, both (one model each): ms per step, kernels; then (first model only) Keras's
+              step vs each for ``--parity-steps`` steps with TF32 off: the weights' difference.
+torchvision   hand-written PyTorch: ``torchvision.models.resnet50`` (NCHW), CrossEntropyLoss,
+              ``torch.optim.Adam`` (foreach), eager (ResNet-50 only; skipped without
+              torchvision), same categories.
+keras-jax     (a subprocess, ``KERAS_BACKEND=jax``, that compiles while torch runs and
+              touches the GPU after it) Keras's own jitted train step in a hand loop: GPU kernels per step in a ``jax.profiler`` trace and their busy time, and
+              the ops of the compiled HLO's entry computation (fusions, custom calls, ...).
+
+Adam(1e-3) and SparseCategoricalCrossentropy(from_logits=True) everywhere; float32, TF32 as
+torch's defaults (cuDNN on, matmul off). On a CPU (``--quick``) the "kernels" are the leaf
+aten ops and the times CPU times: a smoke test of the script, nothing to read.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+MODELS = ("resnet50", "efficientnetb0", "bert")
+CATEGORIES = ("conv/matmul", "batchnorm", "optimizer", "elementwise", "copies/permutes",
+              "other")
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+# -- the models (Keras, either backend) ----------------------------------------------------
+def spec(name, quick):
+    """(description, batch, x shape without the batch, input dtype, classes)."""
+    if name == "resnet50":
+        return (("ResNet-style mini 16x16" if quick else "ResNet-50 64x64"), 8 if quick else 256,
+                (16, 16, 3) if quick else (64, 64, 3), "float32", 10)
+    if name == "efficientnetb0":
+        return (("EfficientNetB0 32x32" if quick else "EfficientNetB0 224x224"),
+                2 if quick else 64, (32, 32, 3) if quick else (224, 224, 3), "float32",
+                10 if quick else 1000)
+    if name == "bert":
+        return ("BERT-style encoder " + ("(tiny)" if quick else "4x256, seq 128"),
+                4 if quick else 64, (16 if quick else 128,), "int32", 2)
+    raise ValueError(name)
+
+
+def bert(quick):
+    """A BERT-style encoder: token + learned position embeddings, post-LayerNorm blocks of
+    (bidirectional self-attention, add, LN, GELU FFN, add, LN), mean pool, a 2-class head.
+    Full size: vocab 8192, seq 128, d_model 256, 4 heads, FFN 1024, 4 blocks."""
+    import keras
+
+    L = keras.layers
+    vocab, seq, d, heads, ffn, blocks = ((128, 16, 32, 2, 64, 2) if quick
+                                         else (8192, 128, 256, 4, 1024, 4))
+    tokens = keras.Input((seq,), dtype="int32")
+    h = L.Embedding(vocab, d)(tokens)
+    h = L.EinsumDense("btd,de->bte", output_shape=(seq, d), bias_axes="te")(h)
+    h = L.LayerNormalization(epsilon=1e-12)(h)
+    for _ in range(blocks):
+        a = L.MultiHeadAttention(heads, key_dim=d // heads)(h, h)
+        h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, a]))
+        f = L.Dense(d)(L.Dense(ffn, activation="gelu")(h))
+        h = L.LayerNormalization(epsilon=1e-12)(L.Add()([h, f]))
+    h = L.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, L.Dense(2)(h), name="bert_encoder")
+
+
+def build(name, quick):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    _, _, shape, _, classes = spec(name, quick)
+    if name == "resnet50":
+        if quick:
+            from kmgpu.bench import models
+
+            return models.resnet_mini(16, 10, width=4, blocks=(1, 1))
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes,
+                                           classifier_activation=None)
+    if name == "efficientnetb0":
+        return keras.applications.EfficientNetB0(weights=None, input_shape=shape,
+                                                 classes=classes, classifier_activation=None)
+    return bert(quick)
+
+
+def compiled(name, quick, sgd=False):
+    import keras
+
+    model = build(name, quick)
+    model.compile(optimizer=(keras.optimizers.SGD(0.01, momentum=0.9) if sgd else
+                             keras.optimizers.Adam(1e-3)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def batch_arrays(name, quick):
+    import numpy as np
+
+    _, batch, shape, dtype, classes = spec(name, quick)
+    rng = np.random.default_rng(0)
+    if dtype == "int32":
+        x = rng.integers(0, 128 if quick else 8192, size=(batch, *shape)).astype("int32")
+    else:
+        x = rng.standard_normal((batch, *shape), dtype=np.float32)
+    return x, rng.integers(0, classes, size=(batch,)).astype("int32")
+
+
+# -- torch: profile and categorise ---------------------------------------------------------
+CONV = ("conv", "gemm", "cutlass", "nvjet", "xmma", "wgrad", "dgrad", "fprop", "winograd",
+        "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear",
+        "scaled_dot_product", "flash", "fmha", "cublas")
+COPY = ("copy", "memcpy", "nchwtonhwc", "nhwctonchw", "transpose", "contiguous", "clone",
+        "aten::cat", "catarray")
+ELEMENTWISE = ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "welford",
+               "aten::")
+BN_NAMES = ("batch_norm", "bn_fw", "bn_bw", "batchnorm")
+
+
+def _chain(e):
+    out = []
+    while e is not None:
+        out.append(e.name)
+        e = e.cpu_parent
+    return out
+
+
+def categorise(kernel, chain, bn_backward):
+    """The category of one kernel: its name, and the names of its launching op and that
+    op's ancestors (innermost first)."""
+    names = [n.lower() for n in chain]
+    if any("kmgpu::optimizer" in n or n.startswith("optimizer.step") for n in names):
+        return "optimizer"
+    if any("kmgpu::batchnorm" in n for n in names) or bn_backward:
+        return "batchnorm"
+    k = kernel.lower()
+    if any(b in k for b in BN_NAMES) or any(any(b in n for b in BN_NAMES) for n in names[:2]):
+        return "batchnorm"
+    leaf = names[0] if names else ""
+    if any(c in k for c in ("nchwtonhwc", "nhwctonchw", "memcpy", "copy")) or any(
+            c in leaf for c in COPY):
+        return "copies/permutes"
+    if any(c in k for c in CONV) or any(any(c in n for c in CONV) for n in names):
+        return "conv/matmul"
+    if "memset" in k or "fill" in k:
+        return "other"
+    if any(c in k for c in ELEMENTWISE):
+        return "elementwise"
+    return "other"
+
+
+def profile_torch(fn, steps, gpu):
+    """Run ``fn()`` ``steps`` times under torch.profiler: per step, (kernels by category:
+    {category: [count, us]}, kernels the profiler saw on the device in total (CUDA-graph
+    replays included), their us)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    events = prof.events()
+    bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::") and any(
+                "kmgpu::batchnorm" in n for n in _chain(e)):
+            bn_seq.add(e.sequence_nr)
+    table = {c: [0, 0.0] for c in CATEGORIES}
+    dev_n, dev_us = 0, 0.0
+    for e in events:
+        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            dev_n += 1
+            dev_us += e.time_range.elapsed_us()
+            continue
+        chain = _chain(e)
+        bn_back = any(n.startswith("autograd::engine::evaluate_function")
+                      for n in chain) and _backward_seq(e) in bn_seq
+        if gpu:
+            kernels = [(k.name, k.duration) for k in e.kernels]
+        elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
+            kernels = [(e.name, e.self_cpu_time_total)]  # CPU: a leaf op stands for a kernel
+        else:
+            kernels = []
+        for name, us in kernels:
+            c = categorise(name, chain, bn_back)
+            table[c][0] += 1
+            table[c][1] += us
+    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
+    return per, dev_n / steps, dev_us / steps / 1e3
+
+
+def _backward_seq(e):
+    """The sequence number of the autograd node (backward) that ``e`` runs inside."""
+    while e is not None:
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return e.sequence_nr
+        e = e.cpu_parent
+    return None
+
+
+def labelled():
+    """Label BatchNormalization.call (this process only) for the profiler."""
+    import keras
+    from torch.profiler import record_function
+
+    cls = keras.layers.BatchNormalization
+    if getattr(cls.call, "_kmgpu_label", False):
+        return
+    call = cls.call
+
+    @functools.wraps(call)  # Keras reads call's signature
+    def wrapped(self, *a, **k):
+        with record_function("kmgpu::batchnorm"):
+            return call(self, *a, **k)
+
+    wrapped._kmgpu_label = True
+    cls.call = wrapped
+
+
+def label_optimizer(optimizer):
+    from torch.profiler import record_function
+
+    apply = optimizer.apply
+
+    def wrapped(*a, **k):
+        with record_function("kmgpu::optimizer"):
+            return apply(*a, **k)
+
+    optimizer.apply = wrapped
+
+
+def timed(fn, steps, gpu):
+    """ms per step: the median of 3 blocks of ``steps`` calls (CUDA events on a GPU)."""
+    import torch
+
+    out = []
+    for _ in range(3):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+        out.append(1e3 * (time.perf_counter() - t) / steps)
+    return statistics.median(out)
+
+
+def keras_torch(name, quick, steps, gpu):
+    import torch
+
+    from kmgpu.engines.torch import graphs, keras_fixes
+
+    labelled()
+    model = compiled(name, quick)
+    dev = "cuda" if gpu else "cpu"
+    xn, yn = batch_arrays(name, quick)
+    x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+    model(x[:1])  # build on the device
+    n = int(x.shape[0])
+    label_optimizer(model.optimizer)
+    split = graphs.SplitStep(model)
+
+    def eager():
+        with keras_fixes.device_scalars(), keras_fixes.device_random():
+            split.layout()
+            return split.step(x, y, None, n, n)
+
+    for _ in range(3):
+        eager()
+    res = {"trainable variables": len(model.trainable_weights)}
+    res["eager"], _, _ = profile_torch(eager, steps, gpu)
+    res["eager ms"] = timed(eager, steps, gpu)
+    if gpu:
+        step = graphs.local_step(model)
+        for _ in range(graphs.WARMUP_STEPS + 2):
+            step.train_step((x, y))
+        res["captured"] = bool(step.graphs) and step.reason is None
+        _, res["captured kernels"], res["captured kernel ms"] = profile_torch(
+            lambda: step.train_step((x, y)), steps, gpu)
+        res["captured ms"] = timed(lambda: step.train_step((x, y)), steps, gpu)
+        step.close()
+    return res
+
+
+def torchvision_resnet(quick, steps, gpu):
+    import torch
+
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    dev = "cuda" if gpu else "cpu"
+    model = torchvision.models.resnet50(num_classes=10).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    xn, yn = batch_arrays("resnet50", quick)
+    x = torch.as_tensor(xn, device=dev).permute(0, 3, 1, 2).contiguous()
+    y = torch.as_tensor(yn, device=dev).long()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    res = {"trainable variables": len(list(model.parameters()))}
+    res["eager"], _, _ = profile_torch(step, steps, gpu)
+    res["eager ms"] = timed(step, steps, gpu)
+    return res
+
+
+# -- jax -----------------------------------------------------------------------------------
+def jax_compiled(name, quick):
+    """(Keras's jitted train step compiled for the model, its state, the batch, HLO ops)."""
+    import re
+
+    import jax
+
+    from benchmarks.jax_step_profile import fresh_state, jitted_step
+
+    model = compiled(name, quick)
+    x, y = batch_arrays(name, quick)
+    model.optimizer.build(model.trainable_variables)
+    state = fresh_state(model)
+    data = jax.device_put((x, y))
+    step = jitted_step(model).lower(state, data).compile()
+    hlo = step.as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = {}
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s.*?\s([a-z][\w-]*)\(", line)
+        if m and m.group(1) not in ("parameter", "get-tuple-element", "tuple", "constant",
+                                   "bitcast"):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return step, state, data, {"hlo entry ops": ops,
+                               "trainable variables": len(model.trainable_weights)}
+
+
+def keras_jax(compiled_step, steps):
+    import jax
+
+    step, state, data, res = compiled_step
+    for _ in range(3):
+        _, state = step(state, data)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for _ in range(steps):
+        _, state = step(state, data)
+    jax.block_until_ready(state)
+    res["ms"] = 1e3 * (time.perf_counter() - t) / steps
+    res["kernels"], res["kernel ms"] = jax_trace(step, state, data, steps)
+    return res
+
+
+def jax_trace(step, state, data, steps):
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="kmgpu-trace-")
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        for _ in range(steps):
+            _, state = step(state, data)
+        jax.block_until_ready(state)
+    files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return None, None
+    with gzip.open(files[0]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in names.items() if "GPU" in n or "gpu" in n}
+    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    if not spans:
+        return None, None
+    return len(spans) / steps, sum(e.get("dur", 0) for e in spans) / 1e3 / steps
+
+
+# -- the tables ----------------------------------------------------------------------------
+def row(label, per, ms):
+    total_n = sum(n for n, _ in per.values())
+    total_ms = sum(t for _, t in per.values())
+    cells = [f"{per[c][0]:.0f} / {per[c][1]:.2f}" for c in CATEGORIES]
+    return f"| {label} | {total_n:.0f} / {total_ms:.2f} | " + " | ".join(cells) + \
+        f" | {ms:.2f} |"
+
+
+def markdown(results, gpu):
+    unit = "kernels / GPU ms" if gpu else "leaf CPU ops / CPU ms (smoke test)"
+    lines = [f"Per step: {unit} per category; the last column is wall ms per step.", "",
+             "| model, step | total | " + " | ".join(CATEGORIES) + " | ms/step |",
+             "|---" * (len(CATEGORIES) + 3) + "|"]
+    for name, r in results.items():
+        t = r.get("torch") or {}
+        if "eager" in t:
+            lines.append(row(f"{r['desc']}: Keras-torch split step, eager "
+                             f"({t['trainable variables']} variables)", t["eager"],
+                             t["eager ms"]))
+        v = r.get("torchvision")
+        if v:
+            lines.append(row(f"{r['desc']}: torchvision resnet50, eager, torch Adam "
+                             f"({v['trainable variables']} variables)", v["eager"],
+                             v["eager ms"]))
+    lines += ["", "| model | kmgpu captured: kernels / GPU ms per step | captured ms/step | "
+              "Keras-JAX: kernels / GPU ms per step | JAX ms/step | JAX HLO entry ops |",
+              "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        t, j = r.get("torch") or {}, r.get("jax") or {}
+        cap = (f"{t['captured kernels']:.0f} / {t['captured kernel ms']:.2f}"
+               if "captured kernels" in t else "-")
+        cap_ms = f"{t['captured ms']:.2f}" if "captured ms" in t else "-"
+        jk = (f"{j['kernels']:.0f} / {j['kernel ms']:.2f}" if j.get("kernels") else "-")
+        ops = j.get("hlo entry ops") or {}
+        hlo = (f"{sum(ops.values())} ({', '.join(f'{k} {v}' for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:4])})"
+               if ops else (j.get("error") or "-"))
+        jms = f"{j['ms']:.2f}" if "ms" in j else "-"
+        lines.append(f"| {r['desc']} | {cap} | {cap_ms} | {jk} | {jms} | {hlo} |")
+    return "\n".join(lines)
+
+
+# -- --fixes: kmgpu's captured step with flat_optim / fast_layers put in (issue 31) -------
+VARIANTS = ("keras", "both", "flat_optim", "fast_bn", "keras", "both")  # order-balanced
+
+
+def fixed_step(model, variant, device):
+    """kmgpu's CapturedStep for ``model``; ``flat_optim``/``both``: stage B updates with
+    ``FlatOptimizer`` over the split step's flat gradient buffer (what the lead hooks in)."""
+    import torch
+
+    from kmgpu.engines.torch import flat_optim, graphs
+
+    class FlatSplit(graphs.SplitStep):
+        def layout(self):
+            changed = super().layout()
+            if changed:  # the gradients in the flat optimizer's (aligned) layout
+                self.flat = flat_optim.FlatOptimizer.from_keras(self.model.optimizer,
+                                                                self.trainable)
+                flats = self.flat.new_grads()
+                self.buffers = types.SimpleNamespace(flats=flats,
+                                                     views=self.flat.grad_views(flats))
+            return changed
+
+        def update(self, x, y, sw, loss, y_pred, n_real, n_global):
+            with torch.no_grad():
+                self.flat.step(self.flats)
+                self.model._loss_tracker.update_state(loss, sample_weight=n_real)
+                return self.model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    cls = FlatSplit if variant in ("flat_optim", "both") else graphs.SplitStep
+    return graphs.CapturedStep(cls(model), device)
+
+
+def fast_bn(on):
+    """Install (or remove) fast_layers' BatchNormalization.call in this process."""
+    import keras
+
+    from kmgpu.engines.torch import fast_layers
+
+    cls = keras.layers.BatchNormalization
+    original = getattr(cls.call, "__wrapped_by_kmgpu__", cls.call)
+    cls.call = fast_layers.batch_norm_method(original) if on else original
+
+
+def fixes(names, quick, steps, gpu, parity_steps):
+    import numpy as np
+    import torch
+
+    from kmgpu.engines.torch import graphs
+
+    dev = "cuda" if gpu else "cpu"
+    out = {}
+    for name in names:
+        xn, yn = batch_arrays(name, quick)
+        x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+        rows = out[name] = {"desc": spec(name, quick)[0], "runs": []}
+        init = None
+        for variant in VARIANTS:
+            fast_bn(variant in ("fast_bn", "both"))
+            model = compiled(name, quick)
+            init = init or model.get_weights()
+            model.set_weights(init)
+            step = fixed_step(model, variant, dev)
+            for _ in range(graphs.WARMUP_STEPS + 2):
+                step.train_step((x, y))
+            r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None}
+            r["ms"] = timed(lambda: step.train_step((x, y)), steps, gpu)
+            _, r["kernels"], r["kernel ms"] = profile_torch(
+                lambda: step.train_step((x, y)), 2, gpu)
+            rows["runs"].append(r)
+            log(name, json.dumps(r))
+            step.close()
+        if parity_steps and name == names[0]:  # against Keras's step, TF32 off
+            # TF32 off and deterministic cuDNN (the first H200 run had neither: Keras's step
+            # against itself differed as much as against the fixes)
+            b = torch.backends
+            saved = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.deterministic,
+                     b.cudnn.benchmark)
+            b.cuda.matmul.allow_tf32 = b.cudnn.allow_tf32 = False
+            b.cudnn.deterministic, b.cudnn.benchmark = True, False
+            # Adam turns a gradient that is zero up to rounding (a bias whose shift the next
+            # BatchNorm removes) into lr-sized steps of random sign, so the BatchNorm runs
+            # compare under SGD with momentum; the flat optimizer under Adam and SGD
+            runs = [("keras", False), ("flat_optim", False), ("keras", True),
+                    ("keras again", True), ("flat_optim", True), ("fast_bn", True),
+                    ("both", True)]
+            weights = {}
+            for variant, sgd in runs:
+                fast_bn(variant in ("fast_bn", "both"))
+                model = compiled(name, quick, sgd)
+                model.set_weights(init)
+                step = fixed_step(model, variant.split()[0], dev)
+                for _ in range(parity_steps):
+                    step.train_step((x, y))
+                weights[variant, sgd] = model.get_weights()
+                paths = [w.path for w in model.weights]
+                step.close()
+            (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.deterministic,
+             b.cudnn.benchmark) = saved
+            rows["parity"] = {"steps": parity_steps}
+            for variant, sgd in runs:
+                if variant != "keras":
+                    worst = [0.0, 0.0, ""]  # [others, conv biases (zero gradient up to
+                    for u, v, p in zip(weights["keras", sgd], weights[variant, sgd], paths):
+                        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)  # rounding)]
+                        i = int("conv" in p and p.endswith("bias"))
+                        d = float(np.max(np.abs(u - v)) / max(np.max(np.abs(u)), 1e-3))
+                        if d > worst[i]:
+                            worst[i] = d
+                            worst[2] = p if i == 0 else worst[2]  # where the worst one is
+                    rows["parity"][f"{variant}, {'SGD' if sgd else 'Adam'}"] = worst
+            log(name, json.dumps(rows["parity"]))
+        fast_bn(False)
+    return out
+
+
+def fixes_markdown(out, quick, gpu):
+    import collections
+
+    lines = ["| model | variant | runs | captured ms/step (each run) | kernels / kernel ms "
+             "per step | samples/s |", "|---|---|---|---|---|---|"]
+    for name, rows in out.items():
+        batch = spec(name, quick)[1]
+        by = collections.defaultdict(list)
+        for r in rows["runs"]:
+            by[r["variant"]].append(r)
+        for variant in ("keras", "flat_optim", "fast_bn", "both"):
+            rs = by[variant]
+            if not rs:
+                continue
+            ms = statistics.median(r["ms"] for r in rs)
+            lines.append(
+                f"| {rows['desc']} | {variant} | {len(rs)} | "
+                + ", ".join(f"{r['ms']:.2f}" + ("" if r["captured"] else " (eager)") for r in rs)
+                + f" | {rs[0]['kernels']:.0f} / {rs[0]['kernel ms']:.2f} | {batch / ms * 1e3:,.0f} |")
+        if "parity" in rows:
+            p = dict(rows["parity"])
+            steps = p.pop("steps")
+            lines.append(f"| {rows['desc']} | weights after {steps} steps (TF32 off) vs Keras's "
+                         "step, max rel diff (conv biases) | | " + ", ".join(
+                             f"{k}: {v[0]:.1e} ({v[1]:.1e})" for k, v in p.items()) + " | | |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--jax-part", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--go", help=argparse.SUPPRESS)
+    p.add_argument("--fixes", action="store_true",
+                   help="kmgpu's captured step with flat_optim / fast_bn, order-balanced")
+    p.add_argument("--parity-steps", type=int, default=10)
+    p.add_argument("--out")
+    a = p.parse_args()
+    names = [m for m in a.models.split(",") if m]
+    if a.fixes:
+        import torch
+
+        gpu = torch.cuda.is_available()
+        out = fixes(names, a.quick, a.steps, gpu, a.parity_steps)
+        text = fixes_markdown(out, a.quick, gpu)
+        print(text)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+                json.dump(out, f, indent=1)
+        return
+    if a.jax_part:  # the subprocess: KERAS_BACKEND=jax; compiles while torch runs
+        out, ready = {}, {}
+        for name in names:
+            log(f"jax compile {name}")
+            try:
+                ready[name] = jax_compiled(name, a.quick)
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        while a.go and not os.path.exists(a.go):  # the GPU is torch's until then
+            time.sleep(0.2)
+        for name, compiled_step in ready.items():
+            log(f"jax run {name}")
+            try:
+                out[name] = keras_jax(compiled_step, a.steps)
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print("JSON " + json.dumps(out))
+        return
+    proc, go = None, None
+    if not a.no_jax:
+        go = os.path.join(tempfile.mkdtemp(prefix="kmgpu-go-"), "go")
+        env = dict(os.environ, KERAS_BACKEND="jax", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        cmd = [sys.executable, os.path.abspath(__file__), "--jax-part", "--models",
+               ",".join(names), "--steps", str(a.steps), "--go", go] + (
+                   ["--quick"] if a.quick else [])
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    results = {}
+    for name in names:
+        results[name] = {"desc": spec(name, a.quick)[0]}
+        log(f"torch {name}")
+        try:
+            results[name]["torch"] = keras_torch(name, a.quick, a.steps, gpu)
+        except Exception as e:
+            results[name]["torch"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            log(results[name]["torch"]["error"])
+        if name == "resnet50":
+            results[name]["torchvision"] = torchvision_resnet(a.quick, a.steps, gpu)
+        log(json.dumps(results[name]))
+    if proc is not None:
+        open(go, "w").close()
+        for line in proc.communicate()[0].splitlines():
+            if line.startswith("JSON "):
+                for name, r in json.loads(line[5:]).items():
+                    results[name]["jax"] = r
+    text = markdown(results, gpu)
+    print(text)
+    print("JSON " + json.dumps(results))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
