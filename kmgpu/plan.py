@@ -121,7 +121,8 @@ def _memory(engine, options, template, grads):
         opt)) if opt is not None and opt.built else None
     shard = engine.optimizer_bytes(template) if n > 1 else None
     if shard is None and whole is None:
-        return text + "state: known once the optimizer is built (after the first fit)"
+        sharded = f"1/{n} per device (shard_optimizer=True), " if options.shard_optimizer else ""
+        return text + f"state: {sharded}bytes known once the optimizer is built (after the first fit)"
     if shard is None:
         return text + f"state {_bytes(whole)} (whole on every device)"
     per, whole, kept = shard

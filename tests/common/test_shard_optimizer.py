@@ -7,7 +7,7 @@ import pytest
 
 import kmgpu
 from kmgpu import hardware
-from tests.helpers import mlp, one_device
+from tests.helpers import mlp
 
 
 def test_not_a_bool_is_refused():
@@ -15,11 +15,17 @@ def test_not_a_bool_is_refused():
         kmgpu.parallelize(mlp(), shard_optimizer="yes")
 
 
-@pytest.mark.skipif(hardware.backend_name() == "jax", reason="JAX shards the optimizer")
-def test_refused_before_any_work():
+def test_refused_before_any_work_or_sharded():
+    """TensorFlow and torch refuse before any work; JAX takes it and lays the slots out."""
     model = mlp()
     model.compile(optimizer="adam", loss="mse")
     before = [w.copy() for w in model.get_weights()]
+    if hardware.backend_name() == "jax":
+        parallel = kmgpu.parallelize(model, shard_optimizer=True)
+        assert "state: 1/4 per device (shard_optimizer=True)" in str(parallel.describe())
+        for a, b in zip(before, model.get_weights()):
+            assert np.array_equal(a, b)
+        return
     want = ("MirroredStrategy has no sharded optimizer" if hardware.backend_name() == "tensorflow"
             else "not yet available on the torch backend")
     with pytest.raises(NotImplementedError, match=want) as e:
@@ -28,12 +34,3 @@ def test_refused_before_any_work():
     assert not model.optimizer.built  # nothing ran: no optimizer state was made
     for a, b in zip(before, model.get_weights()):
         assert np.array_equal(a, b)
-
-
-@pytest.mark.skipif(hardware.backend_name() != "jax", reason="only JAX shards the optimizer")
-def test_one_device_is_a_no_op_said_once():
-    with one_device(), pytest.warns(UserWarning, match="kmgpu: shard_optimizer=True on one "
-                                                       "device: nothing to shard") as seen:
-        parallel = kmgpu.parallelize(mlp(), gpus=1, shard_optimizer=True)
-    assert parallel.num_replicas == 1
-    assert sum("shard_optimizer" in str(w.message) for w in seen) == 1

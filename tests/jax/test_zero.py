@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import mlp, one_device, rel_diff
 
 TOL = 1e-5
 ROWS, BATCH = 70, 16
@@ -199,3 +199,11 @@ def test_kmgpu_launch_two_processes(tmp_path, monkeypatch):
         per_device, whole, kept = r["bytes"]
         assert r["bytes"] == r["planned"] and per_device == (whole - kept) // 2 + kept, r
         assert per_device < 0.6 * whole, r
+
+
+def test_one_device_is_a_no_op_said_once():
+    with one_device(), pytest.warns(UserWarning, match="kmgpu: shard_optimizer=True on one "
+                                                       "device: nothing to shard") as seen:
+        parallel = kmgpu.parallelize(mlp(), gpus=1, shard_optimizer=True)
+    assert parallel.num_replicas == 1
+    assert sum("shard_optimizer" in str(w.message) for w in seen) == 1
