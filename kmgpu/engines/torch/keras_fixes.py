@@ -29,6 +29,9 @@ PATCHES = [
     ("keras.src.backend.torch.trainer", "TorchTrainer.test_step",
      "compared likewise: Keras's test step is replaced by one that counts only this "
      "rank's real rows in the loss tracker"),
+    ("keras.src.backend.torch.trainer", "TorchTrainer.predict_step",
+     "compared likewise: a model that keeps Keras's predict (and test) step gets it "
+     "captured as a CUDA graph on one device (eval_steps.py)"),
     ("keras.src.backend.torch.trainer", "TorchTrainer._get_metrics_result_or_logs",
      "replaced on each replica: Keras turns metric variables into logs here at epoch "
      "and evaluation ends; kmgpu sums the variables over ranks first (no public hook "
@@ -79,6 +82,11 @@ def has_own_train_step(model):
 def has_own_test_step(model):
     """True when ``model``'s class overrides Keras's torch ``test_step``."""
     return type(model).test_step is not _trainer().test_step
+
+
+def has_own_predict_step(model):
+    """True when ``model``'s class overrides Keras's torch ``predict_step``."""
+    return type(model).predict_step is not _trainer().predict_step
 
 
 def keras_evaluate(model):

@@ -1,0 +1,166 @@
+"""torch, issue 28: the whole run on the captured path, and fallbacks that leave torch clean.
+
+A "GPU" is simulated as in test_captured_step (``graphs.available`` True, a fake capture
+whose replay re-runs the recorded function). On one device, ``evaluate``, ``predict``
+and fit's validation run Keras's own test / predict steps captured (here: faked), the
+last partial batch eagerly, and must give Keras's rows, order and numbers. Every capture
+that fails (train graph A, graph B, test, predict) falls back to eager with the same
+numbers and one line each, and leaves Keras's functions and torch's random state as
+they were: a plain Keras model with Dropout trains afterwards as it would have anyway.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kmgpu
+from tests.helpers import data, mlp, rel_diff
+
+TOL = 1e-5
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    m = mlp()
+    m.compile(optimizer="adam", loss="mse", metrics=["mae", keras.metrics.RootMeanSquaredError()])
+    return m
+
+
+def _fake_capture(monkeypatch, model_box, fail=()):
+    """Capture is faked: the recording runs the function once for its output structure
+    with every variable (weights, optimizer, metrics) put back after it (a real capture runs nothing); replay
+    runs it again into those outputs. ``fail``: the kinds whose capture raises
+    ("a", "b", "test", "predict", told apart by the function's name)."""
+    from kmgpu.engines.torch import graphs
+
+    calls = []
+
+    class Graph:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def pool(self):
+            return None
+
+        def replay(self):
+            fresh = self.fn()
+            for old, new in zip(keras.tree.flatten(self.out), keras.tree.flatten(fresh)):
+                if old is not None:
+                    old.copy_(new)
+
+    def capture(fn, pool=None):
+        kind = _kind(fn)
+        calls.append(kind)
+        if kind in fail:
+            raise RuntimeError(f"simulated {kind} capture failure\nsecond line")
+        model = model_box[0]
+        state = list(model.variables) + [v for m in model.metrics for v in m.variables]
+        if model.optimizer is not None and model.optimizer.built:
+            state += list(model.optimizer.variables)
+        saved = [(v, v.value.clone()) for v in state]
+        out = fn()
+        for v, value in saved:
+            v.value.data.copy_(value)
+        return Graph(fn, out), out
+
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    monkeypatch.setattr(graphs, "capture", capture)
+    return calls
+
+
+def _kind(fn):
+    import inspect
+
+    text = inspect.getsource(fn)
+    if "forward_backward" in text:
+        return "a"
+    if "split.update" in text:
+        return "b"
+    return "eval"
+
+
+X, Y = data("mlp", 97)
+XV, YV = data("mlp", 43, seed=1)
+
+
+def _run(runner):
+    history = runner.fit(X, Y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                         validation_data=(XV, YV), validation_freq=2)
+    history2 = runner.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                          validation_split=0.3)
+    ev = runner.evaluate(XV, YV, batch_size=10, verbose=0, return_dict=True)
+    pred = runner.predict(XV, batch_size=5, verbose=0)
+    return history.history, history2.history, ev, pred
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = _model()
+    return model.get_weights(), _run(model)
+
+
+def _parallel(monkeypatch, fail=()):
+    model = _model()
+    calls = _fake_capture(monkeypatch, [model], fail)
+    with pytest.warns(UserWarning, match="kmgpu: one device"):
+        parallel = kmgpu.parallelize(model, gpus=1)
+    return model, parallel, calls
+
+
+def _same(ref, got):
+    (h1, h2, ev, pred), (g1, g2, gev, gpred) = ref, got
+    for a, b in ((h1, g1), (h2, g2), (ev, gev)):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=TOL, atol=1e-7, err_msg=k)
+    assert gpred.shape == pred.shape == (43, 1)  # every row, in order
+    np.testing.assert_allclose(gpred, pred, rtol=TOL, atol=1e-7)
+
+
+def test_evaluate_predict_and_validation_are_captured_and_equal_kerass(monkeypatch, reference,
+                                                                         capsys):
+    weights, ref = reference
+    model, parallel, calls = _parallel(monkeypatch)
+    got = _run(parallel)
+    assert calls.count("a") == 1 and calls.count("b") == 1  # the full batch of 8
+    # test steps: validation batches of 8 and 10 (evaluate); predict of 5
+    assert calls.count("eval") >= 3
+    engine = parallel._engine
+    assert len(engine._eval.graphs) >= 3 and "eagerly" not in capsys.readouterr().out
+    _same(ref, got)
+    assert rel_diff(model.get_weights(), _model().get_weights()) > 0  # it trained
+    # the user's model keeps Keras's own steps outside kmgpu's calls
+    assert not {"test_step", "predict_step", "train_step"} & set(model.__dict__)
+
+
+@pytest.mark.parametrize("fail", [("a",), ("b", "eval")])
+def test_a_failed_capture_of_any_step_runs_eagerly_and_leaves_torch_clean(monkeypatch, reference,
+                                                                           capsys, fail):
+    from keras.src.backend.torch import core, random  # noqa: the functions kmgpu swaps
+
+    code, dropout = core.convert_to_tensor.__code__, random.dropout
+    _, ref = reference
+    model, parallel, calls = _parallel(monkeypatch, fail)
+    _same(ref, _run(parallel))
+    out = capsys.readouterr().out
+    if "a" in fail:
+        assert out.count("capturing the train step failed") == 1
+    else:
+        assert out.count("run eagerly after the captured") == 1
+        assert out.count("capturing the test step failed") == 1
+        assert out.count("capturing the predict step failed") == 1
+    assert "simulated" in out and "second line" not in out
+    # Keras's own functions are back, and torch's random stream is where a plain run puts it
+    assert core.convert_to_tensor.__code__ is code and random.dropout is dropout
+    import torch
+
+    def plain_dropout_fit():
+        keras.utils.set_random_seed(5)
+        torch.manual_seed(5)
+        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(1)])
+        m.compile(optimizer="sgd", loss="mse")
+        m.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+        return m.get_weights()
+
+    assert rel_diff(plain_dropout_fit(), plain_dropout_fit()) == 0.0
