@@ -164,3 +164,53 @@ def test_a_failed_capture_of_any_step_runs_eagerly_and_leaves_torch_clean(monkey
         return m.get_weights()
 
     assert rel_diff(plain_dropout_fit(), plain_dropout_fit()) == 0.0
+
+
+def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkeypatch, capsys):
+    """A LossScaleOptimizer (what mixed_float16 compiles), gradient_accumulation_steps and
+    confusion-matrix metrics in graph B, captured under a fake that refuses host reads as
+    CUDA-graph capture does: no eager fallback, Keras's weights and history."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kmgpu.engines.torch import graphs
+
+    def build():
+        keras.utils.set_random_seed(4)
+        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+        opt = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(gradient_accumulation_steps=2), dynamic_growth_steps=3)
+        m.compile(optimizer=opt, loss="binary_crossentropy",
+                  metrics=[keras.metrics.AUC(), keras.metrics.Precision(thresholds=[0.3, 0.6]),
+                           keras.metrics.Recall(), keras.metrics.F1Score(threshold=0.5),
+                           keras.metrics.BinaryIoU(), "accuracy"])
+        return m
+
+    x, y = X.astype("float32"), (Y > 0).astype("float32")
+    ref = build()
+    ref_history = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    model = build()
+    calls = _fake_capture(monkeypatch, [model])
+    fake = graphs.capture
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return func(*args, **(kwargs or {}))
+
+    def strict(fn, pool=None):
+        with NoHostReads():
+            return fake(fn, pool)
+
+    monkeypatch.setattr(graphs, "capture", strict)
+    with pytest.warns(UserWarning, match="kmgpu: one device"):
+        parallel = kmgpu.parallelize(model, gpus=1)
+    history = parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert "eagerly" not in capsys.readouterr().out and calls == ["a", "b"]
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert float(model.optimizer.dynamic_scale.numpy()) == float(ref.optimizer.dynamic_scale.numpy())
+    assert len(ref_history) == len(history) == 7
+    for (k, a), b in zip(ref_history.items(), history.values()):  # names: auc vs auc_1
+        np.testing.assert_allclose(a, b, rtol=TOL, err_msg=k)

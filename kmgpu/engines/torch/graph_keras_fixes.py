@@ -8,6 +8,21 @@ import threading
 
 #: (module, attribute (dotted within the module), why)
 PATCHES = [
+    ("keras.src.backend.torch.math", "_segment_reduction_fn",
+     "swapped with the random functions while kmgpu's step runs: segment_sum (AUC, "
+     "Precision/Recall at thresholds) repeats ids by a device count, a host read on CUDA; "
+     "kmgpu's broadcasts them: the same sums"),
+    ("keras.src.backend.torch.core", "scatter",
+     "swapped likewise: Keras adds row by row in Python (confusion_matrix: MeanIoU and the "
+     "IoU metrics); kmgpu's is one index_put_ with accumulate: the same sums"),
+    ("keras.src.backend.torch.core", "cond",
+     "swapped while kmgpu's step applies the optimizer (device_conditions): Keras 3.15.1's "
+     "torch cond is a Python if on a tensor, a host read CUDA-graph capture refuses; "
+     "LossScaleOptimizer (mixed_float16: its finite-gradient check and loss-scale update), "
+     "gradient_accumulation_steps and EMA overwrites branch with it, so graph B could not "
+     "be captured; the swap runs both branches from the same optimizer state and keeps "
+     "the taken one with torch.where: the same values, no host read (upstream: no issue "
+     "known to kmgpu)"),
     ("keras.src.backend.torch.core", "convert_to_tensor",
      "its code is swapped while a captured train step runs (graphs.py, "
      "compile(jit_compile=True)): Keras 3.15.1 makes a python scalar or a constant list "
@@ -270,7 +285,49 @@ def _random_functions():
     patched = dict(normal=normal, uniform=uniform, randint=randint, dropout=dropout,
                    shuffle=shuffle, categorical=categorical)
     return [(keras_random, name, original[name], fn) for name, fn in patched.items()] + [
-        (RandomCrop, "transform_images", crop, crop_images)]
+        (RandomCrop, "transform_images", crop, crop_images)] + _metric_functions()
+
+
+def _metric_functions():
+    """Keras's torch ``segment_sum``'s helper and ``scatter`` (the confusion-matrix
+    metrics: AUC, Precision/Recall at thresholds, MeanIoU ...), the same sums as device
+    ops without a host read."""
+    import torch
+    from keras.src.backend.torch import core
+    from keras.src.backend.torch import math as keras_math
+
+    segment = keras_math._segment_reduction_fn
+    scatter = core.scatter
+
+    def segment_reduction(data, segment_ids, reduction_method, num_segments):
+        if num_segments is None or core.get_device() == "meta":
+            return segment(data, segment_ids, reduction_method, num_segments)
+        # Keras: repeat_interleave by a device count (a host read on CUDA) and
+        # torch.tensor(shape, device=...) (a blocking copy); here a broadcast
+        ids = segment_ids.reshape((-1,) + (1,) * (data.ndim - 1)).to(torch.int64)
+        ids = torch.where((ids >= 0) & (ids < num_segments), ids, num_segments)
+        ids = ids.expand(data.shape)
+        fill = {"amax": -float("inf"), "amin": float("inf"), "prod": 1.0}.get(
+            reduction_method, 0.0)
+        result = torch.full((num_segments + 1,) + tuple(data.shape[1:]), fill,
+                            device=data.device)
+        result = result.scatter_reduce(0, ids, data.float(), reduction_method)
+        return result[:-1, ...].type(data.dtype)
+
+    def scatter_(indices, values, shape):
+        indices, values = core.convert_to_tensor(indices), core.convert_to_tensor(values)
+        if core.get_device() == "meta":
+            return scatter(indices, values, shape)
+        shape = tuple(int(d) for d in shape)
+        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        n = indices.shape[-1]
+        indices = indices.reshape(-1, n).to(torch.int64)
+        values = values.reshape((-1,) + shape[n:])
+        # Keras adds row by row (zeros[tuple(index)] += value: a launch per row)
+        return zeros.index_put_(tuple(indices.T), values, accumulate=True)
+
+    return [(keras_math, "_segment_reduction_fn", segment, segment_reduction),
+            (core, "scatter", scatter, scatter_)]
 
 
 def _swap_random(use):
@@ -293,3 +350,79 @@ def device_random():
     calls them as ``backend.random.<name>``).
     Re-entrant."""
     return _RANDOMS
+
+
+# -- optimizer branches inside the captured step (graphs.py) -------------------------------
+_COND = {"state": None, "original": None, "depth": 0}
+
+
+def _device_cond(pred, true_fn, false_fn):
+    """Keras's ``cond`` inside ``device_conditions``: both branches run from the same
+    state, the taken one's state is kept (``torch.where``), nothing read on the host."""
+    import keras
+    import torch
+
+    state = _COND["state"]
+    if state is None or not torch.is_tensor(pred) or pred.numel() != 1 or \
+            pred.device.type == "meta":
+        return _COND["original"](pred, true_fn, false_fn)
+    taken = pred.reshape(()).to(torch.bool)
+    values = [v.value for v in state]
+    with torch.no_grad():
+        before = [t.clone() for t in values]
+        out_true = true_fn()
+        after_true = [t.clone() for t in values]
+        for t, b in zip(values, before):
+            t.copy_(b)
+        out_false = false_fn()
+        for t, a in zip(values, after_true):
+            t.copy_(torch.where(taken, a, t))
+    if out_true is None and out_false is None:
+        return None
+    return keras.tree.map_structure(lambda a, b: torch.where(taken, a, b), out_true, out_false)
+
+
+class _Conditions:
+    """The context of ``device_conditions`` (re-entrant; the outer block's state wins)."""
+
+    def __init__(self, variables):
+        self.variables = variables
+
+    def __enter__(self):
+        from keras.src.backend.torch import core
+
+        if _COND["depth"] == 0:
+            _COND["original"], _COND["state"] = core.cond, list(self.variables)
+            core.cond = _device_cond
+        _COND["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        from keras.src.backend.torch import core
+
+        _COND["depth"] -= 1
+        if _COND["depth"] == 0:
+            core.cond, _COND["original"], _COND["state"] = _COND["original"], None, None
+        return False
+
+
+def optimizer_state(optimizer, trainable):
+    """The variables an optimizer's ``apply`` may change: ``trainable`` and the
+    optimizer's own (a LossScaleOptimizer's and its inner optimizer's)."""
+    seen, out = set(), []
+    opt = optimizer
+    while opt is not None:
+        for v in list(getattr(opt, "variables", [])):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        opt = getattr(opt, "inner_optimizer", None)
+    return [v for v in trainable if id(v) not in seen] + out
+
+
+def device_conditions(optimizer, trainable):
+    """Within the block, Keras's torch ``cond`` (``ops.cond``) selects on the device:
+    both branches run from the same state of ``optimizer_state`` and the taken one is
+    kept, so a LossScaleOptimizer's finite check, ``gradient_accumulation_steps`` and
+    EMA overwrites need no host read and graph B captures whole. Exact (a select)."""
+    return _Conditions(optimizer_state(optimizer, trainable))
