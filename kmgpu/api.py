@@ -7,7 +7,7 @@ from kmgpu import checks, connector, environment, lr, models, plan
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
-                sync_batchnorm=False, reset_states="epoch", drop_remainder=False):
+                sync_batchnorm=False, reset_states="epoch", drop_remainder=False, tf32=True):
     """Wrap a built Keras model so fit / evaluate / predict run on several devices.
 
     Args:
@@ -31,12 +31,15 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             ``parallel.reset_states()``).
         drop_remainder: stateful RNNs: drop the samples after the last whole batch
             instead of raising an error.
+        tf32: torch on CUDA: float32 matmuls and convolutions inside kmgpu's steps
+            use TF32, as JAX and TensorFlow do by default (True), or full float32
+            (False); the process's own torch settings stay as they are outside them.
 
     Returns:
         A ``ParallelModel``.
     """
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                                drop_remainder)
+                                drop_remainder, tf32)
     engine, backend = connector.connect(model, gpus, options)
     if engine.num_replicas == 1:
         warnings.warn(

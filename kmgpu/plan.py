@@ -27,10 +27,11 @@ class Options:
     sync_batchnorm: bool = False
     reset_states: str = "epoch"
     drop_remainder: bool = False
+    tf32: bool = True
 
     @classmethod
     def make(cls, batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
-             reset_states="epoch", drop_remainder=False):
+             reset_states="epoch", drop_remainder=False, tf32=True):
         """Validate the user's choices; raise ValueError/TypeError saying what to pass."""
         if batch not in BATCH_POLICIES:
             raise ValueError(
@@ -60,8 +61,11 @@ class Options:
                              "call parallel.reset_states() yourself).")
         if not isinstance(drop_remainder, bool):
             raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
+        if not isinstance(tf32, bool):
+            raise TypeError(f"tf32 must be True (TF32 float32 matmuls on CUDA, as JAX and "
+                            f"TensorFlow) or False (full float32), not {tf32!r}.")
         return cls(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                   drop_remainder)
+                   drop_remainder, tf32)
 
 
 def global_batch(options, batch_size, num_replicas):

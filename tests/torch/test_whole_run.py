@@ -214,3 +214,31 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
     assert len(ref_history) == len(history) == 7
     for (k, a), b in zip(ref_history.items(), history.values()):  # names: auc vs auc_1
         np.testing.assert_allclose(a, b, rtol=TOL, err_msg=k)
+
+
+def test_callbacks_see_the_epochs_weights_during_validation():
+    """Issue 27 (torch): while fit validates, the user's model holds the epoch's weights
+    and iteration count, as in plain Keras (TensorBoard logs evaluation_*_vs_iterations
+    at on_test_end's optimizer.iterations)."""
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_test_begin(self, logs=None):
+            self.seen.append((int(self.model.optimizer.iterations.numpy()),
+                              float(np.sum(self.model.get_weights()[0]))))
+
+    def fit(gpus):
+        model = _model()
+        seen = Seen()
+        runner = model if gpus is None else kmgpu.parallelize(model, gpus=gpus)
+        runner.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(XV, YV), callbacks=[seen])
+        return seen.seen
+
+    ref = fit(None)
+    got = fit(2)
+    assert [i for i, _ in got] == [i for i, _ in ref] == [13, 26]
+    np.testing.assert_allclose([w for _, w in got], [w for _, w in ref], rtol=1e-5)

@@ -166,8 +166,12 @@ class TorchLocalEngine(LocalEngine):
 
     def train_step_mode(self, template):
         step = self._step if self._key == models.identity(template) else None
-        return graphs.describe(template, self._on_gpu(template), 1,
-                               graph_bytes=step.graph_bytes if step else None)
+        text = graphs.describe(template, self._on_gpu(template), 1,
+                               graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
+        if self._on_gpu(template) and not template.run_eagerly:
+            text += ("; evaluate, predict and fit's validation: Keras's test and predict "
+                     "steps captured likewise (other batch shapes eager)")
+        return text
 
     def graph_memory(self):
         """Bytes of GPU memory the captured steps' graphs hold now (0: none)."""

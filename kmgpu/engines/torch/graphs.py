@@ -99,8 +99,17 @@ def plan(model, on_gpu):
                    "kmgpu's split step eagerly)")
 
 
-def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
-    """The train step, in words, for ``describe()``."""
+def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None,
+             tf32=cuda_graphs.TF32_DEFAULT):
+    """The train step, in words, for ``describe()`` (on a GPU with kmgpu's split step:
+    the float32 matmul policy too)."""
+    text = _describe(model, on_gpu, world, sync_batchnorm, graph_bytes)
+    if on_gpu and plan(model, on_gpu)[0] == SPLIT:
+        text += "; " + cuda_graphs.precision_words(tf32)
+    return text
+
+
+def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
     kind, why = plan(model, on_gpu)
     if kind == OWN:
         return ("your model's own train_step, eager" + (" (gradients averaged in "
