@@ -380,11 +380,12 @@ def lstm(seq, units):
     return build, data, lambda: dict(optimizer="adam", loss="mse", metrics=["mae"])
 
 
-def one_run(model, init, compile_args, train, val, batch, epochs, default, with_eval):
+def one_run(model, init, compile_args, train, val, batch, epochs, default, with_eval,
+            tf32=True):
     import kmgpu
 
     model.set_weights(init)
-    runner = kmgpu.parallelize(model, gpus=1) if default else model
+    runner = kmgpu.parallelize(model, gpus=1, tf32=tf32) if default else model
     runner.compile(**compile_args())
     res = {}
     for key, kw in [("fit", {}), ("fit+val", {"validation_data": val})]:
@@ -416,7 +417,7 @@ def one_run(model, init, compile_args, train, val, batch, epochs, default, with_
 def bench(quick, only):
     import keras
 
-    sizes = dict(n=8192, nv=4096, image=64, batch=256, epochs=3)
+    sizes = dict(n=4096, nv=2048, image=64, batch=256, epochs=3)
     if quick:
         sizes = dict(n=64, nv=40, image=32, batch=16, epochs=2)
     models = {
@@ -427,21 +428,29 @@ def bench(quick, only):
         "LSTM": (lstm(64, 128) if not quick else lstm(8, 8), 256 if not quick else 16),
     }
     for name, ((build, data, compile_args), batch) in models.items():
+        if ARGS.models and not any(m in name for m in ARGS.models):
+            continue
         for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
             if only and policy not in only:
                 continue
             key = f"{name} | {policy}"
             keras.mixed_precision.set_global_policy(policy)
             try:
-                n = sizes["n"] if "LSTM" not in name else sizes["n"] * 2
-                train, val = data(n, 0), data(sizes["nv"], 1)
+                n, nv = sizes["n"], sizes["nv"]
+                if "BERT" in name:
+                    n, nv = n // 2, nv // 2
+                train, val = data(n, 0), data(nv, 1)
                 model = build()
                 init = model.get_weights()
-                runs = {"plain": [], "kmgpu": []}
-                for side in ("plain", "kmgpu", "plain", "kmgpu"):
+                sides = ["plain", "kmgpu"]
+                if policy == "float32" and "BERT" in name:
+                    sides.append("kmgpu tf32=False")  # the other float32 policy
+                runs = {side: [] for side in sides}
+                for side in sides + sides:
                     runs[side].append(one_run(model, init, compile_args, train, val, batch,
-                                              sizes["epochs"], side == "kmgpu",
-                                              with_eval=policy == "float32" or "ResNet" in name))
+                                              sizes["epochs"], side != "plain",
+                                              with_eval=policy == "float32" or "ResNet" in name,
+                                              tf32="tf32=False" not in side))
                 OUT["bench"][key] = runs
                 log(key, json.dumps(runs)[:1500])
             except Exception:
@@ -473,6 +482,9 @@ def markdown():
             sp[m] = b / a
             row += [f"{a:,.0f}", f"{b:,.0f}", f"{b / a:.2f}x"]
         row.append(f"{sp['fit+val'] / sp['fit']:.2f}")
+        if "kmgpu tf32=False" in runs:
+            row[0] += (f" (kmgpu tf32=False: fit {best(runs['kmgpu tf32=False'], 'fit'):,.0f}, "
+                       f"fit+val {best(runs['kmgpu tf32=False'], 'fit+val'):,.0f})")
         for m in ("evaluate", "predict"):
             a, b = best(p, m, min), best(k, m, min)
             row += ([f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x"] if a and b else ["", "", ""])
@@ -494,7 +506,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--part", choices=["check", "bench"], required=True)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", nargs="*")
+    p.add_argument("--only", nargs="*", help="policies")
+    p.add_argument("--models", nargs="*", help="substrings of model names")
     p.add_argument("--out", default="/tmp/whole_run")
     ARGS = p.parse_args()
     import torch
