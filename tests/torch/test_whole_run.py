@@ -242,3 +242,26 @@ def test_callbacks_see_the_epochs_weights_during_validation():
     got = fit(2)
     assert [i for i, _ in got] == [i for i, _ in ref] == [13, 26]
     np.testing.assert_allclose([w for _, w in got], [w for _, w in ref], rtol=1e-5)
+
+
+def test_device_scalars_keep_numpy_constants_by_content():
+    """AUC's thresholds are a numpy array: converted once per content and device (a copy
+    from pageable host memory is what CUDA-graph capture refuses), same values as Keras."""
+    from keras.src.backend.torch import core  # noqa: the function the fix swaps
+
+    from kmgpu.engines.torch import keras_fixes
+
+    f = core.convert_to_tensor
+    values = [np.linspace(0, 1, 7), np.float64(0.25), np.arange(3, dtype="int32"),
+              np.where(True, 3, 1)]
+    want = [f(v) for v in values]
+    with keras_fixes.device_scalars():
+        got = [f(v) for v in values]
+        a = values[0].copy()
+        first = f(a)
+        a[0] = 9.0  # a changed array is another constant
+        second = f(a)
+    for w, g in zip(want, got):
+        assert w.dtype == g.dtype and w.shape == g.shape
+        np.testing.assert_array_equal(w.numpy(), g.numpy())
+    assert float(first[0]) == 0.0 and float(second[0]) == 9.0

@@ -54,10 +54,12 @@ PATCHES = [
 _SWAP = {"code": None, "kwdefaults": None}
 _CONSTANTS = {}
 _CONSTANTS_MAX = 1024
+_ARRAY_MAX = 1 << 16  # elements of a numpy constant kept on the device (by content)
 
 
 def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _torch=None,
-                   _to_dtype=None, _floatx=None, _device=None, _constants=None, _limit=0):
+                   _to_dtype=None, _floatx=None, _device=None, _constants=None, _limit=0,
+                   _np=None, _array_limit=0):
     """What ``convert_to_tensor`` runs inside ``device_scalars()``: the same values,
     made on the device without a host copy. It runs with Keras's module globals, so
     everything it needs comes in through its keyword-only defaults."""
@@ -87,12 +89,23 @@ def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _
                 return made
             _constants[key] = made
         return made.clone()  # a device copy: capturable, and the cache stays unmutated
+    if (kind is _np.ndarray or isinstance(x, _np.generic)) and x.size <= _array_limit and \
+            x.dtype.kind in "biuf":  # AUC's thresholds, np.where(...) results: by content
+        key = ("np", x.dtype.str, x.shape, x.tobytes(), str(dtype), str(_device()))
+        made = _constants.get(key)
+        if made is None:
+            made = _original(x, dtype, sparse, ragged)
+            if len(_constants) >= _limit:
+                return made
+            _constants[key] = made
+        return made.clone()
     return _original(x, dtype, sparse, ragged)
 
 
 def _swap_in():
     import types
 
+    import numpy as np
     import torch
     from keras.src.backend.config import floatx
     from keras.src.backend.torch import core
@@ -104,7 +117,7 @@ def _swap_in():
     f.__code__ = _device_scalar.__code__
     f.__kwdefaults__ = dict(_original=original, _torch=torch, _to_dtype=core.to_torch_dtype,
                             _floatx=floatx, _device=core.get_device, _constants=_CONSTANTS,
-                            _limit=_CONSTANTS_MAX)
+                            _limit=_CONSTANTS_MAX, _np=np, _array_limit=_ARRAY_MAX)
 
 
 def _swap_out():
