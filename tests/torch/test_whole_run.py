@@ -265,3 +265,24 @@ def test_device_scalars_keep_numpy_constants_by_content():
         assert w.dtype == g.dtype and w.shape == g.shape
         np.testing.assert_array_equal(w.numpy(), g.numpy())
     assert float(first[0]) == 0.0 and float(second[0]) == 9.0
+
+
+def test_tf32_policy_is_one_argument_said_by_describe_and_scoped(monkeypatch):
+    import torch
+
+    from kmgpu.engines.torch import cuda_graphs, graphs
+
+    model = _model()
+    with pytest.raises(TypeError, match="tf32"):
+        kmgpu.parallelize(model, gpus=1, tf32="yes")
+    monkeypatch.setattr(graphs, "available", lambda device: True)
+    for tf32, words in [(True, "in TF32 inside kmgpu's steps"), (False, "full float32")]:
+        with pytest.warns(UserWarning, match="kmgpu: one device"):
+            assert words in kmgpu.parallelize(model, gpus=1, tf32=tf32).describe()
+    # applied only inside kmgpu's steps: the process's settings come back
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    with cuda_graphs.matmul_precision(not saved[0]):
+        assert matmul.allow_tf32 is (not saved[0]) and cudnn.allow_tf32 is (not saved[0])
+    assert (matmul.allow_tf32, cudnn.allow_tf32) == saved
