@@ -286,3 +286,35 @@ def test_tf32_policy_is_one_argument_said_by_describe_and_scoped(monkeypatch):
     with cuda_graphs.matmul_precision(not saved[0]):
         assert matmul.allow_tf32 is (not saved[0]) and cudnn.allow_tf32 is (not saved[0])
     assert (matmul.allow_tf32, cudnn.allow_tf32) == saved
+
+
+def test_device_cond_equals_kerass_branches_with_overflow_accumulation_and_ema():
+    """The device select of ops.cond (graph B) against Keras's Python if, with steps whose
+    gradients overflow (LossScaleOptimizer skips them and halves the scale), gradient
+    accumulation and EMA overwrites: every weight and optimizer variable equal."""
+    import torch
+
+    from kmgpu.engines.torch import graph_keras_fixes
+
+    def run(device):
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(
+            gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=3),
+            dynamic_growth_steps=2)
+        opt.build(m.trainable_variables)
+        rng = np.random.default_rng(1)
+        for step in range(9):
+            grads = [torch.tensor(rng.normal(size=v.shape).astype("float32"))
+                     for v in m.trainable_variables]
+            if step in (3, 6):
+                grads[0][0, 0] = float("inf")
+            if device:
+                with graph_keras_fixes.device_conditions(opt, m.trainable_variables):
+                    opt.apply(grads, m.trainable_variables)
+            else:
+                opt.apply(grads, m.trainable_variables)
+        return [v.numpy() for v in m.weights] + [np.asarray(v.numpy()) for v in opt.variables]
+
+    for a, b in zip(run(False), run(True)):
+        np.testing.assert_array_equal(a, b)

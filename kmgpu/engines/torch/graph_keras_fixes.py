@@ -371,7 +371,9 @@ _COND = {"state": None, "original": None, "depth": 0}
 
 def _device_cond(pred, true_fn, false_fn):
     """Keras's ``cond`` inside ``device_conditions``: both branches run from the same
-    state, the taken one's state is kept (``torch.where``), nothing read on the host."""
+    state, the taken one's writes are kept (``torch.where``), nothing read on the host.
+    Only the state tensors a branch writes are copied and selected (``_Writes``): the
+    LossScaleOptimizer's inner cond touches two scalars, not the whole optimizer state."""
     import keras
     import torch
 
@@ -382,17 +384,71 @@ def _device_cond(pred, true_fn, false_fn):
     taken = pred.reshape(()).to(torch.bool)
     values = [v.value for v in state]
     with torch.no_grad():
-        before = [t.clone() for t in values]
-        out_true = true_fn()
-        after_true = [t.clone() for t in values]
-        for t, b in zip(values, before):
-            t.copy_(b)
-        out_false = false_fn()
-        for t, a in zip(values, after_true):
-            t.copy_(torch.where(taken, a, t))
+        with _Writes(values) as true_writes:
+            out_true = true_fn()
+        keys = sorted(true_writes.before)
+        after_true = dict(zip(keys, _copies([values[k] for k in keys])))
+        _copy_into([values[k] for k in keys], [true_writes.before[k] for k in keys])
+        with _Writes(values) as false_writes:
+            out_false = false_fn()
+        for k in sorted(set(keys) | set(false_writes.before)):
+            a = after_true[k] if k in after_true else false_writes.before[k]
+            values[k].copy_(torch.where(taken, a, values[k]))
     if out_true is None and out_false is None:
         return None
     return keras.tree.map_structure(lambda a, b: torch.where(taken, a, b), out_true, out_false)
+
+
+def _written_tensors(func, args, kwargs):
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        yield from (value if isinstance(value, (list, tuple)) else [value])
+
+
+def _Writes(values):
+    """A dispatch mode that keeps a copy of each tensor of ``values`` (by storage) as it
+    was before its first write in the block (``.before``: index -> copy)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(values)}
+
+    class Writes(TorchDispatchMode):
+        before = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for t in _written_tensors(func, args, kwargs):
+                if isinstance(t, torch.Tensor):
+                    k = where.get(t.untyped_storage().data_ptr())
+                    if k is not None and k not in self.before:
+                        self.before[k] = values[k].clone()
+            return func(*args, **kwargs)
+
+    mode = Writes()
+    mode.before = {}
+    return mode
+
+
+def _copies(tensors):
+    """Copies of ``tensors`` (multi-tensor copy kernels: a few launches, not one each)."""
+    import torch
+
+    out = [torch.empty_like(t) for t in tensors]
+    _copy_into(out, tensors)
+    return out
+
+
+def _copy_into(dst, src):
+    import torch
+
+    if dst and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 class _Conditions:
