@@ -294,7 +294,7 @@ def test_device_cond_equals_kerass_branches_with_overflow_accumulation_and_ema()
     accumulation and EMA overwrites: every weight and optimizer variable equal."""
     import torch
 
-    from kmgpu.engines.torch import graph_keras_fixes
+    from kmgpu.engines.torch import cond_keras_fixes
 
     def run(device):
         keras.utils.set_random_seed(0)
@@ -310,7 +310,7 @@ def test_device_cond_equals_kerass_branches_with_overflow_accumulation_and_ema()
             if step in (3, 6):
                 grads[0][0, 0] = float("inf")
             if device:
-                with graph_keras_fixes.device_conditions(opt, m.trainable_variables):
+                with cond_keras_fixes.device_conditions(opt, m.trainable_variables):
                     opt.apply(grads, m.trainable_variables)
             else:
                 opt.apply(grads, m.trainable_variables)

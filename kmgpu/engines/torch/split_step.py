@@ -7,7 +7,7 @@ import contextlib
 import keras
 import torch
 
-from kmgpu.engines.torch import graph_keras_fixes, keras_fixes
+from kmgpu.engines.torch import cond_keras_fixes, keras_fixes
 
 
 class FlatBuffers:
@@ -134,7 +134,7 @@ class SplitStep:
             grads = [g if used else None for g, used in zip(views[:n], self.used)]
             if not model.optimizer.built:  # its variables exist before the branches run
                 model.optimizer.build(self.trainable)
-            with graph_keras_fixes.device_conditions(model.optimizer, self.trainable):
+            with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
                 model.optimizer.apply(grads, self.trainable)
             if not n_real:  # a stand-in row: nothing of it counts
                 return model.get_metrics_result()
