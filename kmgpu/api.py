@@ -8,7 +8,7 @@ from kmgpu import checks, connector, environment, lr, models, plan
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
                 sync_batchnorm=False, reset_states="epoch", drop_remainder=False,
-                shard_optimizer=False):
+                shard_optimizer=False, tf32=True):
     """Wrap a built Keras model so fit / evaluate / predict run on several devices.
 
     Args:
@@ -35,12 +35,15 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
         shard_optimizer: True lays the optimizer's state (Adam's moments, momentum...)
             out over the devices, 1/N on each (ZeRO stage 1); weights and gradients
             stay replicated. JAX only; a no-op on one device.
+        tf32: torch on CUDA: float32 matmuls and convolutions inside kmgpu's steps
+            use TF32, as JAX and TensorFlow do by default (True), or full float32
+            (False); the process's own torch settings stay as they are outside them.
 
     Returns:
         A ``ParallelModel``.
     """
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                                drop_remainder, shard_optimizer)
+                                drop_remainder, shard_optimizer, tf32)
     engine, backend = connector.connect(model, gpus, options)
     if engine.num_replicas == 1:
         warnings.warn(

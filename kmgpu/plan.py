@@ -28,10 +28,11 @@ class Options:
     reset_states: str = "epoch"
     drop_remainder: bool = False
     shard_optimizer: bool = False
+    tf32: bool = True
 
     @classmethod
     def make(cls, batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
-             reset_states="epoch", drop_remainder=False, shard_optimizer=False):
+             reset_states="epoch", drop_remainder=False, shard_optimizer=False, tf32=True):
         """Validate the user's choices; raise ValueError/TypeError saying what to pass."""
         if batch not in BATCH_POLICIES:
             raise ValueError(
@@ -63,8 +64,11 @@ class Options:
             raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
         if not isinstance(shard_optimizer, bool):
             raise TypeError(f"shard_optimizer must be True or False, not {shard_optimizer!r}.")
+        if not isinstance(tf32, bool):
+            raise TypeError(f"tf32 must be True (TF32 float32 matmuls on CUDA, as JAX and "
+                            f"TensorFlow) or False (full float32), not {tf32!r}.")
         return cls(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                   drop_remainder, shard_optimizer)
+                   drop_remainder, shard_optimizer, tf32)
 
 
 def global_batch(options, batch_size, num_replicas):

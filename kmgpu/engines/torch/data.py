@@ -346,6 +346,22 @@ def device_feed(kwargs, device):
     return out
 
 
+def device_eval_feed(method, kwargs, device):
+    """One device's evaluate / predict arguments with the arrays kept on ``device``
+    (``on_device``): ``x`` becomes a one-replica ``RankSlices`` in order (the same rows
+    and order as Keras's batches); unchanged when they do not fit or are not arrays."""
+    x = kwargs.get("x")
+    if x is None or is_dataset(x) or not _is_array_like(x):
+        return kwargs
+    parts = (x,) if method == "predict" else (x, kwargs.get("y"), kwargs.get("sample_weight"))
+    source = on_device(ArraySource(*parts), device)
+    if not isinstance(source, DeviceArraySource):
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k not in ("y", "sample_weight", "batch_size")}
+    out["x"] = RankSlices(source, kwargs.get("batch_size") or 32, 0, 1)
+    return out
+
+
 class RankSlices(keras.utils.PyDataset):
     """This rank's contiguous slice of every global batch, as a Keras PyDataset.
 

@@ -19,7 +19,8 @@ from kmgpu import models
 from kmgpu.engines import keras_fixes as fixes
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
-from kmgpu.engines.torch import data, graphs, keras_fixes, launchers, relay, replicas, timing
+from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, graphs, keras_fixes, launchers,
+                                 relay, replicas, timing)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -158,19 +159,23 @@ class TorchLocalEngine(LocalEngine):
 
     def __init__(self, device_ids, available, options):
         super().__init__(device_ids, available, options)
-        self._step, self._key, self._said = None, None, None
+        self._step, self._key, self._said, self._eval = None, None, None, None
 
     def _on_gpu(self, template):
         return graphs.available(graphs.device_of(template))
 
     def train_step_mode(self, template):
         step = self._step if self._key == models.identity(template) else None
-        return graphs.describe(template, self._on_gpu(template), 1,
-                               graph_bytes=step.graph_bytes if step else None)
+        text = graphs.describe(template, self._on_gpu(template), 1,
+                               graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
+        if self._on_gpu(template) and not template.run_eagerly:
+            text += ("; evaluate, predict and fit's validation: Keras's test and predict "
+                     "steps captured likewise (other batch shapes eager)")
+        return text
 
     def graph_memory(self):
-        """Bytes of GPU memory the captured step's graphs hold now (0: none)."""
-        return self._step.graph_bytes if self._step is not None else 0
+        """Bytes of GPU memory the captured steps' graphs hold now (0: none)."""
+        return sum(s.graph_bytes for s in (self._step, self._eval) if s is not None)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         kind, why = graphs.plan(template, self._on_gpu(template))
@@ -178,23 +183,50 @@ class TorchLocalEngine(LocalEngine):
         if kind == graphs.OWN and self._on_gpu(template) and self._said != id(template):
             self._said = id(template)
             print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
-        if kind != graphs.SPLIT or method != "fit":
-            if not jit:
-                return super().run(method, template, kwargs, lr_scale)
-            with graphs.eager_keras(template):  # jit_compile=True: no torch.compile
-                return super().run(method, template, kwargs, lr_scale)
         key = models.identity(template)
-        if self._step is None or key != self._key:  # graphs live across fits of one model
+        if key != self._key:  # graphs live across calls on one model
             self.close()
-            self._step, self._key = graphs.local_step(template), key
+            self._key = key
+        evals = self._evals(template, method, kind)
         device = graphs.device_of(template)
-        with graphs.installed(template, self._step):
-            return template.fit(**data.device_feed(kwargs, device))
+        with evals:
+            if kind != graphs.SPLIT or method != "fit":
+                if method in ("evaluate", "predict") and self._eval is not None:
+                    kwargs = data.device_eval_feed(method, kwargs, device)
+                if not jit and self._eval is None:
+                    return super().run(method, template, kwargs, lr_scale)
+                with graphs.eager_keras(template):  # no torch.compile
+                    return super().run(method, template, kwargs, lr_scale)
+            if self._step is None:
+                self._step = graphs.local_step(template, tf32=self._tf32())
+            with graphs.installed(template, self._step):
+                return template.fit(**data.device_feed(kwargs, device))
+
+    def _tf32(self):
+        return getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
+
+    def _evals(self, template, method, kind):
+        """The captured test / predict steps installed for this call (a context), on a
+        CUDA device unless compile(run_eagerly=True); on a CPU Keras's own."""
+        import contextlib
+
+        if (method not in ("fit", "evaluate", "predict") or not self._on_gpu(template)
+                or template.run_eagerly or (method == "fit" and kind != graphs.SPLIT)):
+            return contextlib.nullcontext()
+        kinds = eval_steps.wants(template)
+        if not kinds:
+            return contextlib.nullcontext()
+        if self._eval is None:
+            self._eval = eval_steps.CapturedEval(template, graphs.device_of(template),
+                                                 tf32=self._tf32())
+        return eval_steps.installed(template, self._eval, kinds)
 
     def close(self):
         if self._step is not None:
             self._step.close()
-        self._step, self._key = None, None
+        if self._eval is not None:
+            self._eval.close()
+        self._step, self._key, self._eval = None, None, None
 
 
 TorchEngine.local_engine = TorchLocalEngine

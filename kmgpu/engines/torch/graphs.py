@@ -40,7 +40,9 @@ import os
 import keras
 import torch
 
-from kmgpu.engines.torch import keras_fixes
+from kmgpu.engines.torch import cuda_graphs, keras_fixes
+from kmgpu.engines.torch.split_step import (  # noqa: F401 (graphs.SplitStep etc.)
+    FlatBuffers, SplitStep, _map, _num_rows, _unpack)
 
 #: eager steps of one batch signature (on a side stream) before it is captured
 WARMUP_STEPS = 2
@@ -59,16 +61,16 @@ def available(device):
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def capture(fn, pool=None):
-    """Record ``fn()`` into a new CUDA graph (nothing runs yet).
+#: CUDA-graph capture that leaves torch as it found it when it fails (tests fake this name)
+capture = cuda_graphs.capture
 
-    Returns:
-        (the graph, what ``fn`` returned: tensors the replays overwrite).
-    """
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
-    return graph, out
+
+class ReplayFailed(Exception):
+    """A graph's replay raised (the step then runs eagerly); ``reason`` says why."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
 
 
 #: which step a compiled model trains with (``plan``)
@@ -97,8 +99,17 @@ def plan(model, on_gpu):
                    "kmgpu's split step eagerly)")
 
 
-def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
-    """The train step, in words, for ``describe()``."""
+def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None,
+             tf32=cuda_graphs.TF32_DEFAULT):
+    """The train step, in words, for ``describe()`` (on a GPU with kmgpu's split step:
+    the float32 matmul policy too)."""
+    text = _describe(model, on_gpu, world, sync_batchnorm, graph_bytes)
+    if on_gpu and plan(model, on_gpu)[0] == SPLIT:
+        text += "; " + cuda_graphs.precision_words(tf32)
+    return text
+
+
+def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
     kind, why = plan(model, on_gpu)
     if kind == OWN:
         return ("your model's own train_step, eager" + (" (gradients averaged in "
@@ -121,150 +132,11 @@ def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
             f"(measured {MEASURED}){held}")
 
 
-class FlatBuffers:
-    """Tensors laid out in one flat buffer per dtype; ``views[i]`` has tensor i's shape."""
-
-    def __init__(self, tensors, device):
-        sizes, slots = {}, []
-        for t in tensors:
-            offset = sizes.get(t.dtype, 0)
-            slots.append((t.dtype, offset, t.numel(), tuple(t.shape)))
-            sizes[t.dtype] = offset + t.numel()
-        self.flats = [torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()]
-        by_dtype = dict(zip(sizes, self.flats))
-        self.views = [by_dtype[d][o:o + n].view(shape) for d, o, n, shape in slots]
-
-
-def _copy(dst, src):
-    if hasattr(torch, "_foreach_copy_") and dst:
-        torch._foreach_copy_(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
-
-
-def _unpack(data):
-    return keras.utils.unpack_x_y_sample_weight(data)
-
-
-class SplitStep:
-    """Keras's train step in the three stages A / all-reduce / B (see the module).
-
-    Args:
-        model: the compiled model (a replica, or the user's model on one device).
-        world: the number of replicas (1: no share weighting, no all-reduce).
-        reduce: ``reduce(flats)`` sums the flat buffers over the replicas in place.
-        averaged: BatchNorm moving statistics averaged over replicas (weighted by
-            batch share) after every step.
-        rows: ``rows(x)`` is (real rows here, rows in the global batch); None: one
-            replica, every row real.
-        forward: ``forward(n_real)`` is a context manager around the forward pass.
-    """
-
-    def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None):
-        self.model, self.world, self.reduce = model, world, reduce
-        self.averaged = list(averaged)
-        self.rows = rows or (lambda x: (_num_rows(x),) * 2)
-        self.forward = forward or (lambda n_real: contextlib.nullcontext())
-        self.trainable, self.buffers, self.used, self._key = None, None, None, None
-
-    def layout(self):
-        """(Re)make the flat buffers when the trainable variables changed; True if so."""
-        trainable = self.model.trainable_weights[:]
-        key = [id(v) for v in trainable]
-        if self.buffers is not None and key == self._key:
-            return False
-        self.model.zero_grad(set_to_none=True)  # stale .grad from an eager step: free it
-        tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
-        self.buffers = FlatBuffers(tensors, tensors[0].device)
-        self.trainable, self._key, self.used = trainable, key, None
-        return True
-
-    @property
-    def flats(self):
-        return self.buffers.flats
-
-    def forward_backward(self, x, y, sw, n_real, n_global):
-        """Stage A: returns (loss, y_pred), both detached; the gradients are in ``flats``."""
-        model = self.model
-        with self.forward(n_real):
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss, part = self._loss(x, y, y_pred, sw, n_real, n_global)
-        scaled = model.optimizer.scale_loss(part)
-        share = n_real / n_global if self.world > 1 else 1.0  # BatchNorm statistics
-        grads = torch.autograd.grad(scaled, [v.value for v in self.trainable],
-                                    allow_unused=True)
-        if self.used is None:
-            self.used = [g is not None for g in grads]
-        n = len(self.trainable)
-        views = self.buffers.views
-        with torch.no_grad():
-            _copy([views[i] for i in range(n) if grads[i] is not None],
-                  [g for g in grads if g is not None])
-            for i in range(n):
-                if grads[i] is None:
-                    views[i].zero_()
-            for view, v in zip(views[n:], self.averaged):
-                torch.mul(v.value, share, out=view)
-        return loss.detach(), _map(lambda t: t.detach(), y_pred)
-
-    def _loss(self, x, y, y_pred, sw, n_real, n_global):
-        """(what the loss tracker gets, with weight n_real; this replica's part of the
-        global loss): the rule of ``kmgpu.engines.keras_fixes.replica_loss``."""
-        from kmgpu.engines import keras_fixes as common
-
-        if self.world == 1:  # one replica: Keras's own loss, whatever its reductions
-            loss = keras_fixes.compute_loss(self.model, x, y, y_pred, sw, training=True)
-            return loss, loss
-
-        def sum_weights(w):
-            if self.reduce is None:
-                return w
-            total = (w * (1.0 if n_real else 0.0)).reshape(1).clone()  # a stand-in row: 0
-            self.reduce([total])
-            return total[0]
-
-        kind, local, part = common.replica_loss(self.model, x, y, y_pred, sw, True, n_real,
-                                                max(n_global, 1), sum_weights)
-        if not n_real:  # a stand-in row: nothing of it counts
-            return local, part * 0.0
-        return common.tracker_update(kind, local, part, n_real, n_global)[0], part
-
-    def update(self, x, y, sw, loss, y_pred, n_real, n_global):
-        """Stage B, after the all-reduce: optimizer, statistics, loss tracker, metrics.
-
-        Returns:
-            Keras's logs (metric results as tensors).
-        """
-        model = self.model
-        n = len(self.trainable)
-        views = self.buffers.views
-        with torch.no_grad():
-            for view, v in zip(views[n:], self.averaged):
-                v.value.copy_(view)
-            grads = [g if used else None for g, used in zip(views[:n], self.used)]
-            model.optimizer.apply(grads, self.trainable)
-            if not n_real:  # a stand-in row: nothing of it counts
-                return model.get_metrics_result()
-            model._loss_tracker.update_state(loss, sample_weight=n_real)
-            return model.compute_metrics(x, y, y_pred, sample_weight=sw)
-
-    def step(self, x, y, sw, n_real, n_global):
-        """A, all-reduce, B, eagerly."""
-        loss, y_pred = self.forward_backward(x, y, sw, n_real, n_global)
-        if self.reduce is not None:
-            self.reduce(self.flats)
-        return self.update(x, y, sw, loss, y_pred, n_real, n_global)
-
-
-def _map(fn, structure):
-    """``keras.tree.map_structure`` that leaves None alone (a leaf on torch)."""
-    return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)
-
-
-def _num_rows(x):
-    leaves = [t for t in keras.tree.flatten(x) if t is not None]
-    return int(leaves[0].shape[0])
+def _fill(static, batch):
+    """Copy a batch into a graph's static input buffers."""
+    for s, t in zip(keras.tree.flatten(static), keras.tree.flatten(batch)):
+        if s is not None:
+            s.copy_(t, non_blocking=True)
 
 
 def _signature(batch, n_real, n_global):
@@ -281,18 +153,29 @@ class _Graphs:
         self.n_real, self.n_global = n_real, n_global
         self.graph_b, self.logs = None, None
 
-    def run(self, batch):
-        for s, t in zip(keras.tree.flatten(self.static), keras.tree.flatten(batch)):
-            if s is not None:
-                s.copy_(t, non_blocking=True)
-        self.graph_a.replay()
+    def run(self, batch, say=None):
+        """One step; ``ReplayFailed`` when graph A's replay raises (nothing ran: the
+        caller runs the eager step, which meets the other ranks in the same all-reduce).
+        If graph B's replay raises, B runs eagerly from here on."""
+        _fill(self.static, batch)
+        try:
+            self.graph_a.replay()
+        except Exception as e:
+            raise ReplayFailed(_why(e)) from e
         split = self.split
         if split.reduce is not None:
             split.reduce(split.flats)
+        if self.graph_b is not None:
+            try:
+                self.graph_b.replay()
+            except Exception as e:
+                self.graph_b = self.logs = None
+                if say is not None:
+                    say("kmgpu (torch): replaying the optimizer and metrics failed, so they "
+                        f"run eagerly after the captured forward/backward: {_why(e)}")
         if self.graph_b is None:
             return split.update(*self.static, self.loss, self.y_pred, self.n_real,
                                 self.n_global)
-        self.graph_b.replay()
         # Keras may read the logs later (callbacks on another thread): its own copy
         return _map(lambda t: t.clone() if torch.is_tensor(t) else t, self.logs)
 
@@ -307,13 +190,15 @@ class CapturedStep:
         refuse: why this step must not be captured (None: it may).
         capture_update: also capture stage B (else B runs eagerly after graph A); None:
             yes unless ``KMGPU_TORCH_CAPTURE_UPDATE=0`` (to measure the difference).
+        tf32: the float32 matmul policy inside the step (``cuda_graphs.matmul_precision``;
+            None: the process's own settings).
     """
 
-    def __init__(self, split, device, say=print, refuse=None, capture_update=None):
+    def __init__(self, split, device, say=print, refuse=None, capture_update=None, tf32=None):
         if capture_update is None:
             capture_update = os.environ.get("KMGPU_TORCH_CAPTURE_UPDATE", "1") != "0"
         self.split, self.device, self.say = split, torch.device(device), say
-        self.reason, self.capture_update = refuse, capture_update
+        self.reason, self.capture_update, self.tf32 = refuse, capture_update, tf32
         self.graphs, self.last, self.streak = {}, None, 0
         self.update_reason, self.failures = None, 0
         self._side = None
@@ -330,7 +215,8 @@ class CapturedStep:
         x, y, sw = _unpack(data)
         split = self.split
         n_real, n_global = split.rows(x)
-        with keras_fixes.device_scalars(), keras_fixes.device_random():
+        with keras_fixes.device_scalars(), keras_fixes.device_random(), \
+                cuda_graphs.matmul_precision(self.tf32):
             if split.layout():
                 self.graphs.clear()  # other variables: every graph is stale
             sig = _signature((x, y, sw), n_real, n_global)
@@ -343,7 +229,12 @@ class CapturedStep:
                 if self.streak > WARMUP_STEPS and self.may_capture():
                     entry = self._capture(sig, (x, y, sw), n_real, n_global)
             if entry is not None:
-                return entry.run((x, y, sw))
+                try:
+                    return entry.run((x, y, sw), say=self.say)
+                except ReplayFailed as e:  # graph A did not run: this step eagerly
+                    self.graphs.clear()
+                    self.failures = CAPTURE_TRIES - 1
+                    self._failed(e.reason)
             return self._eager(x, y, sw, n_real, n_global)
 
     __call__ = train_step
@@ -431,15 +322,7 @@ def pool_bytes(pools):
                if tuple(seg.get("segment_pool_id") or ()) in wanted)
 
 
-def _why(e):
-    import re
-
-    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()
-             if ln.strip()]
-    text = lines[0] if lines else ""
-    if text.startswith("Exception encountered when calling") and len(lines) > 1:
-        text = f"{text} {lines[1]}"  # Keras's wrapper: the layer, then the cause
-    return f"{type(e).__name__}: {text}"[:300]
+_why = cuda_graphs.why
 
 
 def _settle(device):
@@ -481,6 +364,6 @@ def device_of(model):
     return weights[0].value.device if weights else torch.device("cpu")
 
 
-def local_step(model):
+def local_step(model, tf32=None):
     """A CapturedStep for ``model`` on its own device (one replica)."""
-    return CapturedStep(SplitStep(model), device_of(model))
+    return CapturedStep(SplitStep(model), device_of(model), tf32=tf32)

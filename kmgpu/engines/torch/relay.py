@@ -95,9 +95,10 @@ class SyncCallback(keras.callbacks.Callback):
         self.rank, self.device = rank, device
         self.relayed, self.relay, self.snapshot = set(relayed), relay, snapshot
         self.reload = reload
+        self.epoch, self.saved_epoch = None, None
         hooks = set(self.relayed)
         if snapshot is not None:
-            hooks |= {"on_epoch_end", "on_train_end"}
+            hooks |= {"on_epoch_begin", "on_epoch_end", "on_train_end"}
         for hook in hooks:
             setattr(self, hook, self._bind(hook))
 
@@ -117,9 +118,18 @@ class SyncCallback(keras.callbacks.Callback):
         index = args[0] if indexed and args else None
         rest = args[1:] if indexed else args
         logs = rest[0] if rest else kwargs.get("logs")
-        if self.snapshot is not None and self.rank == 0 and hook in ("on_epoch_end",
-                                                                     "on_train_end"):
-            self.snapshot(self.model, index if hook == "on_epoch_end" else -1)
+        if hook == "on_epoch_begin":
+            self.epoch = index
+        if self.snapshot is not None and self.rank == 0:
+            if hook == "on_test_begin" and self.epoch is not None:
+                # fit's validation: the driver's callbacks see this epoch's weights, as
+                # with plain Keras (the driver loads them before relaying the hook)
+                self.snapshot(self.model, self.epoch)
+                self.saved_epoch = self.epoch
+            elif hook == "on_epoch_end" and self.saved_epoch != index:
+                self.snapshot(self.model, index)
+            elif hook == "on_train_end":
+                self.snapshot(self.model, -1)
         if hook not in self.relayed:
             return
         # stop, has lr, lr, abort, reload the state, initial epoch (-1: None)
@@ -233,7 +243,13 @@ class CallbackDriver:
         self.hooks = hooks
         # Rank 0 saves a snapshot and this side loads it at every epoch end only
         # when a callback here may look at the weights.
-        self.needs_weights = any(
+        # ... and before fit's validation, when a callback here may look at the weights
+        # during it (TensorBoard's evaluation_*_vs_iterations reads the iterations at
+        # on_test_end): plain Keras's model holds the epoch's weights by then
+        self.validation_weights = method == "fit" and any(
+            not _weight_free(cb) and implemented_hooks([cb]) & set(TEST_HOOKS)
+            for cb in callbacks)
+        self.needs_weights = self.validation_weights or any(
             not _weight_free(cb) and "on_epoch_end" in implemented_hooks([cb])
             for cb in callbacks)
         # ... and sends the model's state back to the ranks after on_train_begin when a
@@ -254,7 +270,8 @@ class CallbackDriver:
             if params and params != self._params:
                 self.callbacks.set_params(params)
                 self._params = params
-            if hook == "on_train_end" or (hook == "on_epoch_end" and self.needs_weights):
+            if (hook == "on_train_end" or (hook == "on_epoch_end" and self.needs_weights)
+                    or (hook == "on_test_begin" and self.validation_weights)):
                 self.load_state()
                 self.final_loaded = hook == "on_train_end"
             if hook == "on_train_begin":

@@ -222,7 +222,7 @@ class DDPStrategy:
         if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
             refuse = "sync_batchnorm all-reduces inside the forward pass"
         return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
-                                   refuse=refuse)
+                                   refuse=refuse, tf32=graphs.cuda_graphs.TF32_DEFAULT)
 
     def _hook_optimizer(self, replica, averaged):
         """A model with its own ``train_step``: gradients summed in ``optimizer.apply``

@@ -1,0 +1,529 @@
+"""The whole torch run on kmgpu's captured path, on one GPU (issue 28).
+
+checks (``--part check``): every fallback kmgpu has, forced on CUDA, each followed by
+  torch's CUDA state (current stream, an eager dropout through the default generator)
+  and a plain Keras model with Dropout fit in the same process; mixed_float16 (the
+  original failure); parity with plain Keras (TF32 off both sides): fit with
+  validation_data / validation_split / validation_freq, evaluate, predict (last partial
+  batch), mixed_float16 + gradient accumulation + AUC.
+table (``--part bench``): plain Keras against kmgpu's default, order-balanced in one
+  process (plain, kmgpu, plain, kmgpu; the figure is the better of each side's two):
+  fit without and with validation (samples/s, median epoch after the first), evaluate
+  and predict (seconds, the median of calls after the first), under float32,
+  mixed_float16 and mixed_bfloat16, for ResNet-50 64x64 (batch 256), a BERT-style
+  encoder with Dropout in attention, and an LSTM.
+
+    KERAS_BACKEND=torch python benchmarks/torch_whole_run.py --part check --out /tmp/w
+    KERAS_BACKEND=torch python benchmarks/torch_whole_run.py --part bench --quick --out /tmp/w
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+T0 = time.perf_counter()
+OUT = {"checks": {}, "bench": {}}
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def rel_diff(a, b):
+    worst = 0.0
+    for u, v in zip(a, b):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        if u.size:
+            worst = max(worst, float(np.max(np.abs(u - v)) / max(np.max(np.abs(u)), 1e-3)))
+    return worst
+
+
+def cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def state():
+    if not cuda():
+        return {}
+    from kmgpu.engines.torch import cuda_graphs
+
+    return cuda_graphs.state()
+
+
+def plain_dropout_fit():
+    """A plain Keras model with Dropout, no kmgpu: 'ok' or the error."""
+    import keras
+
+    try:
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+        m.compile(optimizer="adam", loss="mse")
+        x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+        m.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+        return "ok"
+    except Exception as e:  # the failure issue 28 saw
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def quiet(fn):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        out = fn()
+    return out, [ln for ln in text.getvalue().splitlines() if "kmgpu (torch)" in ln]
+
+
+# -- checks -------------------------------------------------------------------------------
+def host_read_model(where):
+    """An MLP whose call reads a tensor on the host ``where``: "train" (graph A
+    fails), "infer" (test/predict captures fail); a metric that reads on the host for
+    graph B ("metric")."""
+    import keras
+
+    class Reads(keras.layers.Layer):
+        def call(self, x, training=False):
+            if (where == "train" and training) or (where == "infer" and not training):
+                if float(keras.ops.sum(x)) > 1e30:  # a host read, never true
+                    x = x * 2.0
+            return x
+
+    class Metric(keras.metrics.Mean):
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            v = keras.ops.mean(y_pred)
+            if float(v) > 1e30:
+                v = v * 2.0
+            return super().update_state(v)
+
+    keras.utils.set_random_seed(2)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          Reads(), keras.layers.Dense(1)])
+    m.compile(optimizer="adam", loss="mse",
+              metrics=[Metric(name="m")] if where == "metric" else ["mae"])
+    return m
+
+
+def one_fallback(name, build, policy="float32"):
+    import keras
+
+    import kmgpu
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x = np.random.default_rng(1).normal(size=(400, 8)).astype("float32")
+        y = x[:, :1] * 2.0
+        model = build()
+        init = model.get_weights()
+        ref = build()
+        ref.set_weights(init)
+        ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                validation_data=(x[:100], y[:100]))
+        ref_pred = ref.predict(x[:77], batch_size=16, verbose=0)
+        before = state()
+        parallel = kmgpu.parallelize(model, gpus=1)
+        (_, printed) = quiet(lambda: parallel.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                                  verbose=0, validation_data=(x[:100], y[:100])))
+        pred, printed2 = quiet(lambda: parallel.predict(x[:77], batch_size=16, verbose=0))
+        ev, printed3 = quiet(lambda: parallel.evaluate(x[:100], y[:100], batch_size=16,
+                                                       verbose=0))
+        after = state()
+        res = {"printed": printed + printed2 + printed3,
+               "weights_vs_plain": rel_diff(ref.get_weights(), model.get_weights()),
+               "predict_vs_plain": rel_diff([ref_pred], [pred]), "pred_rows": len(pred),
+               "state_before": before, "state_after": after,
+               "describe": parallel.describe().splitlines()[-3:]}
+        parallel.close()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    res["plain_dropout_fit_after"] = plain_dropout_fit()
+    OUT["checks"][name] = res
+    log(name, json.dumps(res)[:900])
+
+
+def replay_failure(build):
+    """Every replay raises once it ran once: train, test and predict fall back to eager."""
+    from kmgpu.engines.torch import graphs
+
+    real = graphs.capture
+
+    def capture(fn, pool=None):
+        graph, out = real(fn, pool)
+
+        class Failing:
+            n = 0
+
+            def pool(self):
+                return graph.pool()
+
+            def replay(self):
+                Failing.n += 1
+                if Failing.n > 1:
+                    raise RuntimeError("simulated replay failure")
+                graph.replay()
+
+        return Failing(), out
+
+    graphs.capture = capture
+    try:
+        one_fallback("replay fails", build)
+    finally:
+        graphs.capture = real
+
+
+def parity(quick):
+    """kmgpu vs plain Keras, TF32 off on both sides (kmgpu: tf32=False)."""
+    import keras
+    import torch
+
+    import kmgpu
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+
+    def build():
+        keras.utils.set_random_seed(5)
+        i = keras.Input((16, 16, 3))
+        h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(i)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("relu")(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        o = keras.layers.Dense(1, activation="sigmoid")(h)
+        m = keras.Model(i, o)
+        m.compile(optimizer="adam", loss="binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(), keras.metrics.BinaryIoU()])
+        return m
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1000, 16, 16, 3)).astype("float32")
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype("float32")[:, None]
+    xv, yv = x[:333], y[:333]
+    kw = dict(batch_size=64, epochs=3, shuffle=False, verbose=0)
+    for name, fit_kw in [("validation_data freq 2", dict(validation_data=(xv, yv),
+                                                         validation_freq=2)),
+                         ("validation_split 0.2", dict(validation_split=0.2))]:
+        ref = build()
+        init = ref.get_weights()
+        h_ref = ref.fit(x, y, **kw, **fit_kw).history
+        model = build()
+        model.set_weights(init)
+        parallel = kmgpu.parallelize(model, gpus=1, tf32=False)
+        h, printed = quiet(lambda: parallel.fit(x, y, **kw, **fit_kw).history)
+        e_ref = ref.evaluate(xv, yv, batch_size=50, verbose=0)
+        (e, p), printed2 = quiet(lambda: (parallel.evaluate(xv, yv, batch_size=50, verbose=0),
+                                          parallel.predict(xv, batch_size=50, verbose=0)))
+        p_ref = ref.predict(xv, batch_size=50, verbose=0)
+        eng = parallel._engine
+        OUT["checks"]["parity " + name] = {
+            "weights": rel_diff(ref.get_weights(), model.get_weights()),
+            "history": {k: rel_diff([a], [b]) for (k, a), b in zip(h_ref.items(), h.values())},
+            "evaluate": rel_diff([e_ref], [e]), "predict": rel_diff([p_ref], [p]),
+            "predict_rows": [len(p_ref), len(p)],
+            "graphs": {"train": len(eng._step.graphs) if eng._step else 0,
+                       "eval": len(eng._eval.graphs) if eng._eval else 0},
+            "printed": printed + printed2}
+        log(name, OUT["checks"]["parity " + name])
+        parallel.close()
+    torch.backends.cudnn.deterministic = False
+
+
+def mixed_parity():
+    """mixed_float16 (LossScaleOptimizer) + gradient accumulation + AUC: graph B whole."""
+    import keras
+    import torch
+
+    import kmgpu
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def build():
+            keras.utils.set_random_seed(6)
+            m = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(1, activation="sigmoid", dtype="float32")])
+            m.compile(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2),
+                      loss="binary_crossentropy", metrics=[keras.metrics.AUC()])
+            return m
+
+        rng = np.random.default_rng(4)
+        x = rng.normal(size=(2048, 32)).astype("float32")
+        y = (x[:, :1] > 0).astype("float32")
+        ref = build()
+        init = ref.get_weights()
+        ref.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        model = build()
+        model.set_weights(init)
+        parallel = kmgpu.parallelize(model, gpus=1, tf32=False)
+        _, printed = quiet(lambda: parallel.fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                                                verbose=0))
+        OUT["checks"]["mixed_float16 + accumulation + AUC"] = {
+            "weights": rel_diff(ref.get_weights(), model.get_weights()),
+            "scale": [float(ref.optimizer.dynamic_scale.numpy()),
+                      float(model.optimizer.dynamic_scale.numpy())],
+            "printed": printed, "graph_b": getattr(parallel._engine._step, "capture_update", None)}
+        parallel.close()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    OUT["checks"]["mixed_float16 + accumulation + AUC"]["plain_dropout_fit_after"] = \
+        plain_dropout_fit()
+    log(OUT["checks"]["mixed_float16 + accumulation + AUC"])
+
+
+def checks(quick):
+    for name, fn in [
+            ("graph A fails (host read in training call)", lambda: one_fallback(
+                "graph A fails", lambda: host_read_model("train"))),
+            ("graph B fails (host read in a metric)", lambda: one_fallback(
+                "graph B fails", lambda: host_read_model("metric"))),
+            ("test/predict captures fail (host read at inference)", lambda: one_fallback(
+                "test and predict fail", lambda: host_read_model("infer"))),
+            ("graph A fails under mixed_float16", lambda: one_fallback(
+                "graph A fails, mixed_float16", lambda: host_read_model("train"),
+                "mixed_float16")),
+            ("mixed_float16 MLP (issue 28's case)", lambda: one_fallback(
+                "mixed_float16 MLP", lambda: host_read_model("none"), "mixed_float16")),
+            ("replays fail", lambda: replay_failure(lambda: host_read_model("none"))),
+            ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity)]:
+        try:
+            fn()
+        except Exception:
+            OUT["checks"][name] = {"error": traceback.format_exc()[-1500:]}
+            log(name, "ERROR", traceback.format_exc()[-1500:])
+
+
+# -- table --------------------------------------------------------------------------------
+class EpochTimer:
+    def __init__(self):
+        import keras
+
+        class T(keras.callbacks.Callback):
+            def on_epoch_begin(s, epoch, logs=None):
+                sync()
+                s.t = time.perf_counter()
+
+            def on_epoch_end(s, epoch, logs=None):
+                sync()
+                self.times.append(time.perf_counter() - s.t)
+
+        self.times, self.callback = [], T()
+
+
+def sync():
+    if cuda():
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def resnet(image):
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3),
+                                           classes=10, classifier_activation=None)
+
+    def data(n, seed):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((min(n, 256), image, image, 3), dtype=np.float32)
+        return np.resize(x, (n, image, image, 3)), rng.integers(0, 10, n).astype("int32")
+
+    return build, data, lambda: dict(optimizer="adam", metrics=["accuracy"], loss=keras.losses.
+                                     SparseCategoricalCrossentropy(from_logits=True))
+
+
+def bert(seq, vocab, d, heads, blocks):
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(1)
+        i = keras.Input((seq,), dtype="int32")
+        h = keras.layers.Embedding(vocab, d)(i)
+        for _ in range(blocks):
+            a = keras.layers.MultiHeadAttention(heads, d // heads, dropout=0.1)(h, h)
+            h = keras.layers.LayerNormalization()(h + keras.layers.Dropout(0.1)(a))
+            f = keras.layers.Dense(4 * d, activation="gelu")(h)
+            f = keras.layers.Dropout(0.1)(keras.layers.Dense(d)(f))
+            h = keras.layers.LayerNormalization()(h + f)
+        o = keras.layers.Dense(2, dtype="float32")(keras.layers.GlobalAveragePooling1D()(h))
+        return keras.Model(i, o)
+
+    def data(n, seed):
+        rng = np.random.default_rng(seed)
+        return rng.integers(1, vocab, (n, seq)).astype("int32"), rng.integers(0, 2, n).astype(
+            "int32")
+
+    return build, data, lambda: dict(optimizer="adam", metrics=["accuracy"], loss=keras.losses.
+                                     SparseCategoricalCrossentropy(from_logits=True))
+
+
+def lstm(seq, units):
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((seq, 16)), keras.layers.LSTM(units),
+                                 keras.layers.Dense(1)])
+
+    def data(n, seed):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(n, seq, 16)).astype("float32")
+        return x, x.mean(axis=(1, 2))[:, None]
+
+    return build, data, lambda: dict(optimizer="adam", loss="mse", metrics=["mae"])
+
+
+def one_run(model, init, compile_args, train, val, batch, epochs, default, with_eval,
+            tf32=True):
+    import kmgpu
+
+    model.set_weights(init)
+    runner = kmgpu.parallelize(model, gpus=1, tf32=tf32) if default else model
+    runner.compile(**compile_args())
+    res = {}
+    for key, kw in [("fit", {}), ("fit+val", {"validation_data": val})]:
+        t = EpochTimer()
+        _, printed = quiet(lambda: runner.fit(*train, batch_size=batch, epochs=epochs,
+                                              shuffle=False, verbose=0, callbacks=[t.callback],
+                                              **kw))
+        res[key] = len(train[0]) / statistics.median(t.times[1:] or t.times)
+        res.setdefault("printed", []).extend(printed)
+    if with_eval:
+        for key, fn in [("evaluate", lambda: runner.evaluate(*val, batch_size=batch, verbose=0)),
+                        ("predict", lambda: runner.predict(val[0], batch_size=batch,
+                                                           verbose=0))]:
+            times = []
+            for _ in range(3):
+                sync()
+                t0 = time.perf_counter()
+                quiet(fn)
+                sync()
+                times.append(time.perf_counter() - t0)
+            res[key] = statistics.median(times[1:])
+    if default:
+        res["describe"] = [ln for ln in runner.describe().splitlines() if "step" in ln.lower()
+                           or "float32" in ln][:3]
+        runner.close()
+    return res
+
+
+def bench(quick, only):
+    import keras
+
+    sizes = dict(n=4096, nv=2048, image=64, batch=256, epochs=3)
+    if quick:
+        sizes = dict(n=64, nv=40, image=32, batch=16, epochs=2)
+    models = {
+        "ResNet50 64x64": (resnet(sizes["image"]), sizes["batch"]),
+        "BERT-style encoder (dropout in attention)": (
+            bert(128, 8000, 256, 4, 4) if not quick else bert(16, 100, 32, 2, 1),
+            64 if not quick else 8),
+        "LSTM": (lstm(64, 128) if not quick else lstm(8, 8), 256 if not quick else 16),
+    }
+    for name, ((build, data, compile_args), batch) in models.items():
+        if ARGS.models and not any(m in name for m in ARGS.models):
+            continue
+        for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
+            if only and policy not in only:
+                continue
+            key = f"{name} | {policy}"
+            keras.mixed_precision.set_global_policy(policy)
+            try:
+                n, nv = sizes["n"], sizes["nv"]
+                if "BERT" in name:
+                    n, nv = n // 2, nv // 2
+                train, val = data(n, 0), data(nv, 1)
+                model = build()
+                init = model.get_weights()
+                sides = ["plain", "kmgpu"]
+                if policy == "float32" and "BERT" in name:
+                    sides.append("kmgpu tf32=False")  # the other float32 policy
+                runs = {side: [] for side in sides}
+                for side in sides + sides:
+                    runs[side].append(one_run(model, init, compile_args, train, val, batch,
+                                              sizes["epochs"], side != "plain",
+                                              with_eval=policy == "float32" or "ResNet" in name,
+                                              tf32="tf32=False" not in side))
+                OUT["bench"][key] = runs
+                log(key, json.dumps(runs)[:1500])
+            except Exception:
+                OUT["bench"][key] = {"error": traceback.format_exc()[-1500:]}
+                log(key, "ERROR", traceback.format_exc()[-1500:])
+            finally:
+                keras.mixed_precision.set_global_policy("float32")
+            save(ARGS.out)
+
+
+def best(runs, key, fn=max):
+    vals = [r[key] for r in runs if key in r]
+    return fn(vals) if vals else None
+
+
+def markdown():
+    lines = ["| model | policy | fit plain | fit kmgpu | x | fit+val plain | fit+val kmgpu | x "
+             "| x(val)/x | evaluate plain s | kmgpu s | x | predict plain s | kmgpu s | x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, runs in OUT["bench"].items():
+        if "error" in runs:
+            lines.append(f"| {key} | error | | | | | | | | | | | | | |")
+            continue
+        p, k = runs["plain"], runs["kmgpu"]
+        row = [*key.split(" | ")]
+        sp = {}
+        for m in ("fit", "fit+val"):
+            a, b = best(p, m), best(k, m)
+            sp[m] = b / a
+            row += [f"{a:,.0f}", f"{b:,.0f}", f"{b / a:.2f}x"]
+        row.append(f"{sp['fit+val'] / sp['fit']:.2f}")
+        if "kmgpu tf32=False" in runs:
+            row[0] += (f" (kmgpu tf32=False: fit {best(runs['kmgpu tf32=False'], 'fit'):,.0f}, "
+                       f"fit+val {best(runs['kmgpu tf32=False'], 'fit+val'):,.0f})")
+        for m in ("evaluate", "predict"):
+            a, b = best(p, m, min), best(k, m, min)
+            row += ([f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x"] if a and b else ["", "", ""])
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{ARGS.part}.json"), "w") as f:
+        json.dump(OUT, f, indent=1, default=str)
+    if OUT["bench"]:
+        with open(os.path.join(out, "table.md"), "w") as f:
+            f.write(markdown())
+
+
+def main():
+    global ARGS
+    p = argparse.ArgumentParser()
+    p.add_argument("--part", choices=["check", "bench"], required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", nargs="*", help="policies")
+    p.add_argument("--models", nargs="*", help="substrings of model names")
+    p.add_argument("--out", default="/tmp/whole_run")
+    ARGS = p.parse_args()
+    import torch
+
+    OUT["info"] = {"torch": torch.__version__, "cuda": cuda(),
+                   "gpu": torch.cuda.get_device_name() if cuda() else None}
+    if ARGS.part == "check":
+        checks(ARGS.quick)
+    else:
+        bench(ARGS.quick, ARGS.only)
+    save(ARGS.out)
+    if OUT["bench"]:
+        print(markdown())
+    log("done")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Keras's ``cond`` as a device select while kmgpu's torch step applies the optimizer
+(graph B: LossScaleOptimizer, gradient accumulation, EMA). Split from graph_keras_fixes
+by role; ``keras_fixes.PATCHES`` includes this table.
+"""
+
+#: (module, attribute (dotted within the module), why)
+PATCHES = [
+    ("keras.src.backend.torch.core", "cond",
+     "swapped while kmgpu's step applies the optimizer (device_conditions): Keras 3.15.1's "
+     "torch cond is a Python if on a tensor, a host read CUDA-graph capture refuses; "
+     "LossScaleOptimizer (mixed_float16: its finite-gradient check and loss-scale update), "
+     "gradient_accumulation_steps and EMA overwrites branch with it, so graph B could not "
+     "be captured; the swap runs both branches from the same optimizer state and keeps "
+     "the taken one with torch.where: the same values, no host read (upstream: no issue "
+     "known to kmgpu)"),
+]
+
+_COND = {"state": None, "original": None, "depth": 0}
+
+
+def _device_cond(pred, true_fn, false_fn):
+    """Keras's ``cond`` inside ``device_conditions``: both branches run from the same
+    state, the taken one's writes are kept (``torch.where``), nothing read on the host.
+    Only the state tensors a branch writes are copied and selected (``_Writes``): the
+    LossScaleOptimizer's inner cond touches two scalars, not the whole optimizer state."""
+    import keras
+    import torch
+
+    state = _COND["state"]
+    if state is None or not torch.is_tensor(pred) or pred.numel() != 1 or \
+            pred.device.type == "meta":
+        return _COND["original"](pred, true_fn, false_fn)
+    taken = pred.reshape(()).to(torch.bool)
+    values = [v.value for v in state]
+    with torch.no_grad():
+        with _Writes(values) as true_writes:
+            out_true = true_fn()
+        keys = sorted(true_writes.before)
+        after_true = dict(zip(keys, _copies([values[k] for k in keys])))
+        _copy_into([values[k] for k in keys], [true_writes.before[k] for k in keys])
+        with _Writes(values) as false_writes:
+            out_false = false_fn()
+        for k in sorted(set(keys) | set(false_writes.before)):
+            a = after_true[k] if k in after_true else false_writes.before[k]
+            values[k].copy_(torch.where(taken, a, values[k]))
+    if out_true is None and out_false is None:
+        return None
+    return keras.tree.map_structure(lambda a, b: torch.where(taken, a, b), out_true, out_false)
+
+
+def _written_tensors(func, args, kwargs):
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        yield from (value if isinstance(value, (list, tuple)) else [value])
+
+
+def _Writes(values):
+    """A dispatch mode that keeps a copy of each tensor of ``values`` (by storage) as it
+    was before its first write in the block (``.before``: index -> copy)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(values)}
+
+    class Writes(TorchDispatchMode):
+        before = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for t in _written_tensors(func, args, kwargs):
+                if isinstance(t, torch.Tensor):
+                    k = where.get(t.untyped_storage().data_ptr())
+                    if k is not None and k not in self.before:
+                        self.before[k] = values[k].clone()
+            return func(*args, **kwargs)
+
+    mode = Writes()
+    mode.before = {}
+    return mode
+
+
+def _copies(tensors):
+    """Copies of ``tensors`` (multi-tensor copy kernels: a few launches, not one each)."""
+    import torch
+
+    out = [torch.empty_like(t) for t in tensors]
+    _copy_into(out, tensors)
+    return out
+
+
+def _copy_into(dst, src):
+    import torch
+
+    if dst and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class _Conditions:
+    """The context of ``device_conditions`` (re-entrant; the outer block's state wins)."""
+
+    def __init__(self, variables):
+        self.variables = variables
+
+    def __enter__(self):
+        from keras.src.backend.torch import core
+
+        if _COND["depth"] == 0:
+            _COND["original"], _COND["state"] = core.cond, list(self.variables)
+            core.cond = _device_cond
+        _COND["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        from keras.src.backend.torch import core
+
+        _COND["depth"] -= 1
+        if _COND["depth"] == 0:
+            core.cond, _COND["original"], _COND["state"] = _COND["original"], None, None
+        return False
+
+
+def optimizer_state(optimizer, trainable):
+    """The variables an optimizer's ``apply`` may change: ``trainable`` and the
+    optimizer's own (a LossScaleOptimizer's and its inner optimizer's)."""
+    seen, out = set(), []
+    opt = optimizer
+    while opt is not None:
+        for v in list(getattr(opt, "variables", [])):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        opt = getattr(opt, "inner_optimizer", None)
+    return [v for v in trainable if id(v) not in seen] + out
+
+
+def device_conditions(optimizer, trainable):
+    """Within the block, Keras's torch ``cond`` (``ops.cond``) selects on the device:
+    both branches run from the same state of ``optimizer_state`` and the taken one is
+    kept, so a LossScaleOptimizer's finite check, ``gradient_accumulation_steps`` and
+    EMA overwrites need no host read and graph B captures whole. Exact (a select)."""
+    return _Conditions(optimizer_state(optimizer, trainable))

@@ -1,0 +1,163 @@
+"""CUDA-graph capture that leaves torch as it found it, and the float32 matmul policy.
+
+``torch.cuda.graph`` (torch 2.11) is not clean when a capture fails: its ``__exit__``
+calls ``capture_end``, whose ``cudaStreamEndCapture`` raises on an invalidated
+capture (a host read, a blocking copy, a CPU sync under ``capture_error_mode=
+"thread_local"``: "operation failed due to a previous error during capture"). The
+exception leaves three things behind: the current stream stays torch's capture
+stream (``stream_ctx.__exit__`` never runs), the caching allocator keeps routing
+into the graph's private pool which is never released (``endAllocateToPool`` and
+``releasePool`` come after the failed call, ``reset`` releases only an ended
+capture), and the default CUDA generator's state stays marked as capturing
+(``capture_epilogue`` comes after it too), so the next eager dropout anywhere in the
+process raises "Offset increment outside graph capture encountered unexpectedly".
+``capture`` ends a failed capture itself: the stream put back, the pool ended and
+released, the generator's capture state closed with a tiny capture that succeeds.
+
+float32 matmuls (``matmul_precision``): JAX and TensorFlow use TF32 for float32 matrix
+products on Ampere and Hopper GPUs by default; torch does not
+(``torch.backends.cuda.matmul.allow_tf32`` is False, cuDNN convolutions do use TF32).
+kmgpu's torch steps use TF32 like the other two backends by default
+(``parallelize(..., tf32=False)``: full float32 for matmuls and convolutions), set
+only while kmgpu's step runs (captured graphs keep the kernels chosen at capture),
+so the user's other torch code keeps its own global settings.
+"""
+
+import contextlib
+import gc
+import re
+
+import torch
+
+_STREAMS = {}
+
+
+def _stream(device):
+    """One side stream per device for every capture (graphs sharing a pool want one)."""
+    key = torch.cuda.current_device() if device is None else torch.device(device).index
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(key)
+    return _STREAMS[key]
+
+
+def capture(fn, pool=None):
+    """Record ``fn()`` into a new CUDA graph (nothing runs yet); if anything fails,
+    torch's CUDA state is put back as it was (module docstring) and the error raised.
+
+    Returns:
+        (the graph, what ``fn`` returned: tensors the replays overwrite).
+    """
+    graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    device = torch.cuda.current_device()
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(_stream(device)):  # restores the caller's stream, whatever happens
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        except BaseException:
+            _abandon(graph, pool, device, ended=False)
+            raise
+        try:
+            graph.capture_end()
+        except BaseException:
+            _abandon(graph, pool, device, ended=True)
+            raise
+    return graph, out
+
+
+def _abandon(graph, pool, device, ended):
+    """End a capture that failed (``ended``: its capture_end already raised)."""
+    if not ended:
+        try:
+            graph.capture_end()  # a Python error in a valid capture: ends cleanly
+            return
+        except Exception:
+            pass
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool",
+                 "_cuda_releasePool"):
+        fn = getattr(torch._C, name, None)
+        if fn is None or (name.endswith("StreamToPool")
+                          and hasattr(torch._C, "_cuda_endAllocateToPool")):
+            continue
+        try:
+            fn(device, pool)
+        except Exception:  # already ended by this torch version's capture_end
+            pass
+    del graph
+    gc.collect()
+    reset_generators(device)
+
+
+def reset_generators(device):
+    """Close a failed capture's state in the device's default generator: a capture that
+    succeeds (it opens and closes the generator's capture state) of nothing but a
+    dropout (so the generator takes part), then dropped."""
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        pass
+    ok = torch.cuda.CUDAGraph()
+    x = torch.ones(4, device=f"cuda:{device}")
+    with torch.cuda.stream(_stream(device)):
+        ok.capture_begin(capture_error_mode="thread_local")
+        try:
+            torch.nn.functional.dropout(x, 0.5, training=True)
+        finally:
+            ok.capture_end()
+    torch.cuda.synchronize(device)
+    del ok
+
+
+def state(device=None):
+    """What ``capture`` must leave as it found it, for the checks (benchmarks/torch_whole_run.py):
+    the current stream, whether a plain eager dropout draws (the generator), bytes reserved."""
+    try:
+        torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
+        dropout = "ok"
+    except Exception as e:  # the generator still thinks it captures
+        dropout = why(e)
+    torch.cuda.synchronize()
+    return {"stream": int(torch.cuda.current_stream().cuda_stream), "dropout": dropout}
+
+
+def why(e):
+    """One line for an exception: its type and first line (Keras's wrapper: the layer
+    and the cause), at most 300 characters."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()
+             if ln.strip()]
+    text = lines[0] if lines else ""
+    if text.startswith("Exception encountered when calling") and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+# -- float32 matmul policy ---------------------------------------------------------------
+#: the default: TF32 for float32 matmuls and convolutions, as JAX and TensorFlow on GPUs
+TF32_DEFAULT = True
+
+
+@contextlib.contextmanager
+def matmul_precision(tf32):
+    """Within the block, float32 matmuls and cuDNN convolutions use TF32 (``tf32``
+    True) or full float32 (False); the global settings are put back after it."""
+    if tf32 is None or not torch.cuda.is_available():
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = bool(tf32)
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def precision_words(tf32):
+    """describe()'s words for the policy."""
+    if tf32 is False:
+        return ("float32 matmuls and convolutions in full float32 (tf32=False; TF32 would be "
+                "up to 1.8x faster on transformers)")
+    return ("float32 matmuls and convolutions in TF32 inside kmgpu's steps, as JAX and "
+            "TensorFlow do on GPUs (about 1e-3 relative per product; full float32 with "
+            "parallelize(..., tf32=False))")
