@@ -147,3 +147,23 @@ def test_in_a_model_trains_like_keras():
 
     assert dist(fast, ref) <= 1e-4, dist(fast, ref)
     assert dist(fast, exact) <= 1.5 * dist(ref, exact), (dist(fast, exact), dist(ref, exact))
+
+
+def test_swapped_in_only_inside_kmgpus_step_on_cuda():
+    """keras_fixes.fused_batchnorm: a CUDA device swaps Keras's call for the fused one
+    inside the block (re-entrant) and back after; a CPU keeps Keras's own call."""
+    from kmgpu.engines.torch import keras_fixes
+
+    keras_call = BN.call
+    with keras_fixes.fused_batchnorm("cpu"):
+        assert BN.call is keras_call
+    with keras_fixes.fused_batchnorm("cuda:0"):
+        assert BN.call.__wrapped_by_kmgpu__ is keras_call
+        with keras_fixes.fused_batchnorm("cuda:0"):
+            assert BN.call.__wrapped_by_kmgpu__ is keras_call
+        assert BN.call.__wrapped_by_kmgpu__ is keras_call
+        layer, x = BN(), torch.randn(6, 3)
+        out = layer(x, training=True)  # runs the fused call
+        assert _rel(layer.moving_mean.value, x.mean(0) * (1 - layer.momentum)) < TOL
+        assert out.shape == x.shape
+    assert BN.call is keras_call

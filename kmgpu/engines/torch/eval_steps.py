@@ -62,7 +62,8 @@ class CapturedEval:
         x, y, sw = graphs._unpack(data)
         batch = (x, y, sw)
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-                cuda_graphs.matmul_precision(self.tf32):
+                cuda_graphs.matmul_precision(self.tf32), \
+                keras_fixes.fused_batchnorm(self.device):
             sig = (kind, graphs._signature(batch, 0, 0))
             self.streak[kind] = self.streak.get(kind, 0) + 1 if sig == self.last.get(kind) else 1
             self.last[kind] = sig

@@ -4,7 +4,10 @@ Split from ``keras_fixes`` by role (that module keeps the rank step's internals)
 ``PATCHES`` table includes these rows, so ``tests/unit/test_structure.py`` checks them.
 """
 
+import contextlib
 import threading
+
+import torch
 
 #: (module, attribute (dotted within the module), why)
 PATCHES = [
@@ -38,6 +41,13 @@ PATCHES = [
      "swapped with the random functions: its training crop slices at offset tensors "
      "(a host read each, which capture refuses); kmgpu's crops with index_select on the "
      "device, then Keras's own code runs on the cropped images"),
+    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization.call",
+     "swapped while kmgpu's step runs on a CUDA device (fused_batchnorm): Keras 3.15.1's "
+     "torch BatchNormalization is ~48 kernels per layer per training step (moments, "
+     "normalisation, moving averages and their backward: 55% of ResNet-50's GPU time, "
+     "benchmarks/results/torch-kernels-h200.md); fast_layers.batch_norm_call computes the "
+     "same layer with torch's fused batch norm (Keras's own call for what it does not "
+     "cover: masks, renorm, synchronized, kmgpu's global-batch moments)"),
     ("keras.src.random.seed_generator", "global_seed_generator",
      "seed=None draws from Keras's global SeedGenerator, as draw_seed does"),
 ]
@@ -355,3 +365,30 @@ def device_random():
     calls them as ``backend.random.<name>``).
     Re-entrant."""
     return _RANDOMS
+
+
+_BATCHNORM = {"keras_call": None}
+
+
+def _swap_batchnorm(use):
+    from keras.src.layers.normalization import batch_normalization
+
+    from kmgpu.engines.torch import fast_layers
+
+    cls = batch_normalization.BatchNormalization
+    if use:
+        _BATCHNORM["keras_call"] = cls.call
+        cls.call = fast_layers.batch_norm_method(cls.call)
+    else:
+        cls.call = _BATCHNORM["keras_call"]
+
+
+_FUSED_BATCHNORM = _Swap(lambda: _swap_batchnorm(True), lambda: _swap_batchnorm(False))
+
+
+def fused_batchnorm(device):
+    """Within the block, on a CUDA ``device``, Keras's ``BatchNormalization`` runs on
+    torch's fused batch norm (``fast_layers``: one kernel each way instead of ~48 per
+    layer, the same values to float rounding); elsewhere (a CPU: Keras's eager step,
+    whose numbers the tests hold kmgpu to) Keras's own call. Re-entrant."""
+    return _FUSED_BATCHNORM if torch.device(device).type == "cuda" else contextlib.nullcontext()

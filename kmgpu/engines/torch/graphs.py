@@ -216,7 +216,8 @@ class CapturedStep:
         split = self.split
         n_real, n_global = split.rows(x)
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-                cuda_graphs.matmul_precision(self.tf32):
+                cuda_graphs.matmul_precision(self.tf32), \
+                keras_fixes.fused_batchnorm(self.device):
             if split.layout():
                 self.graphs.clear()  # other variables: every graph is stale
             sig = _signature((x, y, sw), n_real, n_global)
