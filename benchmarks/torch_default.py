@@ -300,7 +300,7 @@ def check_fallbacks(batch=16, steps=8):
                 h = Item()(h)
             cls = Own if name == "own train_step" else keras.Model
             model = cls(inputs, keras.layers.Dense(1)(h))
-            runner = model if how == "plain" else kmgpu.parallelize(model, gpus=1)
+            runner = model if how == "plain" else kmgpu.parallelize(model, gpus=1, tf32=False)
             runner.compile(optimizer="adam", loss="mse", **({} if how == "plain" else
                                                            KMGPU_COMPILE))
             text = io.StringIO()
@@ -408,7 +408,7 @@ def run_parity(model, init, compile_args, x, y, batch):
     with exact():
         for default in (False, True) + ((False,) if NOISE else ()):
             model.set_weights(init)
-            runner = kmgpu.parallelize(model, gpus=1) if default else model
+            runner = kmgpu.parallelize(model, gpus=1, tf32=False) if default else model
             runner.compile(**compile_args(), **(KMGPU_COMPILE if default else {}))
             with contextlib.redirect_stdout(io.StringIO()):
                 runner.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)

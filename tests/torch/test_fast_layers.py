@@ -149,12 +149,16 @@ def test_in_a_model_trains_like_keras():
     assert dist(fast, exact) <= 1.5 * dist(ref, exact), (dist(fast, exact), dist(ref, exact))
 
 
-def test_swapped_in_only_inside_kmgpus_step_on_cuda():
-    """keras_fixes.fused_batchnorm: a CUDA device swaps Keras's call for the fused one
-    inside the block (re-entrant) and back after; a CPU keeps Keras's own call."""
+def test_swapped_in_only_inside_kmgpus_step_on_cuda_when_asked(monkeypatch):
+    """keras_fixes.fused_batchnorm: with KMGPU_TORCH_FUSED_BN=1 a CUDA device swaps Keras's
+    call for the fused one inside the block (re-entrant) and back after; a CPU, or no
+    opt-in, keeps Keras's own call."""
     from kmgpu.engines.torch import keras_fixes
 
     keras_call = BN.call
+    with keras_fixes.fused_batchnorm("cuda:0"):  # not asked for: Keras's own
+        assert BN.call is keras_call
+    monkeypatch.setenv("KMGPU_TORCH_FUSED_BN", "1")
     with keras_fixes.fused_batchnorm("cpu"):
         assert BN.call is keras_call
     with keras_fixes.fused_batchnorm("cuda:0"):
