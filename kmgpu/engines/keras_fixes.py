@@ -42,6 +42,12 @@ PATCHES = [
      "loss, the model's own losses), which weigh differently over replicas unless both "
      "are means over rows"),
     ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss", "same"),
+    ("keras.src.losses.loss", "reduce_weighted_values",
+     "wrapped (masked_losses): a masked loss is divided by its valid entries (or their "
+     "sample weights) in the replica's rows; one device divides by those of the whole "
+     "batch, so within replica_loss the replica's value is reweighted by its part of them"),
+    ("keras.src.losses.loss", "apply_mask", "same: how Keras merges mask and sample weight"),
+    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank", "same"),
     ("keras.src.trainers.compile_utils", "CompileLoss.metrics",
      "each output's loss tracker, updated with the replica's own value of it: "
      "rescaled in replica_loss so that the replicas add up to one device's"),
@@ -330,10 +336,12 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     if isinstance(rows, (int, float)) and not rows:  # a stand-in row (torch): none counts
         factor = 0
     _STEP.factor = factor
+    masked_losses()
+    _STEP.masked = (sum_weights, share) if kind in ("rows", "weights") else None
     try:
         local = part = model._compile_loss(y, y_pred, sample_weight)
     finally:
-        _STEP.factor = None
+        _STEP.factor = _STEP.masked = None
     if kind in ("rows", "weights"):
         local = part = local * keras_scale
     if kind != "none":
@@ -345,6 +353,48 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
 
 
 _STEP = threading.local()  # TF replicas trace their steps in threads
+
+
+def masked_losses():
+    """Wrap Keras's ``reduce_weighted_values`` (once) so that, within ``replica_loss``, a
+    loss with a mask (``Embedding(mask_zero=True)``, ``Masking``, a layer's own
+    ``compute_mask``) reduced as a mean weighs as one device's: Keras divides the
+    replica's summed loss by its own valid entries ``D_r`` (sample weights of valid
+    entries for "mean_with_sample_weight"), one device by those of the whole batch
+    ``D``. The replica's value is multiplied by ``D_r / (D * share)``, so that
+    ``replica_loss``'s ``share *`` it is the replica's part ``S_r / D``; each output
+    its own ``D``. Outside ``replica_loss``, and for losses without a mask, Keras's own.
+    """
+    from keras import ops
+    from keras.src.losses import loss as losses
+
+    if getattr(losses.reduce_weighted_values, "_kmgpu", False):
+        return
+    original = losses.reduce_weighted_values
+
+    def reduce_weighted_values(values, sample_weight=None, mask=None,
+                               reduction="sum_over_batch_size", dtype=None):
+        value = original(values, sample_weight, mask, reduction, dtype)
+        masked = getattr(_STEP, "masked", None)
+        if masked is None or mask is None or reduction not in (
+                "sum_over_batch_size", "mean", "mean_with_sample_weight"):
+            return value
+        sum_over_replicas, share = masked
+        dtype = value.dtype
+        if reduction == "mean_with_sample_weight":
+            weights = losses.apply_mask(sample_weight, ops.convert_to_tensor(mask, dtype),
+                                        dtype=dtype, reduction=reduction)
+            _, weights = losses.squeeze_or_expand_to_same_rank(
+                ops.convert_to_tensor(values, dtype=dtype), ops.cast(weights, dtype))
+            here = ops.sum(ops.broadcast_to(weights, ops.shape(values))) \
+                if sample_weight is not None else ops.sum(ops.cast(mask, dtype))
+        else:
+            here = ops.sum(ops.cast(mask, dtype))
+        everywhere = ops.cast(sum_over_replicas(here), dtype)
+        return value * ops.divide_no_nan(here, everywhere * ops.cast(share, dtype))
+
+    reduce_weighted_values._kmgpu = True
+    losses.reduce_weighted_values = reduce_weighted_values
 
 
 def _weigh_output_trackers(model):

@@ -169,8 +169,7 @@ class TensorFlowEngine(InProcessEngine):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         else:
             keras_fixes.exact_custom_steps(replica)
-        if keras_fixes.keeps_keras_step(template, "test_step") and \
-                fixes.loss_kind(template) != "rows":  # a mean: Keras's own is exact
+        if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)

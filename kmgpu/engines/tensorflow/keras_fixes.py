@@ -372,9 +372,13 @@ def weigh_output_losses(model):
 
     from kmgpu.engines import keras_fixes as common
 
-    shares, call = [], compile_loss.call
+    import threading
+
+    local, call = threading.local(), compile_loss.call  # replicas trace in threads, and
+    # meet at every all-reduce: one list of shares for all would hand one replica another's
 
     def weighed_call(y_true, y_pred, sample_weight=None):
+        shares = local.__dict__.setdefault("shares", [])
         rows, context = _rows(y_pred), tf.distribute.get_replica_context()
         if rows is None or context is None or context.num_replicas_in_sync == 1 or \
                 common.loss_kind(model) == "none":  # a loss per row: one device counts rows
@@ -389,6 +393,7 @@ def weigh_output_losses(model):
 
     def weighed(update_state):
         def update(values, sample_weight=None):
+            shares = getattr(local, "shares", None)
             if sample_weight is None and shares and shares[-1] is not None:
                 sample_weight = shares[-1]
             return update_state(values, sample_weight=sample_weight)
