@@ -105,7 +105,8 @@ class TensorFlowEngine(InProcessEngine):
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
                                                     and kwargs.get("shuffle", True))
-        if method == "fit":
+        if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
+            # several steps per execution would run past an epoch's end into the next one
             kwargs = keras_fixes.repeating_datasets(kwargs)
         try:
             return super().run(method, template, kwargs, lr_scale)

@@ -38,9 +38,9 @@ PATCHES = [
     ("keras.src.metrics.reduction_metrics", "Mean.update_state",
      "replaced on the per-output loss trackers, same"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.apply",
-     "replaced on replica optimizers with gradient_accumulation_steps "
-     "(accumulate_across_replicas): under tf.distribute it fails with merge_call inside "
-     "its Cond (keras-team/keras#17429)"),
+     "replaced on replica optimizers with gradient_accumulation_steps, or use_ema with "
+     "ema_overwrite_frequency (accumulate_across_replicas): under tf.distribute it fails "
+     "with merge_call inside its Cond (keras-team/keras#17429)"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer._clip_gradients",
      "replaced on replica optimizers that clip (reduce_before_clipping): Keras clips "
      "each replica's gradient before the all-reduce, so global_clipnorm, clipnorm and "
@@ -218,7 +218,8 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
     """
     built = (all(layer.built for layer in self._flatten_layers())
              and all(part is None or part.built for part in
-                     (self._compile_metrics, self._compile_loss, self.optimizer)))
+                     (getattr(self, name, None) for name in  # none on a model never compiled
+                      ("_compile_metrics", "_compile_loss", "optimizer"))))
     if not built:  # else skip making a distributed iterator (~0.15 s on 4 devices)
         if data_batch is None and feed and feed.get("first") is not None:
             data_batch = feed["first"]
@@ -229,7 +230,7 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
     weigh_output_losses(self)
-    if self.optimizer is not None:
+    if getattr(self, "optimizer", None) is not None:
         accumulate_across_replicas(self.optimizer)
         reduce_before_clipping(self.optimizer)
 
@@ -407,13 +408,16 @@ def weigh_output_losses(model):
 def accumulate_across_replicas(optimizer):
     """``gradient_accumulation_steps`` under tf.distribute: Keras applies or accumulates
     in a ``cond`` whose update branch needs a ``merge_call``, which tf.distribute refuses
-    (keras-team/keras#17429). The replicas' gradients are summed here instead (the same
+    (keras-team/keras#17429); so does ``use_ema`` with ``ema_overwrite_frequency`` (a
+    ``cond`` that overwrites the variables with their averages). The replicas' gradients are summed here instead (the same
     all-reduce Keras does) and the optimizer's own ``apply`` runs once, in cross-replica
     context, where its ``cond`` holds only plain per-device updates.
     """
     import tensorflow as tf
 
-    if not optimizer.gradient_accumulation_steps or hasattr(optimizer, "_kmgpu_apply"):
+    ema_overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
+    if not (optimizer.gradient_accumulation_steps or ema_overwrite) or hasattr(
+            optimizer, "_kmgpu_apply"):
         return
     apply = optimizer.apply
 
