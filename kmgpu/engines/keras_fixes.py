@@ -286,7 +286,7 @@ def tracker_update(kind, local, part, rows, global_rows):
 
 
 def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows,
-                 sum_weights, keras_scale=1):
+                 sum_weights, keras_scale=1, own_losses=None):
     """This replica's loss, as one device computes it for its rows, and its part of
     the global batch's loss (``replica_share``).
 
@@ -302,6 +302,10 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
             only for "mean_with_sample_weight" with sample weights).
         keras_scale: what Keras divided a mean reduction and the model's own losses by
             (tf.distribute: the number of replicas).
+        own_losses: ``model.losses`` as read right after this replica's forward pass
+            (TensorFlow's replicas trace in threads that share each layer's list of
+            losses and take turns at every all-reduce: read later, it may hold another
+            replica's). None: read here, before any all-reduce.
 
     Returns:
         (kind, local loss, part of the global loss).
@@ -310,8 +314,17 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     from keras import ops
     from keras.src.trainers.trainer import Trainer
 
+    own_losses = list(model.losses) if own_losses is None else own_losses
     fraction = (rows / global_rows if isinstance(rows, (int, float))
                 else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
+    if type(model).compute_loss is Trainer.compute_loss and model._compile_loss is None \
+            and own_losses:  # add_loss alone: weighed as the model's own losses below
+        local = part = None
+        for own in own_losses:
+            own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
+            local = own if local is None else local + own
+            part = _times(own, fraction) if part is None else part + _times(own, fraction)
+        return "rows", local, part
     if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
         local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                     training=training) * keras_scale
@@ -346,10 +359,20 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
         local = part = local * keras_scale
     if kind != "none":
         part = _times(local, share)
-    for own in model.losses:  # Python numbers only: no host-to-device copy in a captured step
-        own = model._aggregate_additional_loss(own) * keras_scale
+    for own in own_losses:  # Python numbers only: no host-to-device copy in a captured step
+        own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
         local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
     return kind, local, part
+
+
+def _without_rows(own, rows):
+    """A model's own loss, 0 on a replica without rows (TensorFlow's split of a small last
+    batch; a mean over no rows is NaN, and NaN * 0 is NaN in the loss tracker)."""
+    from keras import ops
+
+    if isinstance(rows, (int, float)):
+        return own
+    return ops.where(ops.cast(rows, "float32") > 0, own, ops.zeros_like(own))
 
 
 _STEP = threading.local()  # TF replicas trace their steps in threads

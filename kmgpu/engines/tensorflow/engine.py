@@ -166,10 +166,9 @@ class TensorFlowEngine(InProcessEngine):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
+        keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
         if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
-        else:
-            keras_fixes.exact_custom_steps(replica)
         if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,

@@ -285,11 +285,13 @@ def _track_loss(model, x, y, y_pred, sample_weight, training):
     from kmgpu.engines import keras_fixes as common
 
     context = tf.distribute.get_replica_context()
+    own_losses = list(model.losses)  # before the first all-reduce (replica_loss says why)
     rows = tf.cast(_rows(x), "float32")
     total = context.all_reduce("sum", rows)
     kind, local, part = common.replica_loss(
         model, x, y, y_pred, sample_weight, training, rows, total,
-        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
+        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync,
+        own_losses=own_losses)
     if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
         local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
     value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
@@ -317,8 +319,8 @@ def _rows(*structures):
 
 
 def exact_custom_steps(model):
-    """A model with its own ``train_step`` that calls Keras's ``compute_loss``: within that
-    step ``compute_loss`` returns the one-device loss of the global batch's share
+    """A model with its own ``train_step`` or ``test_step`` that calls Keras's
+    ``compute_loss``: within that step ``compute_loss`` returns the one-device loss of the global batch's share
     (``mean_r * N * n_r / n``, whose mean over replicas is the global mean), with the
     gradient of ``mean_r * n_r / n``, which tf.distribute's summed gradients turn into
     the one-device gradient also for a partial last batch. A loss tracker fed with it
@@ -331,7 +333,7 @@ def exact_custom_steps(model):
 
     if type(model).compute_loss is not Trainer.compute_loss:
         return  # the user's own compute_loss: theirs to scale
-    user_step, compute_loss, inside = model.train_step, model.compute_loss, []
+    compute_loss, inside = model.compute_loss, []
     replicas = model.distribute_strategy.num_replicas_in_sync
 
     def exact_compute_loss(*args, **kwargs):
@@ -340,22 +342,27 @@ def exact_custom_steps(model):
         context = tf.distribute.get_replica_context()
         if not inside or rows is None or context is None or replicas == 1:
             return compute_loss(*args, **kwargs)
-        rows = tf.cast(rows, "float32")
+        rows, own_losses = tf.cast(rows, "float32"), list(model.losses)
         exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
             model, named.get("x"), named.get("y"), named.get("y_pred"),
             named.get("sample_weight"), named.get("training", True), rows,
             context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
-            keras_scale=replicas)[2]
+            keras_scale=replicas, own_losses=own_losses)[2]
         return exact + tf.stop_gradient(exact * (replicas - 1))
 
-    def train_step(data):
-        inside.append(True)
-        try:
-            return user_step(data)
-        finally:
-            inside.pop()
+    def within(step):
+        def run(data):
+            inside.append(True)
+            try:
+                return step(data)
+            finally:
+                inside.pop()
+        return run
 
-    model.compute_loss, model.train_step = exact_compute_loss, train_step
+    model.compute_loss = exact_compute_loss
+    for name in ("train_step", "test_step"):  # the user's own (keras.io's guide writes both)
+        if not keeps_keras_step(model, name):
+            setattr(model, name, within(getattr(model, name)))
 
 
 def weigh_output_losses(model):
