@@ -182,6 +182,7 @@ def optimizer_settings(model):
     from weight decay, as positions in ``model.trainable_variables``, and the compiled
     name pattern (``exclude_from_weight_decay``). None when there is none."""
     opt = getattr(model, "optimizer", None)
+    opt = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's (mixed_float16)
     keys = getattr(opt, "_exclude_from_weight_decay", None) or set()
     pattern = getattr(opt, "_exclude_from_weight_decay_pattern", None)
     if not keys and pattern is None:
@@ -193,6 +194,7 @@ def optimizer_settings(model):
 def apply_optimizer_settings(model, settings):
     """Give ``model``'s (compiled, not yet built) optimizer ``optimizer_settings``."""
     opt = getattr(model, "optimizer", None)
+    opt = getattr(opt, "inner_optimizer", opt)
     if settings is None or opt is None:
         return
     variables = model.trainable_variables
