@@ -169,7 +169,9 @@ def repeating_datasets(kwargs):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
     For arrays Keras makes a new distributed iterator every epoch, which costs
-    MirroredStrategy ~0.4 s per epoch on 4 devices. Given ``steps_per_epoch`` and
+    MirroredStrategy ~0.4 s per epoch on 4 devices, and one more at the end of the
+    last epoch, never used (``EpochIterator._enumerate_iterator`` makes the next
+    epoch's iterator when an epoch ends): fit(epochs=1) makes two. Given ``steps_per_epoch`` and
     a repeating dataset, Keras keeps one iterator for the whole fit. The dataset
     is Keras's own (``ArrayDataAdapter``): the same batches, the same per-epoch
     shuffling, class weights and partial last batch; each epoch reads exactly
@@ -183,9 +185,8 @@ def repeating_datasets(kwargs):
 
     kw = dict(kwargs)
     x, y, weights = kw.get("x"), kw.get("y"), kw.get("sample_weight")
-    if (kw.get("steps_per_epoch") is not None or not arrays(x, y, weights)
-            or kw.get("epochs", 1) - kw.get("initial_epoch", 0) < 2):
-        return kwargs  # one epoch makes one iterator either way
+    if kw.get("steps_per_epoch") is not None or not arrays(x, y, weights):
+        return kwargs
     if kw.get("validation_split") and kw.get("validation_data") is None:
         (x, y, weights), kw["validation_data"] = array_slicing.train_validation_split(
             (x, y, weights), validation_split=kw["validation_split"])
