@@ -52,7 +52,9 @@ class GuideTestStep(keras.Sequential):
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
-        return {m.name: m.result() for m in self.metrics if m.name == "loss"}
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
 
 
 def _mlp(cls=keras.Sequential, extra=()):
@@ -76,7 +78,8 @@ CASES = {  # name: (model, compile arguments, fit arguments)
                                  lambda: dict(optimizer=keras.optimizers.SGD(0.05),
                                               loss="mse"), {}),
     "guide_test_step": (lambda: _mlp(GuideTestStep),
-                        lambda: dict(optimizer=keras.optimizers.SGD(0.05), loss="mse"), {}),
+                        lambda: dict(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                                     metrics=["mae"]), {}),
     "steps_per_execution": (_mlp, lambda: dict(optimizer=keras.optimizers.SGD(0.05),
                                                loss="mse", steps_per_execution=4), {}),
     "ema_overwrite": (_mlp, lambda: dict(optimizer=keras.optimizers.Adam(

@@ -167,6 +167,7 @@ class TensorFlowEngine(InProcessEngine):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
         keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
+        keras_fixes.synced_logs(replica)
         if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too

@@ -8,7 +8,7 @@ import contextlib
 
 from kmgpu.engines.tensorflow import step_keras_fixes
 from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engine's names)
-    exact_custom_steps, keeps_keras_step, metrics_logs, test_step, train_step,
+    exact_custom_steps, keeps_keras_step, metrics_logs, synced_logs, test_step, train_step,
     weigh_output_losses)
 
 KERAS = "3.15.1"

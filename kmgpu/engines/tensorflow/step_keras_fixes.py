@@ -27,6 +27,11 @@ PATCHES = [
      "mean of each replica's own metric results, wrong when a batch splits unevenly; "
      "kmgpu reads the summed metric variables instead, formatted as Keras does"),
     ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order", "same"),
+    ("keras.src.trainers.trainer", "Trainer._get_metrics_result_or_logs",
+     "replaced on replicas (synced_logs): it returns the metrics read across replicas "
+     "only when the step's logs have their keys; a custom step that returns "
+     "{m.name: m.result()} (keras.io's guide) nests CompileMetrics' results, so Keras "
+     "returns the mean of each replica's own results, wrong when batches split unevenly"),
 ]
 
 
@@ -205,3 +210,23 @@ def weigh_output_losses(model):
     for metric in compile_loss.metrics:
         metric.update_state = weighed(metric.update_state)
     compile_loss.call, compile_loss._kmgpu_share = weighed_call, True
+
+
+def synced_logs(model):
+    """fit / evaluate report the metrics read across replicas (summed) also when a custom
+    step returns them nested, as ``{m.name: m.result() for m in self.metrics}`` does for
+    the compiled metrics: Keras compares the step's keys with the flat metric names and
+    otherwise reports the mean of the replicas' own results."""
+    original = model._get_metrics_result_or_logs
+
+    def get_metrics_result_or_logs(logs):
+        if isinstance(logs, dict):
+            keys = set()
+            for key, value in logs.items():
+                keys.update(value) if isinstance(value, dict) else keys.add(key)
+            metric_logs = model.get_metrics_result()
+            if keys == set(metric_logs):
+                return metric_logs
+        return original(logs)
+
+    model._get_metrics_result_or_logs = get_metrics_result_or_logs
