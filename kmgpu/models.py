@@ -17,6 +17,8 @@ import json
 
 import keras
 
+from kmgpu.engines import keras_fixes
+
 
 def check_model(model):
     """Raise TypeError unless ``model`` is a built Keras model kmgpu can re-create."""
@@ -42,10 +44,57 @@ def check_model(model):
 
 
 def identity(template):
-    """What decides whether a cached replica still matches the template."""
+    """What decides whether a cached replica still matches the template: its config,
+    its optimizer, and the state its adapted layers keep beside their weights (a
+    layer adapted again needs a replica loaded again)."""
     config = json.dumps(template.get_config(), sort_keys=True, default=repr)
     optimizer = getattr(template, "optimizer", None)
-    return (config, template.compiled, id(optimizer) if optimizer is not None else None)
+    return (config, template.compiled, id(optimizer) if optimizer is not None else None,
+            _digest(keras_fixes.own_state(template)))
+
+
+def _digest(state):
+    """A short fingerprint of ``own_state``'s data (None: None)."""
+    if state is None:
+        return None
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha1()
+
+    def add(node):
+        if isinstance(node, dict):
+            for key in sorted(node):
+                digest.update(str(key).encode())
+                add(node[key])
+        elif node is not None:
+            array = np.asarray(node)
+            digest.update(str((array.dtype, array.shape)).encode())
+            digest.update(array.tobytes() if array.dtype != object else repr(array).encode())
+
+    add({"weights": state[0], "assets": state[1]})
+    return digest.hexdigest()
+
+
+def carried(template):
+    """What a replica needs from ``template`` beside its config, compile config and
+    weights, as picklable data: the state Keras's saving path writes for its adapted
+    layers (``keras_fixes.own_state``) and its optimizer's settings outside its config
+    (``keras_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
+    return keras_fixes.own_state(template), keras_fixes.optimizer_settings(template)
+
+
+def load_carried(replica, carried, compiled=False):
+    """Put ``carried(template)`` into a replica built from the template's config:
+    before compile, the layers' state (through Keras's own ``load_own_variables`` /
+    ``load_assets``, which finalize adapted layers); after compile
+    (``compiled=True``), the optimizer's settings."""
+    layers, optimizer = carried
+    if compiled:
+        keras_fixes.apply_optimizer_settings(replica, optimizer)
+    else:
+        keras_fixes.load_own_state(replica, layers)
 
 
 def clone(template):
@@ -67,7 +116,15 @@ def clone(template):
             build_config = template.get_build_config()
             if build_config:
                 replica.build_from_config(build_config)
+        load_carried(replica, carried(template))
     return replica
+
+
+def compile_like(replica, template, lr_scale=(1.0, 0)):
+    """Compile ``replica`` as ``template`` is compiled (``compile_args``), its optimizer
+    with the template's settings outside the config (``carried``)."""
+    replica.compile(**compile_args(template, lr_scale))
+    load_carried(replica, carried(template), compiled=True)
 
 
 def custom_objects(template):
@@ -152,10 +209,7 @@ def _compile_args(template, lr_scale):
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        from kmgpu.engines import keras_fixes
-
-        source, optimizer = optimizer, optimizer.__class__.from_config(optimizer.get_config())
-        keras_fixes.copy_weight_decay_exclusions(source, optimizer)
+        optimizer = optimizer.__class__.from_config(optimizer.get_config())
         factor, warmup_steps = lr_scale
         if lr.is_schedule(optimizer) and (factor != 1.0 or warmup_steps):
             optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
@@ -269,8 +323,6 @@ def rebatch(model, batch_size):
     Returns:
         A new ``keras.Model``.
     """
-    from kmgpu.engines import keras_fixes
-
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
         raise TypeError(f"rebatch(model, batch_size): batch_size must be an int >= 1, "
                         f"got {batch_size!r}.")
@@ -291,7 +343,7 @@ def rebatch(model, batch_size):
     new = clone_at(model, batch_size)
     new.set_weights(model.get_weights())
     if model.compiled:
-        new.compile(**compile_args(model))
+        compile_like(new, model)
     return new
 
 
@@ -301,7 +353,9 @@ def clone_at(model, batch_size):
         lambda t: keras.Input(batch_shape=(batch_size,) + tuple(t.shape[1:]), dtype=t.dtype),
         model.inputs[0] if isinstance(model, keras.Sequential) else model.input)
     with keras.saving.custom_object_scope(custom_objects(model)):
-        return keras.models.clone_model(model, input_tensors=inputs)
+        new = keras.models.clone_model(model, input_tensors=inputs)
+        load_carried(new, carried(model))
+    return new
 
 
 def reset_callback(model):

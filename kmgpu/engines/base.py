@@ -178,7 +178,7 @@ class InProcessEngine(Engine):
                            else models.clone_at(template, self.replica_batch(fixed)))
                 self.prepare_replica(replica, template)
                 if template.compiled:
-                    replica.compile(**models.compile_args(template, lr_scale))
+                    models.compile_like(replica, template, lr_scale)
             self.replica, self._built_from = replica, key
         return self.replica
 

@@ -9,6 +9,10 @@ pin says at once what broke. Backend-specific ones live in
 
 import threading
 
+from kmgpu.engines import state_keras_fixes
+from kmgpu.engines.state_keras_fixes import (  # noqa: F401 (models.py's names)
+    apply_optimizer_settings, keeps_own_state, load_own_state, optimizer_settings, own_state)
+
 KERAS = "3.15.1"
 
 #: (module, attribute (dotted within the module), why)
@@ -26,6 +30,12 @@ PATCHES = [
      "loss, the model's own losses), which weigh differently over replicas unless both "
      "are means over rows"),
     ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss", "same"),
+    ("keras.src.losses.loss", "reduce_weighted_values",
+     "wrapped (masked_losses): a masked loss is divided by its valid entries (or their "
+     "sample weights) in the replica's rows; one device divides by those of the whole "
+     "batch, so within replica_loss the replica's value is reweighted by its part of them"),
+    ("keras.src.losses.loss", "apply_mask", "same: how Keras merges mask and sample weight"),
+    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank", "same"),
     ("keras.src.trainers.compile_utils", "CompileLoss.metrics",
      "each output's loss tracker, updated with the replica's own value of it: "
      "rescaled in replica_loss so that the replicas add up to one device's"),
@@ -33,11 +43,7 @@ PATCHES = [
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "class weights of a generator fed per replica (TensorFlow)"),
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
-     "keeps var_names in a private _exclude_from_weight_decay_pattern, not in get_config(): "
-     "a replica's optimizer made from the config decays every variable (AdamW's exclusions "
-     "lost); copy_weight_decay_exclusions copies the pattern"),
-]
+] + state_keras_fixes.PATCHES  # what a replica carries beside config and weights
 
 
 def warm_saving():
@@ -144,7 +150,7 @@ def tracker_update(kind, local, part, rows, global_rows):
 
 
 def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows,
-                 sum_weights, keras_scale=1):
+                 sum_weights, keras_scale=1, own_losses=None):
     """This replica's loss, as one device computes it for its rows, and its part of
     the global batch's loss (``replica_share``).
 
@@ -160,6 +166,10 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
             only for "mean_with_sample_weight" with sample weights).
         keras_scale: what Keras divided a mean reduction and the model's own losses by
             (tf.distribute: the number of replicas).
+        own_losses: ``model.losses`` as read right after this replica's forward pass
+            (TensorFlow's replicas trace in threads that share each layer's list of
+            losses and take turns at every all-reduce: read later, it may hold another
+            replica's). None: read here, before any all-reduce.
 
     Returns:
         (kind, local loss, part of the global loss).
@@ -168,8 +178,17 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     from keras import ops
     from keras.src.trainers.trainer import Trainer
 
+    own_losses = list(model.losses) if own_losses is None else own_losses
     fraction = (rows / global_rows if isinstance(rows, (int, float))
                 else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
+    if type(model).compute_loss is Trainer.compute_loss and model._compile_loss is None \
+            and own_losses:  # add_loss alone: weighed as the model's own losses below
+        local = part = None
+        for own in own_losses:
+            own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
+            local = own if local is None else local + own
+            part = _times(own, fraction) if part is None else part + _times(own, fraction)
+        return "rows", local, part
     if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
         local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                     training=training) * keras_scale
@@ -194,21 +213,75 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     if isinstance(rows, (int, float)) and not rows:  # a stand-in row (torch): none counts
         factor = 0
     _STEP.factor = factor
+    masked_losses()
+    _STEP.masked = (sum_weights, share) if kind in ("rows", "weights") else None
     try:
         local = part = model._compile_loss(y, y_pred, sample_weight)
     finally:
-        _STEP.factor = None
+        _STEP.factor = _STEP.masked = None
     if kind in ("rows", "weights"):
         local = part = local * keras_scale
     if kind != "none":
         part = _times(local, share)
-    for own in model.losses:  # Python numbers only: no host-to-device copy in a captured step
-        own = model._aggregate_additional_loss(own) * keras_scale
+    for own in own_losses:  # Python numbers only: no host-to-device copy in a captured step
+        own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
         local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
     return kind, local, part
 
 
+def _without_rows(own, rows):
+    """A model's own loss, 0 on a replica without rows (TensorFlow's split of a small last
+    batch; a mean over no rows is NaN, and NaN * 0 is NaN in the loss tracker)."""
+    from keras import ops
+
+    if isinstance(rows, (int, float)):
+        return own
+    return ops.where(ops.cast(rows, "float32") > 0, own, ops.zeros_like(own))
+
+
 _STEP = threading.local()  # TF replicas trace their steps in threads
+
+
+def masked_losses():
+    """Wrap Keras's ``reduce_weighted_values`` (once) so that, within ``replica_loss``, a
+    loss with a mask (``Embedding(mask_zero=True)``, ``Masking``, a layer's own
+    ``compute_mask``) reduced as a mean weighs as one device's: Keras divides the
+    replica's summed loss by its own valid entries ``D_r`` (sample weights of valid
+    entries for "mean_with_sample_weight"), one device by those of the whole batch
+    ``D``. The replica's value is multiplied by ``D_r / (D * share)``, so that
+    ``replica_loss``'s ``share *`` it is the replica's part ``S_r / D``; each output
+    its own ``D``. Outside ``replica_loss``, and for losses without a mask, Keras's own.
+    """
+    from keras import ops
+    from keras.src.losses import loss as losses
+
+    if getattr(losses.reduce_weighted_values, "_kmgpu", False):
+        return
+    original = losses.reduce_weighted_values
+
+    def reduce_weighted_values(values, sample_weight=None, mask=None,
+                               reduction="sum_over_batch_size", dtype=None):
+        value = original(values, sample_weight, mask, reduction, dtype)
+        masked = getattr(_STEP, "masked", None)
+        if masked is None or mask is None or reduction not in (
+                "sum_over_batch_size", "mean", "mean_with_sample_weight"):
+            return value
+        sum_over_replicas, share = masked
+        dtype = value.dtype
+        if reduction == "mean_with_sample_weight":
+            weights = losses.apply_mask(sample_weight, ops.convert_to_tensor(mask, dtype),
+                                        dtype=dtype, reduction=reduction)
+            _, weights = losses.squeeze_or_expand_to_same_rank(
+                ops.convert_to_tensor(values, dtype=dtype), ops.cast(weights, dtype))
+            here = ops.sum(ops.broadcast_to(weights, ops.shape(values))) \
+                if sample_weight is not None else ops.sum(ops.cast(mask, dtype))
+        else:
+            here = ops.sum(ops.cast(mask, dtype))
+        everywhere = ops.cast(sum_over_replicas(here), dtype)
+        return value * ops.divide_no_nan(here, everywhere * ops.cast(share, dtype))
+
+    reduce_weighted_values._kmgpu = True
+    losses.reduce_weighted_values = reduce_weighted_values
 
 
 def _weigh_output_trackers(model):
@@ -270,12 +343,3 @@ def py_dataset_pass(dataset, shuffle=False, class_weight=None):
         yield from adapter._get_iterator()
     finally:
         adapter.on_epoch_end()
-
-
-def copy_weight_decay_exclusions(src, dst):
-    """Give optimizer ``dst`` the ``exclude_from_weight_decay(var_names=...)`` of ``src``
-    (Keras keeps it outside ``get_config()``). Exclusions given as ``var_list`` name the
-    template's own variables and are not carried."""
-    pattern = getattr(src, "_exclude_from_weight_decay_pattern", None)
-    if pattern is not None:
-        dst.exclude_from_weight_decay(var_names=[pattern.pattern])

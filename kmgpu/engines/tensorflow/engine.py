@@ -105,7 +105,8 @@ class TensorFlowEngine(InProcessEngine):
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
                                                     and kwargs.get("shuffle", True))
-        if method == "fit":
+        if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
+            # several steps per execution would run past an epoch's end into the next one
             kwargs = keras_fixes.repeating_datasets(kwargs)
         try:
             return super().run(method, template, kwargs, lr_scale)
@@ -165,12 +166,11 @@ class TensorFlowEngine(InProcessEngine):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
+        keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
+        keras_fixes.synced_logs(replica)
         if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
-        else:
-            keras_fixes.exact_custom_steps(replica)
-        if keras_fixes.keeps_keras_step(template, "test_step") and \
-                fixes.loss_kind(template) != "rows":  # a mean: Keras's own is exact
+        if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
         replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
                                                           feed=self._feed)

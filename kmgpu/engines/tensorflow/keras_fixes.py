@@ -6,18 +6,21 @@ Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
 
 import contextlib
 
+from kmgpu.engines.tensorflow import step_keras_fixes
+from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engine's names)
+    exact_custom_steps, keeps_keras_step, metrics_logs, synced_logs, test_step, train_step,
+    weigh_output_losses)
+
 KERAS = "3.15.1"
 
-#: (module, attribute (dotted within the module), why)
+#: (module, attribute (dotted within the module), why): this module's, then
+#: ``step_keras_fixes``'s (the train and test steps)
 PATCHES = [
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
      "replaced during multi-worker calls: it reduces scalar metrics with axis=0, which "
      "fails (\"Invalid reduction dimension 0\", keras-team/keras#20585)"),
     ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
      "read by the replacement above"),
-    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer",
-     "its train_step is replaced on replicas (train_step below) only where the user's "
-     "model keeps Keras's own"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build",
      "symbolic_build below calls it on the first replica's part of the first batch: "
      "Keras averages the first batch over replicas, which fails when it splits unevenly"),
@@ -28,19 +31,10 @@ PATCHES = [
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "same"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "unpack_x_y_sample_weight",
      "same, and the weighted train_step"),
-    ("keras.src.trainers.trainer", "Trainer.compute_loss",
-     "replaced on replicas of models with their own train_step (exact_custom_steps): its "
-     "result is scaled by 1/N for tf.distribute, so a loss tracker fed with it shows the "
-     "loss divided by N, and a partial last batch weighs every replica alike"),
-    ("keras.src.trainers.compile_utils", "CompileLoss.call",
-     "replaced on replicas (weigh_output_losses): it records each output's loss with "
-     "weight y_pred.shape[0], None in a traced step, so every replica counts alike"),
-    ("keras.src.metrics.reduction_metrics", "Mean.update_state",
-     "replaced on the per-output loss trackers, same"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.apply",
-     "replaced on replica optimizers with gradient_accumulation_steps "
-     "(accumulate_across_replicas): under tf.distribute it fails with merge_call inside "
-     "its Cond (keras-team/keras#17429)"),
+     "replaced on replica optimizers with gradient_accumulation_steps, or use_ema with "
+     "ema_overwrite_frequency (accumulate_across_replicas): under tf.distribute it fails "
+     "with merge_call inside its Cond (keras-team/keras#17429)"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer._clip_gradients",
      "replaced on replica optimizers that clip (reduce_before_clipping): Keras clips "
      "each replica's gradient before the all-reduce, so global_clipnorm, clipnorm and "
@@ -62,12 +56,7 @@ PATCHES = [
     ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
      "made a direct call in cross-replica context while accumulate_across_replicas runs "
      "the optimizer's apply there (it would ask a missing replica context to merge)"),
-    ("keras.src.utils.python_utils", "pythonify_logs",
-     "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
-     "mean of each replica's own metric results, wrong when a batch splits unevenly; "
-     "kmgpu reads the summed metric variables instead, formatted as Keras does"),
-    ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order", "same"),
-]
+] + step_keras_fixes.PATCHES
 
 
 @contextlib.contextmanager
@@ -169,7 +158,9 @@ def repeating_datasets(kwargs):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
     For arrays Keras makes a new distributed iterator every epoch, which costs
-    MirroredStrategy ~0.4 s per epoch on 4 devices. Given ``steps_per_epoch`` and
+    MirroredStrategy ~0.4 s per epoch on 4 devices, and one more at the end of the
+    last epoch, never used (``EpochIterator._enumerate_iterator`` makes the next
+    epoch's iterator when an epoch ends): fit(epochs=1) makes two. Given ``steps_per_epoch`` and
     a repeating dataset, Keras keeps one iterator for the whole fit. The dataset
     is Keras's own (``ArrayDataAdapter``): the same batches, the same per-epoch
     shuffling, class weights and partial last batch; each epoch reads exactly
@@ -183,9 +174,8 @@ def repeating_datasets(kwargs):
 
     kw = dict(kwargs)
     x, y, weights = kw.get("x"), kw.get("y"), kw.get("sample_weight")
-    if (kw.get("steps_per_epoch") is not None or not arrays(x, y, weights)
-            or kw.get("epochs", 1) - kw.get("initial_epoch", 0) < 2):
-        return kwargs  # one epoch makes one iterator either way
+    if kw.get("steps_per_epoch") is not None or not arrays(x, y, weights):
+        return kwargs
     if kw.get("validation_split") and kw.get("validation_data") is None:
         (x, y, weights), kw["validation_data"] = array_slicing.train_validation_split(
             (x, y, weights), validation_split=kw["validation_split"])
@@ -218,7 +208,8 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
     """
     built = (all(layer.built for layer in self._flatten_layers())
              and all(part is None or part.built for part in
-                     (self._compile_metrics, self._compile_loss, self.optimizer)))
+                     (getattr(self, name, None) for name in  # none on a model never compiled
+                      ("_compile_metrics", "_compile_loss", "optimizer"))))
     if not built:  # else skip making a distributed iterator (~0.15 s on 4 devices)
         if data_batch is None and feed and feed.get("first") is not None:
             data_batch = feed["first"]
@@ -229,186 +220,24 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None):
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
     weigh_output_losses(self)
-    if self.optimizer is not None:
+    if getattr(self, "optimizer", None) is not None:
         accumulate_across_replicas(self.optimizer)
         reduce_before_clipping(self.optimizer)
-
-
-def train_step(self, data):
-    """Keras's TensorFlow ``train_step`` with each replica's loss weighed by its part
-    of the global batch's loss (``replica_loss``): one device's update, also for a
-    partial last batch and for every loss reduction.
-    """
-    import tensorflow as tf
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    with tf.GradientTape() as tape:
-        if self._call_has_training_arg:
-            y_pred = self(x, training=True)
-        else:
-            y_pred = self(x)
-        part = _track_loss(self, x, y, y_pred, sample_weight, True)
-        loss = self.optimizer.scale_loss(part)
-    if self.trainable_weights:
-        gradients = tape.gradient(loss, self.trainable_weights)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-def metrics_logs(model, return_dict):
-    """``train_on_batch`` / ``test_on_batch``'s return value, from the metric variables
-    read across replicas (summed), in Keras's format."""
-    from keras.src.utils.python_utils import pythonify_logs
-
-    logs = pythonify_logs(model.get_metrics_result())
-    return logs if return_dict else model._flatten_metrics_in_order(logs)
-
-
-def test_step(self, data):
-    """Keras's TensorFlow ``test_step``, its loss tracker updated as ``train_step``'s."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
-    _track_loss(self, x, y, y_pred, sample_weight, False)
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-def _track_loss(model, x, y, y_pred, sample_weight, training):
-    """Update the loss tracker as one device's would be for the global batch; returns
-    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``,
-    Keras's 1/N scaling of means for tf.distribute undone)."""
-    import tensorflow as tf
-
-    from kmgpu.engines import keras_fixes as common
-
-    context = tf.distribute.get_replica_context()
-    rows = tf.cast(_rows(x), "float32")
-    total = context.all_reduce("sum", rows)
-    kind, local, part = common.replica_loss(
-        model, x, y, y_pred, sample_weight, training, rows, total,
-        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
-    if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
-        local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
-    value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
-    model._loss_tracker.update_state(value, sample_weight=rows)
-    return part
-
-
-def keeps_keras_step(model, step="train_step"):
-    """True when ``model`` runs Keras's own TensorFlow ``step`` (not the user's)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return getattr(type(model), step) is getattr(TensorFlowTrainer, step)
-
-
-# -- exact losses for custom train steps and per-output losses ---------------------------
-def _rows(*structures):
-    import keras
-    import tensorflow as tf
-
-    for s in structures:
-        leaves = [t for t in keras.tree.flatten(s) if t is not None]
-        if leaves:
-            return tf.shape(leaves[0])[0]
-    return None
-
-
-def exact_custom_steps(model):
-    """A model with its own ``train_step`` that calls Keras's ``compute_loss``: within that
-    step ``compute_loss`` returns the one-device loss of the global batch's share
-    (``mean_r * N * n_r / n``, whose mean over replicas is the global mean), with the
-    gradient of ``mean_r * n_r / n``, which tf.distribute's summed gradients turn into
-    the one-device gradient also for a partial last batch. A loss tracker fed with it
-    then shows what one device shows.
-    """
-    import tensorflow as tf
-    from keras.src.trainers.trainer import Trainer
-
-    from kmgpu.engines import keras_fixes as common
-
-    if type(model).compute_loss is not Trainer.compute_loss:
-        return  # the user's own compute_loss: theirs to scale
-    user_step, compute_loss, inside = model.train_step, model.compute_loss, []
-    replicas = model.distribute_strategy.num_replicas_in_sync
-
-    def exact_compute_loss(*args, **kwargs):
-        named = dict(zip(("x", "y", "y_pred", "sample_weight"), args), **kwargs)
-        rows = _rows(named.get("y_pred"), named.get("y"), named.get("x"))
-        context = tf.distribute.get_replica_context()
-        if not inside or rows is None or context is None or replicas == 1:
-            return compute_loss(*args, **kwargs)
-        rows = tf.cast(rows, "float32")
-        exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
-            model, named.get("x"), named.get("y"), named.get("y_pred"),
-            named.get("sample_weight"), named.get("training", True), rows,
-            context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
-            keras_scale=replicas)[2]
-        return exact + tf.stop_gradient(exact * (replicas - 1))
-
-    def train_step(data):
-        inside.append(True)
-        try:
-            return user_step(data)
-        finally:
-            inside.pop()
-
-    model.compute_loss, model.train_step = exact_compute_loss, train_step
-
-
-def weigh_output_losses(model):
-    """Each output's loss tracker is updated with weight ``y_pred.shape[0]``, which is
-    None in a traced step (so 1 per step on one device). Each replica weighs its update
-    by its share ``n_r / n`` of the global batch instead, so the replicas together count
-    as one device's step, also when a partial last batch splits unevenly.
-    Needs the model's compile loss built (after the symbolic build).
-    """
-    compile_loss = getattr(model, "_compile_loss", None)
-    if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
-            or hasattr(compile_loss, "_kmgpu_share")):
-        return  # no per-output trackers (one loss): no extra all-reduce per step
-    import tensorflow as tf
-
-    from kmgpu.engines import keras_fixes as common
-
-    shares, call = [], compile_loss.call
-
-    def weighed_call(y_true, y_pred, sample_weight=None):
-        rows, context = _rows(y_pred), tf.distribute.get_replica_context()
-        if rows is None or context is None or context.num_replicas_in_sync == 1 or \
-                common.loss_kind(model) == "none":  # a loss per row: one device counts rows
-            shares.append(None)
-        else:  # rows here / rows in the global batch
-            shares.append(tf.cast(rows, "float32") / tf.cast(context.all_reduce("sum", rows),
-                                                             "float32"))
-        try:
-            return call(y_true, y_pred, sample_weight)
-        finally:
-            shares.pop()
-
-    def weighed(update_state):
-        def update(values, sample_weight=None):
-            if sample_weight is None and shares and shares[-1] is not None:
-                sample_weight = shares[-1]
-            return update_state(values, sample_weight=sample_weight)
-        return update
-
-    for metric in compile_loss.metrics:
-        metric.update_state = weighed(metric.update_state)
-    compile_loss.call, compile_loss._kmgpu_share = weighed_call, True
 
 
 def accumulate_across_replicas(optimizer):
     """``gradient_accumulation_steps`` under tf.distribute: Keras applies or accumulates
     in a ``cond`` whose update branch needs a ``merge_call``, which tf.distribute refuses
-    (keras-team/keras#17429). The replicas' gradients are summed here instead (the same
+    (keras-team/keras#17429); so does ``use_ema`` with ``ema_overwrite_frequency`` (a
+    ``cond`` that overwrites the variables with their averages). The replicas' gradients are summed here instead (the same
     all-reduce Keras does) and the optimizer's own ``apply`` runs once, in cross-replica
     context, where its ``cond`` holds only plain per-device updates.
     """
     import tensorflow as tf
 
-    if not optimizer.gradient_accumulation_steps or hasattr(optimizer, "_kmgpu_apply"):
+    ema_overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
+    if not (optimizer.gradient_accumulation_steps or ema_overwrite) or hasattr(
+            optimizer, "_kmgpu_apply"):
         return
     apply = optimizer.apply
 

@@ -333,7 +333,7 @@ class InProcessLauncher(Launcher):
             replica = (models.clone(template) if fixed is None
                        else models.clone_at(template, fixed // self.strategy.world))
             if template.compiled:
-                replica.compile(**models.compile_args(template, call.lr_scale))
+                models.compile_like(replica, template, call.lr_scale)
             self.replica, self._built_key = self.strategy.prepare(replica), call.key
         return self.replica
 

@@ -32,6 +32,7 @@ class ModelSpec:
     build_config: Optional[dict]
     compile_config: Optional[dict]
     custom_objects: Optional[bytes]
+    carried: tuple = (None, None)  # models.carried(template): adapted layers, optimizer settings
 
 
 @dataclass(frozen=True)

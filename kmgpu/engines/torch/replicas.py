@@ -61,7 +61,7 @@ def model_spec(template):
         blob = None
     spec = ModelSpec(config=serialized, build_config=template.get_build_config(),
                      compile_config=template.get_compile_config() if template.compiled
-                     else None, custom_objects=blob)
+                     else None, custom_objects=blob, carried=models.carried(template))
     if blob is None:
         transport.INHERITED["custom_objects"] = custom
     return spec, blob is None
@@ -88,11 +88,13 @@ def build(spec, world, lr_scale):
         replica = keras.saving.deserialize_keras_object(spec.config)
         if not replica.built and spec.build_config:
             replica.build_from_config(spec.build_config)
+        models.load_carried(replica, spec.carried)
         fixed = models.fixed_batch(replica)
         if fixed is not None:  # this rank's B/N state rows
             replica = models.clone_at(replica, fixed // world)
         if spec.compile_config is not None:
             _compile(replica, spec.compile_config, lr_scale)
+            models.load_carried(replica, spec.carried, compiled=True)
     return replica
 
 

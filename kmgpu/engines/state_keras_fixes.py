@@ -1,0 +1,153 @@
+"""Keras internals that carry to a replica what the template holds beside its config and
+weights: what Keras's saving path writes for each layer (adapted preprocessing layers,
+lookup vocabularies) and the optimizer's settings outside its config.
+
+Split from ``keras_fixes`` by role (that module's ``PATCHES`` includes this one's).
+"""
+
+KERAS = "3.15.1"
+
+#: (module, attribute (dotted within the module), why)
+PATCHES = [
+    ("keras.src.saving.saving_lib", "_save_state",
+     "own_state: a replica is made from the template's config, which leaves out what "
+     "Keras's saving path carries beside it (each layer's save_own_variables and its "
+     "load_own_variables, which finalizes adapted layers; lookup vocabularies): that "
+     "walk, with an in-memory store, carries it"),
+    ("keras.src.saving.saving_lib", "_load_state", "same"),
+    ("keras.src.saving.saving_lib", "NpzIOStore", "same: the store class _load_state accepts"),
+    ("keras.src.saving.saving_lib", "_save_assets_to_dict", "same, for assets (vocabularies)"),
+    ("keras.src.saving.saving_lib", "_load_assets_from_dict", "same"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
+     "optimizer_settings: it keeps var_list (as _var_key ids) and var_names (as a "
+     "compiled pattern) in private attributes, _exclude_from_weight_decay and "
+     "_exclude_from_weight_decay_pattern, not in get_config(), so an optimizer made "
+     "from its config decays every variable"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._use_weight_decay",
+     "same: what reads them"),
+]
+
+
+def keeps_own_state(layer):
+    """Whether ``layer`` holds state that its config and ``set_weights`` do not carry:
+    Keras's preprocessing layers that are adapted (``finalize_state``, ``load_assets``:
+    Normalization, Discretization, the lookups, TextVectorization) and a script's own
+    layer that loads its variables its own way."""
+    import keras
+
+    own_load = (type(layer).load_own_variables is not keras.layers.Layer.load_own_variables
+                and not (type(layer).__module__ or "").startswith("keras"))
+    return hasattr(layer, "finalize_state") or hasattr(layer, "load_assets") or own_load
+
+
+def own_state(model):
+    """What Keras's saving path writes for ``model``'s layers (``save_own_variables``,
+    ``save_assets``), as picklable NumPy data, or None when no layer keeps state beside
+    its weights (``keeps_own_state``): then the config and the weights are all.
+
+    The optimizer and the metrics are left out (the engines copy the optimizer's
+    variables; a replica's metrics start at zero).
+
+    Returns:
+        None or (weights: {path: {key: array}}, assets: nested dict of byte arrays or None).
+    """
+    from keras.src.saving import saving_lib
+
+    if not any(keeps_own_state(layer) for layer in model._flatten_layers()):
+        return None
+    store = _Store()
+    saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
+                           visited_saveables=_not_layers(model))
+    return store.contents, saving_lib._save_assets_to_dict(model)
+
+
+def load_own_state(model, state):
+    """Load ``own_state``'s data into ``model`` (same architecture) through Keras's own
+    loading path: each layer's ``load_own_variables`` (Normalization finalizes its
+    mean and variance there) and ``load_assets`` (vocabularies). Nothing for None."""
+    from keras.src.saving import saving_lib
+
+    if state is None:
+        return
+    weights, assets = state
+    saving_lib._load_state(model, weights_store=_Store(weights), assets_store=None,
+                           inner_path="", visited_saveables=_not_layers(model))
+    saving_lib._load_assets_from_dict(model, assets)
+
+
+def _not_layers(model):
+    """ids of what ``own_state`` leaves out: the optimizer, the metrics, the losses."""
+    skip = [getattr(model, "optimizer", None), getattr(model, "_compile_loss", None)]
+    skip += list(getattr(model, "_metrics", []) or [])
+    skip += [getattr(model, name, None) for name in ("_loss_tracker", "_compile_metrics")]
+    return {id(obj) for obj in skip if obj is not None}
+
+
+def _store_class():
+    from keras.src.saving import saving_lib
+
+    class Store(saving_lib.NpzIOStore):
+        """saving_lib's walk into a dict in memory: {path: {key: NumPy array}}."""
+
+        def __init__(self, contents=None):  # no file
+            self.contents, self.mode, self.archive = ({} if contents is None else contents,
+                                                      "w", None)
+
+        def make(self, path, metadata=None):
+            return self.contents.setdefault(path or "__root__", _Arrays())
+
+        def get(self, path):
+            return dict(self.contents.get(path or "__root__", {}))
+
+        def has_path(self, path):
+            return (path or "__root__") in self.contents
+
+    return Store
+
+
+class _Arrays(dict):
+    """One saveable's entries: values copied to NumPy as they are written."""
+
+    def __setitem__(self, key, value):
+        import keras
+        import numpy as np
+
+        if isinstance(value, keras.Variable):
+            value = value.value
+        super().__setitem__(key, np.array(keras.ops.convert_to_numpy(value)))
+
+
+def _Store(contents=None):
+    global _STORE
+    if _STORE is None:
+        _STORE = _store_class()
+    return _STORE(contents)
+
+
+_STORE = None
+
+
+def optimizer_settings(model):
+    """What ``model``'s optimizer holds outside ``get_config()``: the variables excluded
+    from weight decay, as positions in ``model.trainable_variables``, and the compiled
+    name pattern (``exclude_from_weight_decay``). None when there is none."""
+    opt = getattr(model, "optimizer", None)
+    opt = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's (mixed_float16)
+    keys = getattr(opt, "_exclude_from_weight_decay", None) or set()
+    pattern = getattr(opt, "_exclude_from_weight_decay_pattern", None)
+    if not keys and pattern is None:
+        return None
+    positions = [i for i, v in enumerate(model.trainable_variables) if opt._var_key(v) in keys]
+    return {"exclude_positions": positions, "exclude_pattern": pattern}
+
+
+def apply_optimizer_settings(model, settings):
+    """Give ``model``'s (compiled, not yet built) optimizer ``optimizer_settings``."""
+    opt = getattr(model, "optimizer", None)
+    opt = getattr(opt, "inner_optimizer", opt)
+    if settings is None or opt is None:
+        return
+    variables = model.trainable_variables
+    opt.exclude_from_weight_decay(var_list=[variables[i] for i in
+                                            settings["exclude_positions"]])
+    opt._exclude_from_weight_decay_pattern = settings["exclude_pattern"]
