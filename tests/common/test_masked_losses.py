@@ -15,10 +15,6 @@ import pytest
 import kmgpu
 from tests.helpers import rel_diff
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() == "jax",
-    reason="JAX computes each loss on the global batch (keras.distribution): nothing per "
-           "replica to weigh, exact already")
 
 TOL = 1e-5
 ROWS, BATCH, T = 78, 8, 6
