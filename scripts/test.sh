@@ -26,6 +26,18 @@ trap 'rm -rf "$logs"' EXIT
 export KMGPU_TEST_LOGS=$logs
 lanes=${KMGPU_TEST_LANES:-2}
 [ "${KMGPU_TEST_SERIAL:-0}" = 1 ] && lanes=1
+if [ "$lanes" -gt 1 ]; then
+  # one compute thread per session: the lanes fill the cores, and tiny models gain nothing
+  # from a thread pool, which under contention made a test file 2-3x slower (A/B: TF and
+  # JAX test_faults alone 9-10 s either way; beside another busy process 10 s with one
+  # thread, 25-34 s with the default pools). Set them yourself to override.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+  export TF_NUM_INTRAOP_THREADS=${TF_NUM_INTRAOP_THREADS:-1}
+  case " ${XLA_FLAGS:-} " in
+    *xla_cpu_multi_thread_eigen*) ;;
+    *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" ;;
+  esac
+fi
 # the quick bench: once, for every backend of this run, in the last backend's sessions
 export KMGPU_BENCH_SMOKE_ALL=$(IFS=,; echo "${backends[*]}") KMGPU_BENCH_SMOKE_IN=${backends[-1]}
 
