@@ -12,10 +12,12 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     """Wrap a built Keras model so fit / evaluate / predict run on several devices.
 
     Args:
-        model: a built ``keras.Model`` (Sequential, functional, or subclassed with
+        model: a ``keras.Model`` (Sequential, functional, or subclassed with
             ``get_config``). It stays the user's: after every fit it holds the
-            trained weights.
-        gpus: None (every device), an int N (the first N), a list of ids such as
+            trained weights. An unbuilt one (no ``Input``) is built from the first
+            batch of the first call, as plain Keras does; the replicas are made then.
+        gpus: None (every device; "all", "auto" and -1 mean the same), an int N (the
+            first N), a list of ids such as
             [0, 2], or a dict such as {'main': 0, 'second': 1}.
         batch: "global" (fit's batch_size is the global batch) or "per_replica"
             (batch_size per device; global batch = N x batch_size).
@@ -44,16 +46,24 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     """
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
                                 drop_remainder, shard_optimizer, tf32)
+    if connector.unbuilt(model):  # built from the first batch, as plain Keras does
+        return ParallelModel(model, None, options, connector.check_unbuilt(model, gpus),
+                             gpus=gpus)
     engine, backend = connector.connect(model, gpus, options)
+    _warn_one_device(engine, options, stacklevel=3)
+    return ParallelModel(model, engine, options, backend)
+
+
+def _warn_one_device(engine, options, stacklevel):
     if engine.num_replicas == 1:
         warnings.warn(
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-        if shard_optimizer:
+        if options.shard_optimizer:
             warnings.warn("kmgpu: shard_optimizer=True on one device: nothing to shard, the "
-                          "optimizer state stays whole on that device (a no-op).", stacklevel=2)
-    return ParallelModel(model, engine, options, backend)
+                          "optimizer state stays whole on that device (a no-op).",
+                          stacklevel=stacklevel)
 
 
 def _keras_signature(name):
@@ -65,13 +75,17 @@ def _keras_signature(name):
 class ParallelModel:
     """The user's model on N replicas; everything not defined here is the model's own."""
 
-    def __init__(self, model, engine, options, backend):
+    def __init__(self, model, engine, options, backend, gpus=None):
         self.__dict__.update(model=model, _engine=engine, _options=options, _backend=backend,
-                             _last_fit=None, _lr_scale=(1.0, 0), _warned=False)
+                             _last_fit=None, _lr_scale=(1.0, 0), _warned=False, _gpus=gpus)
 
     # -- the contract -------------------------------------------------------------
     @property
     def num_replicas(self):
+        if self._engine is None:  # an unbuilt model: the devices it will use
+            from kmgpu import hardware
+
+            return len(hardware.resolve(self._gpus, hardware.physical_devices()))
         return self._engine.num_replicas
 
     def compile(self, *args, **kwargs):
@@ -104,7 +118,7 @@ class ParallelModel:
             scaling = lr.LRScaling(optimizer, factor, self._options.warmup_epochs)
             call["callbacks"] = scaling.wrap(call.get("callbacks"))
         if call.get("verbose") not in (0, "0") and environment.process_index() == 0:
-            print(self.describe(), flush=True)
+            print(self._plan_text(), flush=True)
         call = environment.for_this_process(call)  # several processes: process 0 prints, saves
         return self._engine.run("fit", self.model, call, self._lr_scale)
 
@@ -167,8 +181,11 @@ class ParallelModel:
         if checks.is_dataset(x):
             raise TypeError(f"{method}() takes one batch as arrays (x, y), not a "
                             f"{type(x).__name__}: use fit / evaluate / predict for a dataset.")
+        if self._engine is None:
+            connector.build_from(self.model, x)  # bad x: left to the checks below
         checks._data(self.model, method, x, y, sample_weight,
                      finite=(method != "predict_on_batch"))
+        self._connect()
         return dict(x=x) if method == "predict_on_batch" else dict(
             x=x, y=y, sample_weight=sample_weight)
 
@@ -185,8 +202,19 @@ class ParallelModel:
             return None
         return self.model.save(filepath, *args, **kwargs)
 
-    def describe(self, samples=None, batch_size=None):
-        """The plan as text. Without arguments, uses the last fit's data size."""
+    def describe(self, samples=None, batch_size=None, print_fn=None):
+        """Print the plan, as ``model.summary()`` prints the layers, and return its text
+        (for scripts that read it; a notebook shows it once). Without arguments, uses
+        the last fit's data size. ``print_fn``: called with the text instead of print
+        (``lambda text: None`` prints nothing)."""
+        return plan.PlanText.show(self._plan_text(samples, batch_size), print_fn)
+
+    def _plan_text(self, samples=None, batch_size=None):
+        if self._engine is None:
+            return (f"kmgpu plan\n  {self.model.name} is not built yet: it is built from the "
+                    "first batch of the first fit / evaluate / predict, as plain Keras does, "
+                    f"and its {self.num_replicas} replica(s) are made then; call describe() "
+                    "after that call for the whole plan.")
         if samples is None and batch_size is None and self._last_fit:
             samples, batch_size = self._last_fit
         if batch_size is None:
@@ -208,7 +236,8 @@ class ParallelModel:
 
     def close(self):
         """Release the engine's devices and processes (also done at exit)."""
-        self._engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
     # -- pass-through -------------------------------------------------------------
     def __getattr__(self, name):
@@ -218,8 +247,10 @@ class ParallelModel:
         setattr(self.model, name, value)
 
     def __repr__(self):
+        where = (", ".join(self._engine.device_names) if self._engine is not None
+                 else "made at the first call (the model is not built yet)")
         return (f"<kmgpu.ParallelModel {self.model.name!r} on {self.num_replicas} "
-                f"replica(s): {', '.join(self._engine.device_names)}>")
+                f"replica(s): {where}>")
 
     # -- helpers ------------------------------------------------------------------
     def _bind(self, method, args, kwargs):
@@ -232,8 +263,18 @@ class ParallelModel:
         call = dict(bound.arguments)
         call.pop("self")
         call.update(call.pop("kwargs", {}))
+        if self._engine is None:
+            connector.build_from(self.model, call.get("x"))  # bad x: left to the checks
         checks.call(method, self.model, call)  # bad input stops here, before the engine
+        self._connect()
         return call
+
+    def _connect(self):
+        """The engine of a model that was unbuilt when wrapped, now that it is built."""
+        if self._engine is None:
+            engine, _ = connector.connect(self.model, self._gpus, self._options)
+            _warn_one_device(engine, self._options, stacklevel=5)
+            self.__dict__["_engine"] = engine
 
     def _warn_about_traps(self, steps):
         """Say once when the plan looks like the batch-scaling trap (process 0 only)."""

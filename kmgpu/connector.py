@@ -51,3 +51,73 @@ def connect(model, gpus, options):
     engine = cls(ids, available, options)
     plan.check_stateful_split(model, engine.num_replicas)  # all processes' devices under launch
     return engine, backend
+
+
+def unbuilt(model):
+    """True for a Keras model without weights yet (a Sequential without ``Input``)."""
+    import keras
+
+    return isinstance(model, keras.Model) and not model.built
+
+
+def check_unbuilt(model, gpus):
+    """Check what can be checked of an unbuilt model before its first batch: its config
+    and ``gpus``. Returns the backend name."""
+    import keras
+
+    try:
+        model.get_config()
+    except NotImplementedError:
+        models.check_model(model)  # says what to implement
+    if not isinstance(model, keras.Sequential) and not getattr(model, "_is_graph_network",
+                                                                 False):
+        raise ValueError(
+            f"kmgpu.parallelize needs a built {type(model).__name__}: call model(x) once, or "
+            "model.build(input_shape), before wrapping it (an unbuilt Sequential is built "
+            "from the first batch, as plain Keras does).")
+    backend = hardware.backend_name()
+    hardware.resolve(gpus, hardware.physical_devices(backend))
+    return backend
+
+
+def build_from(model, x):
+    """Build an unbuilt model from the first batch of ``x``, as Keras's ``fit`` does
+    (symbolically: no step runs, the weights are created in the same order with the
+    same seeds), with the batch dimension left free for the replicas' smaller batches.
+    ``x`` that is not data is left alone (the checks refuse it)."""
+    import keras
+
+    from kmgpu import checks
+
+    if model.built or x is None or isinstance(x, (str, bytes)):
+        return
+    if checks.is_dataset(x):
+        x = _first_inputs(x)
+
+    def symbolic(leaf):
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            raise TypeError(f"cannot build {model.name} from a {type(leaf).__name__}: pass "
+                            "arrays, or build the model first (keras.Input(shape=...)).")
+        dtype = keras.backend.standardize_dtype(leaf.dtype)
+        if dtype.startswith("float"):
+            dtype = keras.config.floatx()  # Keras's data adapters cast floats so
+        return keras.KerasTensor((None,) + tuple(shape[1:]), dtype)
+
+    model(keras.tree.map_structure(symbolic, x))
+
+
+def _first_inputs(data):
+    """The inputs of the first batch of a dataset that can be read twice."""
+    import keras
+
+    if isinstance(data, keras.utils.PyDataset):
+        batch = data[0]
+    elif iter(data) is not data:  # tf.data, a torch DataLoader: iterating again restarts
+        batch = next(iter(data))
+    else:
+        raise ValueError(
+            "a generator can be read only once, so kmgpu cannot build the model from its "
+            "first batch: build the model first (keras.Input(shape=...) as its first layer, "
+            "or model.build(input_shape)) before kmgpu.parallelize.")
+    return batch[0] if isinstance(batch, (tuple, list)) else batch  # (x, y[, w]) as Keras reads it

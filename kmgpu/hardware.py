@@ -106,8 +106,8 @@ def resolve(gpus, available):
     """Turn the user's ``gpus`` argument into the list of device indices to use.
 
     Args:
-        gpus: None (all), an int N (the first N), a list/tuple of ids, or a
-            Chainer-style dict such as {'main': 0, 'second': 1}.
+        gpus: None (all; also "all", "auto", -1 as Lightning's ``devices=``), an int
+            N (the first N), a list/tuple of ids, or a Chainer-style dict such as {'main': 0, 'second': 1}.
         available: list of (kind, index) pairs from ``physical_devices``.
 
     Returns:
@@ -117,10 +117,16 @@ def resolve(gpus, available):
         TypeError / ValueError with what to pass instead.
     """
     count = len(available)
-    if gpus is None:
+    if gpus is None or _means_all(gpus):
         return list(range(count))
     if isinstance(gpus, bool):
         raise TypeError(f"gpus must be None, an int, a list of ids or a dict, not {gpus!r}.")
+    if isinstance(gpus, str):
+        raise TypeError(
+            f"gpus={gpus!r}: a string means every device only as 'all', 'auto' or '-1'; "
+            "pass None (or 'all', -1) for all, an int N for the first N, or a list of ids "
+            "such as [0, 2]."
+        )
     if isinstance(gpus, int):
         if gpus < 1:
             raise ValueError(
@@ -156,6 +162,16 @@ def resolve(gpus, available):
     if len(set(ids)) != len(ids):
         raise ValueError(f"gpus={gpus!r} names a device twice: list each id once.")
     return ids
+
+
+ALL_DEVICES = ("all", "auto", "-1", -1)  # what Keras / Lightning users type for "every device"
+
+
+def _means_all(gpus):
+    """True for the spellings of "every device" (None is kmgpu's own)."""
+    if isinstance(gpus, str):
+        return gpus.strip().lower() in ALL_DEVICES
+    return not isinstance(gpus, bool) and isinstance(gpus, int) and gpus == -1
 
 
 def _too_many(n, available):

@@ -82,6 +82,23 @@ def lr_factor(options, num_replicas):
     return float(num_replicas) if options.scale_lr else 1.0
 
 
+class PlanText(str):
+    """What ``ParallelModel.describe()`` returns: the plan's text, already printed (as
+    ``summary()`` prints), so a notebook cell or IPython prompt does not show it again
+    as a quoted string."""
+
+    @classmethod
+    def show(cls, text, print_fn=None):
+        (print_fn or print)(text)
+        return cls(text)
+
+    def _ipython_display_(self):  # IPython / Jupyter: printed already
+        pass
+
+    def __repr__(self):  # the plain Python prompt: printed already
+        return f"<kmgpu plan, {self.count(chr(10)) + 1} lines (printed above; str() for the text)>"
+
+
 def describe(*, backend, engine, options, template, samples=None, batch_size=None, stateful="none"):
     """The plan, as text."""
     n = engine.num_replicas

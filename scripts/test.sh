@@ -1,67 +1,91 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (if needed) and run the test suite, one process per
-# Keras backend: tests/unit, tests/common and tests/<backend> run under
-# KERAS_BACKEND=<backend>. About 20 minutes on an idle 2-core machine (1,189 s, 731 tests,
-# measured in a fresh clone), plus a few minutes to make .venv the first time. With
-# several backends the sessions run in two lanes side by side (the suite is ~1,800
-# CPU-seconds; one session leaves the second core mostly idle); each line of progress
-# (one per finished test file, tests/conftest.py --file-progress) is printed as it comes,
-# prefixed with its backend; about 105 lines in all, the summary last.
-# KMGPU_TEST_SERIAL=1 runs them one after the other.
-# Usage: bash scripts/test.sh [backend ...] [-- extra pytest args]
+# Keras backend and part: tests/unit, tests/common and tests/<backend> run under
+# KERAS_BACKEND=<backend>. Each backend's files are cut into two parts of about equal
+# measured time (scripts/test_plan.py, scripts/test_times.txt; a new file counts 30 s
+# until measured), and two lanes take the parts heaviest first as they get free, so
+# both cores stay busy to the end. `kmgpu bench --quick` runs once per suite, for every
+# backend, in one session (KMGPU_BENCH_SMOKE). Each line of progress (one per finished
+# test file, tests/conftest.py --file-progress) is printed as it comes, prefixed with
+# its backend and part; the summary comes last.
+# KMGPU_TEST_SERIAL=1 runs the parts one after the other; KMGPU_TEST_LANES=N runs N.
+# Usage: bash scripts/test.sh [--save-times] [backend ...] [-- extra pytest args]
+#   --save-times: afterwards, write each file's seconds to scripts/test_times.txt
 set -u
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
+save=0
+[ "${1:-}" = "--save-times" ] && { save=1; shift; }
 backends=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do backends+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#backends[@]} -gt 0 ] || backends=(tensorflow jax torch)
-pytest_args=("$@")
+export KMGPU_TEST_ARGS=$(printf "%q " "$@")  # quoted: job() evals it
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+export KMGPU_TEST_LOGS=$logs
+lanes=${KMGPU_TEST_LANES:-2}
+[ "${KMGPU_TEST_SERIAL:-0}" = 1 ] && lanes=1
+if [ "$lanes" -gt 1 ]; then
+  # one compute thread per session: the lanes fill the cores, and tiny models gain nothing
+  # from a thread pool, which under contention made a test file 2-3x slower (A/B: TF and
+  # JAX test_faults alone 9-10 s either way; beside another busy process 10 s with one
+  # thread, 25-34 s with the default pools). Set them yourself to override.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+  export TF_NUM_INTRAOP_THREADS=${TF_NUM_INTRAOP_THREADS:-1}
+  case " ${XLA_FLAGS:-} " in
+    *xla_cpu_multi_thread_eigen*) ;;
+    *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" ;;
+  esac
+fi
+# the quick bench: once, for every backend of this run, in the last backend's sessions
+export KMGPU_BENCH_SMOKE_ALL=$(IFS=,; echo "${backends[*]}") KMGPU_BENCH_SMOKE_IN=${backends[-1]}
 
-run() {  # backend: one pytest session, its lines prefixed "[backend] " as they come
-  local b=$1 s=$SECONDS rc
-  echo "[$b] started: tests/unit tests/common tests/$b"
+job() {  # "backend part seconds file ...": one pytest session, its lines prefixed
+  set -- $1
+  local b=$1 part=$2 est=$3 s=$SECONDS rc smoke=""
+  shift 3
+  local files=$#
+  eval "set -- \"\$@\" $KMGPU_TEST_ARGS"
+  [ "$b" = "$KMGPU_BENCH_SMOKE_IN" ] && smoke=$KMGPU_BENCH_SMOKE_ALL
+  echo "[$b.$part] started: ${files} files (about $est s)"
   # a pipeline, not a process substitution: that would be a child of pytest itself,
   # which the tests that count their child processes would see
   # --file-progress (tests/conftest.py): a line per finished test file, not a dot per test
-  KERAS_BACKEND=$b PYTHONUNBUFFERED=1 python -m pytest -q -p no:cacheprovider \
-    --file-progress -o console_output_style=classic \
-    tests/unit tests/common "tests/$b" "${pytest_args[@]}" 2>&1 | tee "$logs/$b.log" \
-    | sed -u "s/^/[$b] /"
+  KMGPU_BENCH_SMOKE=$smoke KERAS_BACKEND=$b PYTHONUNBUFFERED=1 python -m pytest -q \
+    -p no:cacheprovider --file-progress -o console_output_style=classic \
+    "$@" 2>&1 | tee "$KMGPU_TEST_LOGS/$b.$part.log" | sed -u "s/^/[$b.$part] /"
   rc=${PIPESTATUS[0]}
-  echo "[$b] done after $((SECONDS - s)) s (exit $rc)"
-  return $rc
+  echo "[$b.$part] done after $((SECONDS - s)) s (exit $rc)"
+  [ "$rc" = 0 ] || [ "$rc" = 5 ]  # 5: every test of the part deselected by -k / -m
 }
-lane() {  # backend ...: one after the other
-  local b rc=0
-  for b in "$@"; do run "$b" || rc=1; done
-  return $rc
-}
+export -f job
 
 start=$SECONDS
 status=0
-if [ "${KMGPU_TEST_SERIAL:-0}" = 1 ] || [ ${#backends[@]} -eq 1 ]; then
-  lane "${backends[@]}" || status=1
-else  # TensorFlow (the longest session) in one lane, the others in the second
-  lane "${backends[0]}" & first=$!
-  lane "${backends[@]:1}" || status=1
-  wait $first || status=1
-fi
+python scripts/test_plan.py "${backends[@]}" > "$logs/jobs" || exit 1
+xargs -a "$logs/jobs" -d '\n' -P "$lanes" -I{} bash -c 'job "$1"' _ {} || status=1
 echo "=== summary ($((SECONDS - start)) s)"
 passed=0 failed=0 skipped=0
 for b in "${backends[@]}"; do
-  line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$logs/$b.log" | tail -1)
-  echo "KERAS_BACKEND=$b: ${line:-no pytest summary (crashed?)}"
-  [ -n "$line" ] || status=1
-  for key in passed failed skipped; do
-    n=$(grep -oE "[0-9]+ $key" <<<"$line" | grep -oE "^[0-9]+" || true)
-    n=${n:-0}
-    eval "$key=\$(( $key + n ))"
+  bp=0 bf=0 bs=0 parts=0
+  for log in "$logs/$b".*.log; do
+    [ -e "$log" ] || continue
+    parts=$((parts + 1))
+    line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)" "$log" | tail -1)
+    [ -n "$line" ] || { echo "KERAS_BACKEND=$b: no pytest summary in $(basename "$log") (crashed?)"; status=1; }
+    n=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "^[0-9]+" || true); bp=$((bp + ${n:-0}))
+    n=$(grep -oE "[0-9]+ failed" <<<"$line" | grep -oE "^[0-9]+" || true); bf=$((bf + ${n:-0}))
+    n=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "^[0-9]+" || true); bf=$((bf + ${n:-0}))
+    n=$(grep -oE "[0-9]+ skipped" <<<"$line" | grep -oE "^[0-9]+" || true); bs=$((bs + ${n:-0}))
   done
-  e=$(grep -oE "[0-9]+ errors?" <<<"$line" | grep -oE "^[0-9]+" || true)
-  failed=$((failed + ${e:-0}))
+  echo "KERAS_BACKEND=$b: $bp passed, $bf failed, $bs skipped ($parts parts)"
+  [ "$parts" -gt 0 ] || status=1
+  passed=$((passed + bp)) failed=$((failed + bf)) skipped=$((skipped + bs))
 done
 echo "all backends: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" = 0 ] || status=1
+if [ "$save" = 1 ]; then
+  python scripts/test_plan.py --save "$logs" "${backends[@]}" && echo "wrote scripts/test_times.txt"
+fi
 exit $status

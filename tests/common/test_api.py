@@ -29,7 +29,8 @@ def _unchanged(model, snap):
         (-2, ValueError, "at least 1"),
         (5, ValueError, "more devices than exist"),
         (1.5, TypeError, "int"),
-        ("all", TypeError, "None, an int"),
+        ("every", TypeError, "pass None \\(or 'all', -1\\) for all"),
+        ("0,1", TypeError, "a list of ids"),
         (True, TypeError, "None, an int"),
         ([0, 0], ValueError, "twice"),
         ([0, 9], ValueError, "does not exist"),
@@ -49,6 +50,8 @@ def test_bad_gpus(gpus, error, words):
 def test_gpus_forms():
     assert kmgpu.devices() == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     assert kmgpu.parallelize(mlp(), gpus=None).num_replicas == 4
+    for every in ("all", "auto", "ALL", -1, "-1"):  # what Keras / Lightning users type
+        assert kmgpu.parallelize(mlp(), gpus=every).num_replicas == 4, every
     assert kmgpu.parallelize(mlp(), gpus=[0, 2]).num_replicas == 2
     parallel = kmgpu.parallelize(mlp(), gpus={"main": 3, "second": 1})
     assert parallel._engine.device_names == ["cpu:3", "cpu:1"]
@@ -61,8 +64,15 @@ def test_bad_models_and_options():
         kmgpu.parallelize(keras.layers.Dense(3))
     with pytest.raises(TypeError, match="keras.Model"):
         kmgpu.parallelize("model.keras")
+    class Sub(keras.Model):  # unbuilt and not a Sequential: kmgpu cannot build it alone
+        def call(self, x):
+            return x
+
+        def get_config(self):
+            return {}
+
     with pytest.raises(ValueError, match="built"):
-        kmgpu.parallelize(keras.Sequential([keras.layers.Dense(3)]))
+        kmgpu.parallelize(Sub())
     model = mlp()
     snap = _snapshot(model)
     with pytest.raises(TypeError, match="unexpected keyword"):
@@ -240,7 +250,7 @@ def test_multi_input_multi_output_dict_model():
     np.testing.assert_allclose(pred["out1"], ref.predict(x, verbose=0)["out1"], rtol=1e-5, atol=1e-6)
 
 
-def test_pass_through_and_describe():
+def test_pass_through_and_describe(capsys):
     x, y = data("mlp", 40)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
@@ -249,7 +259,10 @@ def test_pass_through_and_describe():
     parallel.compile(optimizer="sgd", loss="mse")
     with few_steps():
         parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    capsys.readouterr()
     text = parallel.describe()
+    assert capsys.readouterr().out == text + "\n"  # printed, as summary() prints
+    assert text.startswith("kmgpu plan") and repr(text).startswith("<kmgpu plan")
     params = model.count_params() * 4
     for expected in ["devices            4: cpu:0, cpu:1, cpu:2, cpu:3", "global batch       8",
                      "per-replica batch  2", "steps/epoch        5 (40 samples)",

@@ -85,6 +85,14 @@ def check_outputs(name, notebook):
     if "comparison" in name:
         assert "kmgpu against plain fit and the peer" in outputs
         assert _has_plot(notebook), "no plot"
+        # stored GPU figures only with what they mean (and why some exceed 1)
+        prose = "\n".join(_str(c["source"]) for c in notebook["cells"]
+                          if c["cell_type"] == "markdown")
+        for term in ("**efficiency**", "**kmgpu overhead vs plain fit**", "**parity**",
+                     "**speedup**", "can exceed 1", "above 1 mean"):
+            assert term in prose, term
+    # describe() prints the plan once, not also as a quoted string or a repr
+    assert "'kmgpu plan" not in outputs and "<kmgpu plan" not in outputs
 
 
 def machine_paths(notebook):

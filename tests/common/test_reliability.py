@@ -55,9 +55,11 @@ CATALOGUE = [
         r"Wrap your layer in keras.Sequential"),
     Bad("parallelize-twice", lambda t: kmgpu.parallelize(t.parallel), TypeError,
         r"needs a keras.Model"),
+    # an unbuilt Sequential is built from the first batch (tests/common/test_dropin.py);
+    # an unbuilt subclassed model cannot be
     Bad("parallelize-unbuilt",
-        lambda t: kmgpu.parallelize(_keras().Sequential([_keras().layers.Dense(2)])),
-        ValueError, r"give it an Input\(shape=...\)"),
+        lambda t: kmgpu.parallelize(_unbuilt_subclassed()),
+        ValueError, r"needs a built Dense2: call model\(x\) once, or model.build"),
     Bad("parallelize-gpus-too-many", lambda t: kmgpu.parallelize(t.fresh(), gpus=5), ValueError,
         r"Pass gpus=None to use all"),
     Bad("parallelize-gpus-duplicate", lambda t: kmgpu.parallelize(t.fresh(), gpus=[1, 1]),
@@ -178,6 +180,23 @@ CATALOGUE = [
     Bad("predict-keyword", lambda t: t.parallel.predict(t.x, batchsize=8), TypeError,
         r"takes the arguments of keras.Model.predict"),
 ]
+
+def _unbuilt_subclassed():
+    keras = _keras()
+
+    class Dense2(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.out(x)
+
+        def get_config(self):
+            return {}
+
+    return Dense2()
+
 
 def _subclassed_stateful():
     keras = _keras()

@@ -226,7 +226,8 @@ class PoolLauncher(Launcher):
 
     def load_state(self, template):
         """The newest complete snapshot rank 0 wrote (final weights, or the last epoch's)."""
-        latest = self._state[0].latest() if self._state is not None else None
+        # views of the file: set_weights / assign copy them into the variables at once
+        latest = self._state[0].latest(copy=False) if self._state is not None else None
         if latest is None:
             return False
         replicas.load_arrays(template, latest[0], self._state[1])

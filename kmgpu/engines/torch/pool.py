@@ -8,12 +8,12 @@ liveness: a worker that dies or raises ends the call within a second, with its
 traceback, and the whole pool is killed (the next call starts a fresh one). Ctrl-C
 during a fit asks the workers to stop after the current step (``Interrupts``), so
 the pool lives on and rank 0 hands back that step's state; a second Ctrl-C, or
-Ctrl-C in another call, kills the pool. What travels besides messages (data files, the state file)
+Ctrl-C in another call, kills the pool (``interrupts``). The workers' output is
+``outputs.RankOutputs``'s; what travels besides messages (data files, the state file)
 is ``transport``'s; which pool serves an engine is ``launchers.PoolLauncher``'s.
 """
 
 import atexit
-import codecs
 import os
 import pickle
 import signal
@@ -24,10 +24,10 @@ import weakref
 import numpy as np
 
 from kmgpu.engines.torch import transport
-from kmgpu.engines.torch.messages import (END_MARK, Died, Done, Event, Exit, Failed, Port,
-                                          Ready, TimedOut)
-
-_TAIL = 8192
+from kmgpu.engines.torch.interrupts import Interrupts
+from kmgpu.engines.torch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
+                                          TimedOut)
+from kmgpu.engines.torch.outputs import RankOutputs
 
 
 class WorkerError(RuntimeError):
@@ -103,16 +103,12 @@ class WorkerPool:
     def __init__(self, devices, backend, settings):
         self.devices, self.backend, self.settings = list(devices), backend, dict(settings)
         self.world = len(self.devices)
-        self.procs, self.conns, self.outs, self._pids = [], [], [], []
+        self.procs, self.conns, self._pids = [], [], []
+        self.output = RankOutputs(self.world)
         self.model_key = None
         self.synced = None  # the token of the launcher whose template the replicas hold
         self.closed = False
         self._state = None  # kept between calls: its pages are mapped already
-        self._marks = [0] * self.world
-        self._tails = [bytearray() for _ in range(self.world)]
-        self._pending = [b""] * self.world
-        self._decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace")
-                          for _ in range(self.world)]
         self.method = None
 
     # -- start ---------------------------------------------------------------------
@@ -154,7 +150,7 @@ class WorkerPool:
                 self.procs.append(proc)
                 self._pids.append(proc.pid)
                 self.conns.append(parent_end)
-                self.outs.append(out_r)
+                self.output.pipes.append(out_r)
             # rendezvous: rank 0 hosts the TCPStore on a free loopback port
             port = self._collect_one(0, Port, timeout)
             for conn in self.conns[1:]:
@@ -197,68 +193,6 @@ class WorkerPool:
     def alive(self):
         return not self.closed and all(p.is_alive() for p in self.procs)
 
-    # -- output ----------------------------------------------------------------------
-    def _read(self, rank):
-        """Read what rank ``rank`` wrote (its pipe is readable); False at end of file."""
-        out = self.outs[rank]
-        try:
-            chunk = os.read(out.fileno(), 65536)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._marks[rank] += 1 << 30  # closed: nothing more will come
-            self._emit(rank, self._pending[rank], final=True)
-            self._pending[rank] = b""
-            return False
-        data = self._pending[rank] + chunk
-        while END_MARK in data:
-            before, data = data.split(END_MARK, 1)
-            self._emit(rank, before)
-            self._marks[rank] += 1
-        keep = 0  # a marker may be split across reads
-        for k in range(min(len(END_MARK) - 1, len(data)), 0, -1):
-            if END_MARK.startswith(data[-k:]):
-                keep = k
-                break
-        self._emit(rank, data[: len(data) - keep])
-        self._pending[rank] = data[len(data) - keep:]
-        return True
-
-    def _emit(self, rank, data, final=False):
-        if not data and not final:
-            return
-        tail = self._tails[rank]
-        tail += data
-        del tail[:-_TAIL]
-        text = self._decoders[rank].decode(data, final=final)
-        if rank == 0 and text:
-            try:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            except Exception:  # a closed or odd stdout must not end the call
-                pass
-
-    def _open_outs(self):
-        return {out: r for r, out in enumerate(self.outs) if self._marks[r] < (1 << 30)}
-
-    def _drain(self, ready):
-        outs = self._open_outs()
-        for obj in ready:
-            if obj in outs:
-                self._read(outs[obj])
-
-    def _wait_output(self, marks, timeout=5.0):
-        """Read output until every rank has written its end-of-call marker."""
-        from multiprocessing.connection import wait
-
-        deadline = time.monotonic() + timeout
-        while any(m < want for m, want in zip(self._marks, marks)):
-            left = deadline - time.monotonic()
-            outs = self._open_outs()
-            if left <= 0 or not outs:
-                return
-            self._drain(wait(list(outs), timeout=min(left, 0.25)))
-
     # -- calls -----------------------------------------------------------------------
     def _collect_one(self, rank, expected, timeout):
         from multiprocessing.connection import wait
@@ -266,8 +200,8 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         conn, proc = self.conns[rank], self.procs[rank]
         while True:
-            ready = wait([conn, proc.sentinel] + list(self._open_outs()), timeout=0.5)
-            self._drain(ready)
+            ready = wait([conn, proc.sentinel] + list(self.output.open_pipes()), timeout=0.5)
+            self.output.drain(ready)
             if conn in ready or conn.poll():
                 msg = conn.recv()
                 if isinstance(msg, expected):
@@ -277,7 +211,7 @@ class WorkerPool:
                 raise self._error({rank: Died(proc.exitcode)})
             if time.monotonic() > deadline:
                 raise WorkerError(f"kmgpu: torch worker rank {rank} did not start within "
-                                  f"{timeout} s.\n{self._tail(rank)}")
+                                  f"{timeout} s.\n{self.output.tail(rank)}")
 
     def call(self, messages, on_event=None, on_interrupt=None):
         """Send one message per rank (a ``Call`` or a ``WeightsQuery``); return the
@@ -291,7 +225,7 @@ class WorkerPool:
         the pool alive; otherwise, or on a second Ctrl-C or after ``Interrupts.GRACE``
         seconds, KeyboardInterrupt kills the pool and propagates.
         """
-        marks = [m + 1 for m in self._marks]
+        marks = [m + 1 for m in self.output.marks]
         interrupts = Interrupts(on_interrupt)
         try:
             for conn, msg in zip(self.conns, messages):
@@ -302,7 +236,7 @@ class WorkerPool:
         except BaseException:
             self.kill()
             raise
-        self._wait_output(marks)
+        self.output.wait(marks)
         if interrupts.pressed:
             raise KeyboardInterrupt
         return results
@@ -318,11 +252,11 @@ class WorkerPool:
         grace = None
         while pending:
             waitables = ([self.conns[r] for r in pending]
-                         + [self.procs[r].sentinel for r in pending] + list(self._open_outs()))
+                         + [self.procs[r].sentinel for r in pending] + list(self.output.open_pipes()))
             ready = set(wait(waitables, timeout=0.25))
             if interrupts is not None:
                 interrupts.check()
-            self._drain(ready)
+            self.output.drain(ready)
             for r in sorted(pending):
                 conn, proc = self.conns[r], self.procs[r]
                 msg = None
@@ -354,13 +288,9 @@ class WorkerPool:
                 failures.update({r: TimedOut() for r in pending})
                 break
         if failures:
-            self._wait_output([m + 1 for m in self._marks], timeout=0.5)
+            self.output.wait([m + 1 for m in self.output.marks], timeout=0.5)
             raise self._error(failures)
         return [results[r] for r in range(self.world)]
-
-    def _tail(self, rank):
-        text = bytes(self._tails[rank]).decode("utf-8", "replace").strip()
-        return f"--- last output of rank {rank} ---\n{text}" if text else ""
 
     def _error(self, failures):
         """The exception to raise for {rank: message}; the root cause first."""
@@ -386,7 +316,7 @@ class WorkerPool:
                 code = msg.exitcode
                 how = (f"was killed by signal {signal.Signals(-code).name}"
                        if code is not None and code < 0 else f"exited with code {code}")
-                tail = self._tail(rank)
+                tail = self.output.tail(rank)
                 parts.append(f"rank {rank} (pid {self._pids[rank]}) {how}"
                              + (f"\n{tail}" if tail else ""))
             elif isinstance(msg, TimedOut):
@@ -429,60 +359,20 @@ class WorkerPool:
                 proc.kill()
                 proc.join(5)
         try:
-            self._wait_output([1 << 30] * self.world, timeout=0.5)
+            self.output.wait([RankOutputs.CLOSED] * self.world, timeout=0.5)
         except Exception:
             pass
-        for conn in self.conns + self.outs:
+        for conn in self.conns + self.output.pipes:
             conn.close()
         for proc in self.procs:
             try:
                 proc.close()
             except ValueError:
                 pass
-        self.conns, self.outs = [], []
+        self.conns, self.output.pipes = [], []
         self._drop_state()
         self.closed = True
         _POOLS.discard(self)
-
-
-class Interrupts:
-    """Ctrl-C while a call runs: the first one calls ``on_interrupt`` (and is noted in
-    ``pressed``) instead of raising; a second one, or ``GRACE`` seconds without an
-    answer, raises KeyboardInterrupt (from ``check``). Without ``on_interrupt``, or off
-    the main thread, Ctrl-C raises at once as usual.
-    """
-
-    GRACE = 60.0
-
-    def __init__(self, on_interrupt):
-        self.on_interrupt, self.pressed, self.deadline = on_interrupt, False, None
-        self._saved = None
-
-    def __enter__(self):
-        import threading
-
-        if self.on_interrupt is not None and threading.current_thread() is \
-                threading.main_thread():
-            self._saved = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            signal.signal(signal.SIGINT, self._saved)
-            self._saved = None
-
-    def _handle(self, signum, frame):
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed, self.deadline = True, time.monotonic() + self.GRACE
-        print("\nkmgpu: Ctrl-C: the workers stop after the current step and hand back its "
-              "weights (Ctrl-C again stops them now).", file=sys.stderr, flush=True)
-        self.on_interrupt()
-
-    def check(self):
-        """Raise KeyboardInterrupt once the workers had their time to stop."""
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise KeyboardInterrupt
 
 
 @atexit.register

@@ -273,8 +273,21 @@ class StateFile:
         head[0], head[2] = seq, epoch
         head[1] = 1
 
-    def read(self, slot):
-        """The arrays of ``slot`` (copies), or None when it is not complete."""
+    def write_one(self, slot, index, arr):
+        """Overwrite array ``index`` of ``slot``'s complete snapshot (same shape)."""
+        shape, dtype = self.layout[index]
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        base = slot * self.slot_size + self.offsets[index]
+        self.mm[base: base + n].view(dtype).reshape(shape)[...] = np.asarray(arr)
+
+    def relabel(self, slot, epoch):
+        """Say that ``slot``'s complete snapshot is the state at ``epoch`` as well."""
+        self._header(slot)[2] = epoch
+
+    def read(self, slot, copy=True):
+        """The arrays of ``slot``, or None when it is not complete. ``copy=False``: views
+        of the file, valid until the next call writes it (for a reader that copies them
+        at once, e.g. into a model's variables)."""
         head = self._header(slot)
         if head[1] != 1:
             return None
@@ -282,11 +295,13 @@ class StateFile:
         out = []
         for (shape, dtype), off in zip(self.layout, self.offsets):
             n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            out.append(np.array(self.mm[base + off: base + off + n].view(dtype).reshape(shape)))
+            view = self.mm[base + off: base + off + n].view(dtype).reshape(shape)
+            out.append(np.array(view) if copy else view)
         return out
 
-    def latest(self):
-        """(arrays, epoch) of the newest complete snapshot, or None."""
+    def latest(self, copy=True):
+        """(arrays, epoch) of the newest complete snapshot, or None (``copy``: as
+        ``read``)."""
         best = None
         for slot in (1, 2):
             head = self._header(slot)
@@ -294,7 +309,7 @@ class StateFile:
                 best = (slot, int(head[0]), int(head[2]))
         if best is None:
             return None
-        arrays = self.read(best[0])
+        arrays = self.read(best[0], copy=copy)
         return (arrays, best[2]) if arrays is not None else None
 
     def close(self):

@@ -282,12 +282,15 @@ class _Snapshots:
     Always at the end of training and when the driver's callbacks will look at
     the weights after this epoch; otherwise at an epoch end only once the time
     since the last snapshot is 20x what one costs (so at most ~5% of the time),
-    which still leaves an interrupted fit the state of a recent epoch end.
+    which still leaves an interrupted fit the state of a recent epoch end. The end
+    of training writes nothing when the state is still the last epoch end's (a
+    one-epoch fit: one copy of the state per call, not two): that snapshot is
+    relabelled.
     """
 
     def __init__(self, state, layout, every_epoch, clock):
         self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
-        self.seq, self.cost, self.last = 0, 0.0, None
+        self.seq, self.cost, self.last, self.marks = 0, 0.0, None, None
 
     def __call__(self, model, epoch):
         """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
@@ -298,12 +301,42 @@ class _Snapshots:
         if (epoch >= 0 and not self.every_epoch and self.last is not None
                 and now - self.last < 20 * self.cost):
             return
+        if epoch < 0 and self._relabel(model, epoch):
+            self.clock("snapshots", since=now)
+            return
         self.seq += 1
         self.state.write(1 + self.seq % 2, replicas.model_arrays(model, self.layout),
                          seq=self.seq, epoch=epoch)
+        self.marks = replicas.marks(model)
         self.last = time.perf_counter()
         self.cost = self.last - now
         self.clock("snapshots", since=now)
+
+
+    def _relabel(self, model, epoch):
+        """True when the newest snapshot is ``model``'s state but for the learning rate
+        (the driver's scaling callbacks set it again at train end): that one array is
+        written and the snapshot relabelled ``epoch``."""
+        from kmgpu.engines.torch import replicas
+
+        if self.marks is None:
+            return False
+        lr = replicas._lr_variable(model)
+        lr = lr.value if lr is not None else None
+        now = replicas.marks(model)
+        if len(now) != len(self.marks):
+            return False
+        changed = [a for (a, va), (b, vb) in zip(now, self.marks) if a is not b or va != vb]
+        if any(a is not lr for a in changed):
+            return False
+        slot = 1 + self.seq % 2  # the newest
+        if changed:
+            if not self.layout.has_lr:
+                return False
+            self.state.write_one(slot, len(self.layout.arrays) - 1,
+                                 replicas.model_arrays(model, self.layout)[-1])
+        self.state.relabel(slot, epoch)
+        return True
 
 
 def _stop_on_request(state, rank):
