@@ -47,8 +47,8 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
                                 drop_remainder, shard_optimizer, tf32)
     if connector.unbuilt(model):  # built from the first batch, as plain Keras does
-        return ParallelModel(model, None, options, connector.check_unbuilt(model, gpus),
-                             gpus=gpus)
+        backend = connector.check_unbuilt(model, gpus, options)
+        return ParallelModel(model, None, options, backend, gpus=gpus)
     engine, backend = connector.connect(model, gpus, options)
     _warn_one_device(engine, options, stacklevel=3)
     return ParallelModel(model, engine, options, backend)

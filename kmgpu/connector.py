@@ -33,10 +33,7 @@ def connect(model, gpus, options):
     """
     models.check_model(model)
     backend = hardware.backend_name()
-    if options.shard_optimizer and backend in NO_SHARDED_OPTIMIZER:
-        raise NotImplementedError(
-            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX backend has it "
-            "(KERAS_BACKEND=jax); or pass shard_optimizer=False (the default).")
+    _check_options(options, backend)
     cls = engine_class(backend)
     if models.stateful_layers(model) and not cls.supports_stateful:
         raise NotImplementedError(
@@ -53,6 +50,13 @@ def connect(model, gpus, options):
     return engine, backend
 
 
+def _check_options(options, backend):
+    if options.shard_optimizer and backend in NO_SHARDED_OPTIMIZER:
+        raise NotImplementedError(
+            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX backend has it "
+            "(KERAS_BACKEND=jax); or pass shard_optimizer=False (the default).")
+
+
 def unbuilt(model):
     """True for a Keras model without weights yet (a Sequential without ``Input``)."""
     import keras
@@ -60,9 +64,9 @@ def unbuilt(model):
     return isinstance(model, keras.Model) and not model.built
 
 
-def check_unbuilt(model, gpus):
-    """Check what can be checked of an unbuilt model before its first batch: its config
-    and ``gpus``. Returns the backend name."""
+def check_unbuilt(model, gpus, options):
+    """Check what can be checked of an unbuilt model before its first batch: its config,
+    ``gpus`` and ``options``. Returns the backend name."""
     import keras
 
     try:
@@ -76,6 +80,7 @@ def check_unbuilt(model, gpus):
             "model.build(input_shape), before wrapping it (an unbuilt Sequential is built "
             "from the first batch, as plain Keras does).")
     backend = hardware.backend_name()
+    _check_options(options, backend)
     hardware.resolve(gpus, hardware.physical_devices(backend))
     return backend
 

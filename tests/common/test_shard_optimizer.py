@@ -34,3 +34,17 @@ def test_refused_before_any_work_or_sharded():
     assert not model.optimizer.built  # nothing ran: no optimizer state was made
     for a, b in zip(before, model.get_weights()):
         assert np.array_equal(a, b)
+
+
+def test_an_unbuilt_model_is_checked_up_front_too():
+    """An unbuilt Sequential is built at its first batch; shard_optimizer is judged at wrap."""
+    import keras
+
+    model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+    if hardware.backend_name() == "jax":
+        parallel = kmgpu.parallelize(model, shard_optimizer=True)
+        assert not model.built and parallel.num_replicas == 4
+    else:
+        with pytest.raises(NotImplementedError, match="The JAX backend has it"):
+            kmgpu.parallelize(model, shard_optimizer=True)
+        assert not model.built
