@@ -20,7 +20,7 @@ backends=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do backends+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#backends[@]} -gt 0 ] || backends=(tensorflow jax torch)
-export KMGPU_TEST_ARGS=$(printf "%q " "$@")  # quoted: job() evals it
+export KMGPU_TEST_ARGS=$([ $# -eq 0 ] || printf "%q " "$@")  # quoted: job() evals it (none: empty, not '')
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 export KMGPU_TEST_LOGS=$logs

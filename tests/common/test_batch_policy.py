@@ -1,5 +1,7 @@
 """batch="per_replica", the linear learning-rate scaling rule and warm-up."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -146,7 +148,14 @@ def test_describe_states_the_plan(capsys):
         parallel.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=1)
     out = capsys.readouterr().out
     text = parallel.describe()
-    assert text in out, "a verbose fit prints the plan first"
+    # a verbose fit prints the plan first; only the memory line knows more after the fit
+    # (the optimizer's bytes, once it is built)
+    before = [ln for ln in text.splitlines() if not ln.lstrip().startswith("memory/device")]
+    assert "\n".join(before) in out.replace(
+        next(ln for ln in out.splitlines() if "memory/device" in ln) + "\n", ""), \
+        "a verbose fit prints the plan first"
+    assert "optimizer state: bytes known once the optimizer is built" in out
+    assert re.search(r"memory/device .* optimizer state [\d.]+ (B|KiB|MiB) ", text), text
     params = model.count_params() * 4
     for expected in [f"devices            {N}:", "batch policy       per_replica",
                      "global batch       20", "per-replica batch  5",
