@@ -26,18 +26,22 @@ trap 'rm -rf "$logs"' EXIT
 export KMGPU_TEST_LOGS=$logs
 lanes=${KMGPU_TEST_LANES:-2}
 [ "${KMGPU_TEST_SERIAL:-0}" = 1 ] && lanes=1
-if [ "$lanes" -gt 1 ]; then
-  # one compute thread per session: the lanes fill the cores, and tiny models gain nothing
-  # from a thread pool, which under contention made a test file 2-3x slower (A/B: TF and
-  # JAX test_faults alone 9-10 s either way; beside another busy process 10 s with one
-  # thread, 25-34 s with the default pools). Set them yourself to override.
+# one compute thread per JAX / torch session when lanes run side by side: the lanes fill
+# the cores, and tiny models gain nothing from a thread pool, which under contention made a
+# test file 2-3x slower (A/B: JAX test_faults alone 11-12 s either way; beside another busy
+# process 11-12 s with one thread, 12-25 s with the default pools). Not for TensorFlow: with
+# one intra-op thread its 4-replica MirroredStrategy sessions aborted inside evaluate
+# (Keras's epoch_iterator.reset, "Fatal Python error: Aborted") twice in three full runs.
+# Set them yourself to override.
+single_thread() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
-  export TF_NUM_INTRAOP_THREADS=${TF_NUM_INTRAOP_THREADS:-1}
   case " ${XLA_FLAGS:-} " in
     *xla_cpu_multi_thread_eigen*) ;;
     *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" ;;
   esac
-fi
+}
+export -f single_thread
+export KMGPU_TEST_LANES_ON=$lanes
 # the quick bench: once, for every backend of this run, in the last backend's sessions
 export KMGPU_BENCH_SMOKE_ALL=$(IFS=,; echo "${backends[*]}") KMGPU_BENCH_SMOKE_IN=${backends[-1]}
 
@@ -48,6 +52,7 @@ job() {  # "backend part seconds file ...": one pytest session, its lines prefix
   local files=$#
   eval "set -- \"\$@\" $KMGPU_TEST_ARGS"
   [ "$b" = "$KMGPU_BENCH_SMOKE_IN" ] && smoke=$KMGPU_BENCH_SMOKE_ALL
+  [ "$KMGPU_TEST_LANES_ON" -gt 1 ] && [ "$b" != tensorflow ] && single_thread
   echo "[$b.$part] started: ${files} files (about $est s)"
   # a pipeline, not a process substitution: that would be a child of pytest itself,
   # which the tests that count their child processes would see

@@ -107,6 +107,32 @@ def loss_kind(model):
     return next(iter(found), "rows")
 
 
+def check_weighable(model, kwargs):
+    """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
+    does: outputs whose losses reduce differently (``loss_kind``), and per-output sample
+    weights that differ under "mean_with_sample_weight" (each replica's part of the loss
+    is weighed by one output's weight sums). Arrays only: weights inside a dataset are
+    not seen here."""
+    import numpy as np
+
+    if loss_kind(model) != "weights":
+        return
+    given = kwargs.get("sample_weight")
+    if not isinstance(given, (list, tuple, dict)):
+        return
+    import keras
+
+    leaves = [np.asarray(w) for w in keras.tree.flatten(given) if w is not None]
+    if any(not np.array_equal(leaves[0], w) for w in leaves[1:]):
+        raise NotImplementedError(
+            "kmgpu: per-output sample weights that differ, with the 'mean_with_sample_weight' "
+            "reduction: each replica's share of the loss is weighed by one set of sample "
+            "weights, so the result would differ from one device. Pass one sample_weight "
+            "array for every output, give the losses another reduction (e.g. "
+            "'sum_over_batch_size'), or use the JAX backend (it computes the loss on the "
+            "global batch).")
+
+
 def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
     """This replica's weight in the global batch's loss: one device's loss is the sum
     over replicas of ``share * (the replica's loss of its own rows)``, and so is its

@@ -93,7 +93,7 @@ class TensorFlowEngine(InProcessEngine):
         from kmgpu.engines import keras_fixes as fixes
 
         if template.compiled and self.num_replicas > 1:
-            fixes.loss_kind(template)  # losses the replicas cannot weigh: refused up front
+            fixes.check_weighable(template, kwargs)  # refused before any work
         self._feed["first"] = None
         if method in ON_BATCH:
             try:
