@@ -20,31 +20,14 @@ import io
 
 import numpy as np
 
-
-def rel_max(a, b):
-    return max(float(np.max(np.abs(u - v)) / max(np.max(np.abs(u)), 1e-3))
-               for u, v in zip(a, b) if np.size(u))
+# the weights measure and the exact-arithmetic settings of torch_default.py's parity column
+from torch_default import exact, rel_diff as rel_max
 
 
 def rel_norm(a, b):
     u = np.concatenate([np.ravel(t) for t in a]).astype(np.float64)
     v = np.concatenate([np.ravel(t) for t in b]).astype(np.float64)
     return float(np.linalg.norm(u - v) / np.linalg.norm(u))
-
-
-@contextlib.contextmanager
-def exact():
-    import torch
-
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        yield
-    finally:
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved
 
 
 def convnet(image):
