@@ -29,27 +29,15 @@ import traceback
 
 import numpy as np
 
+# the weights measure and the CUDA probe of torch_default.py (the same script family)
+from torch_default import cuda, rel_diff
+
 T0 = time.perf_counter()
 OUT = {"checks": {}, "bench": {}}
 
 
 def log(*a):
     print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def rel_diff(a, b):
-    worst = 0.0
-    for u, v in zip(a, b):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        if u.size:
-            worst = max(worst, float(np.max(np.abs(u - v)) / max(np.max(np.abs(u)), 1e-3)))
-    return worst
-
-
-def cuda():
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def state():
