@@ -314,13 +314,19 @@ class FlatOptimizer:
         else:
             p.sub_(g * lr)
 
-    def _adam(self, group, p, g, s, lr, sc):
+    def _moments(self, s, g):
+        """Adam's and Nadam's moving first and second moments, in place: (m, v)."""
         opt = self.optimizer
         m, v = s["m"], s["v"]
         m.mul_(opt.beta_1)
         m.add_(g, alpha=1 - opt.beta_1)
         v.mul_(opt.beta_2)
         v.add_(g * g, alpha=1 - opt.beta_2)
+        return m, v
+
+    def _adam(self, group, p, g, s, lr, sc):
+        opt = self.optimizer
+        m, v = self._moments(s, g)
         if opt.amsgrad:
             torch.maximum(s["vhat"], v, out=s["vhat"])
             v = s["vhat"]
@@ -364,11 +370,7 @@ class FlatOptimizer:
 
     def _nadam(self, group, p, g, s, lr, sc):
         opt = self.optimizer
-        m, v = s["m"], s["v"]
-        m.mul_(opt.beta_1)
-        m.add_(g, alpha=1 - opt.beta_1)
-        v.mul_(opt.beta_2)
-        v.add_(g * g, alpha=1 - opt.beta_2)
+        m, v = self._moments(s, g)
         m_hat = ((m * sc["u_t_1"]) / (1 - sc["u_product_t_1"])
                  + (g * (1 - sc["u_t"])) / (1 - sc["u_product_t"]))
         v_hat = v / (1 - sc["b2_power"])

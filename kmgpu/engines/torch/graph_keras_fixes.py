@@ -83,26 +83,21 @@ def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _
         else:
             dt = _to_dtype(_floatx())
         return _torch.full((), x, dtype=dt, device=device)
+    key = None
     if (kind is tuple or kind is list) and x and all(
             type(e) is int or type(e) is float or type(e) is bool for e in x):
         key = (kind, tuple(x), tuple(type(e) for e in x), str(dtype), str(_device()))
-        made = _constants.get(key)
-        if made is None:
-            made = _original(x, dtype, sparse, ragged)
-            if len(_constants) >= _limit:
-                return made
-            _constants[key] = made
-        return made.clone()  # a device copy: capturable, and the cache stays unmutated
-    if (kind is _np.ndarray or isinstance(x, _np.generic)) and x.size <= _array_limit and \
+    elif (kind is _np.ndarray or isinstance(x, _np.generic)) and x.size <= _array_limit and \
             x.dtype.kind in "biuf":  # AUC's thresholds, np.where(...) results: by content
         key = ("np", x.dtype.str, x.shape, x.tobytes(), str(dtype), str(_device()))
+    if key is not None:  # a constant: made once, then a device copy per call
         made = _constants.get(key)
         if made is None:
             made = _original(x, dtype, sparse, ragged)
             if len(_constants) >= _limit:
                 return made
             _constants[key] = made
-        return made.clone()
+        return made.clone()  # capturable, and the cache stays unmutated
     return _original(x, dtype, sparse, ragged)
 
 
