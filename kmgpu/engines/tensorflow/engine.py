@@ -159,6 +159,10 @@ class TensorFlowEngine(InProcessEngine):
 
         from kmgpu.engines import keras_fixes as fixes
 
+        # every replica count: Keras's own build reads a throwaway distributed iterator
+        replica._maybe_symbolic_build = functools.partial(
+            keras_fixes.symbolic_build, replica, feed=self._feed,
+            replica_fixes=self.num_replicas > 1)
         if self.num_replicas == 1:
             return
         if self.options.sync_batchnorm:
@@ -172,8 +176,6 @@ class TensorFlowEngine(InProcessEngine):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
             replica.test_step = types.MethodType(keras_fixes.test_step, replica)
-        replica._maybe_symbolic_build = functools.partial(keras_fixes.symbolic_build, replica,
-                                                          feed=self._feed)
 
 
 def _per_replica(strategy, batch):

@@ -22,8 +22,12 @@ PATCHES = [
     ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
      "read by the replacement above"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build",
-     "symbolic_build below calls it on the first replica's part of the first batch: "
-     "Keras averages the first batch over replicas, which fails when it splits unevenly"),
+     "symbolic_build below calls it on the first batch of the undistributed data: "
+     "Keras averages the first batch over replicas, which fails when it splits unevenly, "
+     "and drops the new distributed iterator it read it from at once, which now and then "
+     "crashed the process (SIGSEGV in EpochIterator.reset)"),
+    ("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter",
+     "same: its get_tf_dataset() is the undistributed data"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
@@ -198,31 +202,55 @@ def repeating_datasets(kwargs):
     return kw
 
 
-def symbolic_build(self, iterator=None, data_batch=None, feed=None):
+def symbolic_build(self, iterator=None, data_batch=None, feed=None, replica_fixes=True):
     """Keras builds metrics and optimizer from the first batch, averaged over replicas,
     which fails when the first batch splits unevenly. Only its shapes matter, so
-    build from the first replica's part instead -- or from the first batch kmgpu
-    already read from a generator (``feed``), without pulling one from the iterator
-    (Keras drops the batch it pulls). Then install the replica fixes that need the
-    compiled parts built (per-output loss weights, gradient accumulation).
+    build from the first batch kmgpu already read from a generator (``feed``), or
+    from the first batch of the data's own undistributed ``tf.data`` pipeline.
+    Keras pulls one from a new distributed iterator and drops it at once
+    (``EpochIterator.reset``): destroying a multi-device iterator whose prefetch
+    has just started crashed the process now and then (SIGSEGV / SIGABRT in
+    ``reset``, 1 in ~4 suite runs), so kmgpu only does that for data it cannot
+    read otherwise (a user's own DistributedDataset). The optimizer needs no
+    batch. Then, unless ``replica_fixes`` is false (one replica), install the replica
+    fixes that need the compiled parts built (per-output loss weights, gradient
+    accumulation).
     """
-    built = (all(layer.built for layer in self._flatten_layers())
-             and all(part is None or part.built for part in
-                     (getattr(self, name, None) for name in  # none on a model never compiled
-                      ("_compile_metrics", "_compile_loss", "optimizer"))))
-    if not built:  # else skip making a distributed iterator (~0.15 s on 4 devices)
-        if data_batch is None and feed and feed.get("first") is not None:
+    needs_batch = (not all(layer.built for layer in self._flatten_layers())
+                   or any(part is not None and not part.built for part in
+                          (getattr(self, name, None) for name in  # none if never compiled
+                           ("_compile_metrics", "_compile_loss"))))
+    optimizer = getattr(self, "optimizer", None)
+    if needs_batch or (optimizer is not None and not optimizer.built):
+        if not needs_batch:
+            data_batch = None
+        elif data_batch is None and feed and feed.get("first") is not None:
             data_batch = feed["first"]
-        elif iterator is not None:
-            for _, _, it in iterator:
-                data_batch = self.distribute_strategy.experimental_local_results(next(it))[0]
-                break
+        elif data_batch is None and iterator is not None:
+            data_batch = _first_batch(self.distribute_strategy, iterator)
         with self.distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
+    if not replica_fixes:
+        return
     weigh_output_losses(self)
-    if getattr(self, "optimizer", None) is not None:
-        accumulate_across_replicas(self.optimizer)
-        reduce_before_clipping(self.optimizer)
+    if optimizer is not None:
+        accumulate_across_replicas(optimizer)
+        reduce_before_clipping(optimizer)
+
+
+def _first_batch(strategy, iterator):
+    """The first batch of an epoch iterator's data, for its shapes only."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
+
+    adapter = iterator.data_adapter
+    if isinstance(adapter, (array_data_adapter.ArrayDataAdapter,
+                            tf_dataset_adapter.TFDatasetAdapter)):
+        dataset = adapter.get_tf_dataset()
+        if isinstance(dataset, tf.data.Dataset):
+            return next(iter(dataset.take(1)))
+    for _, _, it in iterator:
+        return strategy.experimental_local_results(next(it))[0]
 
 
 def accumulate_across_replicas(optimizer):
