@@ -5,26 +5,40 @@ moments (two means, a square, a subtraction), the normalisation (subtract, add, 
 two multiplies, add), the two moving-average updates, and autograd's backward of each:
 about 48 kernels per layer per training step on an H200, 55 % of ResNet-50's GPU time
 (``benchmarks/results/torch-kernels-h200.md``), where torch's own batch norm is one
-cuDNN (or native) kernel each way. ``batch_norm_call`` computes the same layer with
-``torch.nn.functional.batch_norm``:
+kernel each way. ``batch_norm_call`` computes the same layer with torch's batch norm:
 
 - the channel axis is moved to dimension 1 as a view (a ``channels_last`` Keras tensor
   is then torch's channels_last memory format: no copy);
-- training: the batch statistics and the moving averages come from the same kernel.
-  Keras's moving averages are ``moving * momentum + batch * (1 - momentum)`` with the
-  biased batch variance; torch's kernel updates running buffers with its momentum
-  ``1 - momentum`` and the unbiased variance, so it updates copies (the variance one
-  scaled by (n-1)/n first and n/(n-1) after) that are then ``assign``-ed to Keras's
-  variables (so a stateless scope and save/load see Keras's own variables);
+- training: the kernel computes the batch statistics once, for the normalisation and into
+  zeroed running buffers at torch momentum 1 (the batch's mean and its unbiased variance,
+  scaled back to Keras's biased one by (n-1)/n); Keras's moving averages
+  ``moving * momentum + batch * (1 - momentum)`` are then one ``lerp`` each, ``assign``-ed
+  to Keras's variables (so a stateless scope and save/load see Keras's own variables).
+  (Letting the kernel update copies of the moving statistics, scaled by n/(n-1) before
+  and back after, left 2 more roundings on them than Keras's formula);
 - inference uses the moving statistics, like Keras;
-- float16/bfloat16 inputs are computed in float32 and cast back, as Keras does.
+- float16/bfloat16 inputs are computed in float32 and cast back, as Keras does;
+- the kernel (``kernel``): on CUDA torch's own batch-norm kernels
+  (``torch.native_batch_norm``), not cuDNN's: ``F.batch_norm`` picks cuDNN, whose
+  persistent mode for channels-last training put the weights 4-12x farther from a float64
+  run than Keras's layer on an H200 (``benchmarks/results/torch-fused-bn-h200.md``). On a
+  CPU ``F.batch_norm`` on a copy that holds each channel's values together: torch's CPU
+  kernel adds a channels-last or (batch, features) input row by row, in sequence, 5-10x
+  farther from float64 than Keras's layer; a channel's contiguous values it sums pairwise.
 
-The numbers differ from Keras's only by float rounding: torch computes the variance in one
-pass with Welford's method where Keras uses E[x^2] - E[x]^2 (torch's is the more
-accurate). What it does not cover runs Keras's own ``call`` (``fallback``): a mask,
-``renorm``, ``synchronized=True``, moments replaced on the layer (kmgpu's
-``sync_batchnorm``: ``keras_fixes.global_batch_moments``), a batch of one value per channel, integer inputs,
+Against float64 (``reference_call``) this layer is as close as Keras's or closer: torch
+computes the variance with Welford's method where Keras uses E[x^2] - E[x]^2 in float32,
+which loses digits when a channel's mean is large against its spread. What it does not
+cover runs Keras's own ``call`` (``fallback``): a mask, ``renorm``, ``synchronized=True``,
+moments replaced on the layer (kmgpu's ``sync_batchnorm``:
+``keras_fixes.global_batch_moments``), a batch of one value per channel, integer inputs,
 symbolic (meta) tensors. Nothing here is installed: ``keras_fixes`` decides that.
+
+``reference_call`` is the yardstick of the tests and ``benchmarks/torch_bn_parity.py``:
+the layer in float64. Keras's own layer cannot be: Keras 3.15.1 computes
+BatchNormalization in float32 even in a float64 model (``backend.result_type`` turns
+float64 into float32 on torch and JAX), so a "float64" Keras run shares Keras's float32
+BatchNorm arithmetic, and measured against it Keras's float32 layer looked closer than it is.
 """
 
 import torch
@@ -69,18 +83,62 @@ def batch_norm_call(layer, inputs, training=None, mask=None, *, fallback):
     var = layer.moving_variance.value.to(compute)
     if training and layer.trainable:
         n = x.numel() // x.shape[axis]
+        with torch.no_grad():  # the kernel's running buffers, momentum 1: the batch's
+            batch = torch.zeros((2,) + mean.shape, dtype=compute, device=x.device)
+        out = kernel(xt, gamma, beta, batch[0], batch[1], True, 1.0, layer.epsilon)
         with torch.no_grad():
-            running_mean = mean.detach().clone()
-            running_var = var.detach() * (n / (n - 1))
-        out = F.batch_norm(xt, running_mean, running_var, gamma, beta, training=True,
-                           momentum=1.0 - layer.momentum, eps=layer.epsilon)
-        with torch.no_grad():
-            layer.moving_mean.assign(running_mean)
-            layer.moving_variance.assign(running_var * ((n - 1) / n))
+            m = 1.0 - layer.momentum
+            layer.moving_mean.assign(mean.lerp(batch[0], m))
+            layer.moving_variance.assign(var.lerp(batch[1] * ((n - 1) / n), m))
     else:
-        out = F.batch_norm(xt, mean, var, gamma, beta, training=False, eps=layer.epsilon)
+        out = kernel(xt, gamma, beta, mean, var, False, 0.0, layer.epsilon)
     if axis != 1:
         out = out.movedim(1, axis)
+    return out.to(getattr(torch, layer.compute_dtype))
+
+
+def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """torch's batch norm of ``x`` (channels on dimension 1), the kernel chosen for
+    precision (see the module): on CUDA torch's own kernels, whatever the memory format;
+    elsewhere ``F.batch_norm`` on a copy that holds each channel's values together."""
+    if x.device.type == "cuda" and CUDA_KERNEL == "native":
+        return torch.native_batch_norm(x, weight, bias, running_mean, running_var, training,
+                                       momentum, eps)[0]
+    if x.device.type != "cuda":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    elif CUDA_KERNEL == "nchw":
+        x = x.contiguous()
+    return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+# The CUDA kernel: "native" (torch's, the default), or, for benchmarks/torch_bn_parity.py's
+# comparison, "cudnn" (F.batch_norm as it comes: cuDNN, persistent mode for channels-last
+# training) and "nchw" (F.batch_norm on a contiguous NCHW copy: cuDNN's ordinary mode).
+CUDA_KERNEL = "native"
+
+
+def reference_call(layer, inputs, training=None, mask=None):
+    """``BatchNormalization.call`` in float64, the measure's yardstick (see the module):
+    two-pass batch moments, Keras's moving averages and normalisation, cast to the
+    layer's compute dtype. No mask, no renorm."""
+    assert mask is None and not getattr(layer, "renorm", False)
+    x = inputs.to(torch.float64)
+    axes = [a for a in range(x.dim()) if a != layer.axis % x.dim()]
+    shape = [1 if a in axes else -1 for a in range(x.dim())]
+    mean = layer.moving_mean.value.to(torch.float64)
+    var = layer.moving_variance.value.to(torch.float64)
+    if training and layer.trainable:
+        batch_mean = x.mean(axes)
+        batch_var = (x - batch_mean.reshape(shape)).square().mean(axes)
+        m = layer.momentum
+        layer.moving_mean.assign(mean * m + batch_mean.detach() * (1 - m))
+        layer.moving_variance.assign(var * m + batch_var.detach() * (1 - m))
+        mean, var = batch_mean, batch_var
+    out = (x - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + layer.epsilon)
+    if layer.scale:
+        out = out * layer.gamma.value.to(torch.float64).reshape(shape)
+    if layer.center:
+        out = out + layer.beta.value.to(torch.float64).reshape(shape)
     return out.to(getattr(torch, layer.compute_dtype))
 
 
