@@ -74,23 +74,32 @@ def variant(name):
 
 
 @contextlib.contextmanager
-def float64(batch_norm):
-    """A float64 Keras with ``batch_norm`` ("exact": reference_call; "keras": Keras's own)."""
-    import keras
+def batch_norm_call(call):
+    """Keras's BatchNormalization runs ``call`` within the block (None: its own)."""
     from keras.src.layers.normalization import batch_normalization
-
-    from kmgpu.engines.torch import fast_layers
 
     cls = batch_normalization.BatchNormalization
     keras_call = cls.call
-    keras.config.set_floatx("float64")
-    if batch_norm == "exact":
-        cls.call = fast_layers.reference_call
+    cls.call = call or keras_call
     try:
         yield
     finally:
-        keras.config.set_floatx("float32")
         cls.call = keras_call
+
+
+@contextlib.contextmanager
+def float64(batch_norm):
+    """A float64 Keras with ``batch_norm`` ("exact": reference_call; "keras": Keras's own)."""
+    import keras
+
+    from kmgpu.engines.torch import fast_layers
+
+    keras.config.set_floatx("float64")
+    try:
+        with batch_norm_call(fast_layers.reference_call if batch_norm == "exact" else None):
+            yield
+    finally:
+        keras.config.set_floatx("float32")
 
 
 # -- one layer -------------------------------------------------------------------------------
@@ -192,6 +201,15 @@ def train(build, image, batch, steps, offset, kmgpu_variants):
         model.compile(**compile_args())
         model.fit(x, y, **fit)
         out["plain Keras"] = model.get_weights()
+        if not cuda():  # kmgpu keeps Keras's layer on a CPU: the fused one in a plain fit
+            from kmgpu.engines.torch import fast_layers
+
+            model.set_weights(init)
+            with batch_norm_call(fast_layers.batch_norm_method(
+                    keras.layers.BatchNormalization.call)):
+                model.compile(**compile_args())
+                model.fit(x, y, **fit)
+            out["plain Keras, fused BN"] = model.get_weights()
         for name in kmgpu_variants:
             model.set_weights(init)
             with variant(name):

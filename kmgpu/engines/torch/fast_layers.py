@@ -19,26 +19,30 @@ kernel each way. ``batch_norm_call`` computes the same layer with torch's batch 
 - inference uses the moving statistics, like Keras;
 - float16/bfloat16 inputs are computed in float32 and cast back, as Keras does;
 - the kernel (``kernel``): on CUDA torch's own batch-norm kernels
-  (``torch.native_batch_norm``), not cuDNN's: ``F.batch_norm`` picks cuDNN, whose
-  persistent mode for channels-last training put the weights 4-12x farther from a float64
-  run than Keras's layer on an H200 (``benchmarks/results/torch-fused-bn-h200.md``). On a
-  CPU ``F.batch_norm`` on a copy that holds each channel's values together: torch's CPU
-  kernel adds a channels-last or (batch, features) input row by row, in sequence, 5-10x
-  farther from float64 than Keras's layer; a channel's contiguous values it sums pairwise.
+  (``torch.native_batch_norm``: Welford's method in float32, tree reductions), not the
+  cuDNN one ``F.batch_norm`` picks, in cuDNN's persistent mode for channels-last training
+  (this layer before; ``benchmarks/torch_bn_parity.py`` measures both against float64 and
+  for speed). On a CPU ``F.batch_norm`` on a copy that holds each channel's values
+  together: torch's CPU kernel adds a channels-last or (batch, features) input row by row,
+  in sequence, 3-10x farther from float64 than Keras's layer; a channel's contiguous
+  values it sums pairwise.
 
-Against float64 (``reference_call``) this layer is as close as Keras's or closer: torch
-computes the variance with Welford's method where Keras uses E[x^2] - E[x]^2 in float32,
-which loses digits when a channel's mean is large against its spread. What it does not
-cover runs Keras's own ``call`` (``fallback``): a mask, ``renorm``, ``synchronized=True``,
-moments replaced on the layer (kmgpu's ``sync_batchnorm``:
-``keras_fixes.global_batch_moments``), a batch of one value per channel, integer inputs,
-symbolic (meta) tensors. Nothing here is installed: ``keras_fixes`` decides that.
+Against float64 (``reference_call``) this layer is as close as Keras's or closer on a CPU
+(``tests/torch/test_fused_bn_precision.py``): torch computes the variance with Welford's
+method or two passes where Keras uses E[x^2] - E[x]^2 in float32, which loses digits when
+a channel's mean is large against its spread. What it does not cover runs Keras's own
+``call`` (``fallback``): a mask, ``renorm``, ``synchronized=True``, moments replaced on
+the layer (kmgpu's ``sync_batchnorm``: ``keras_fixes.global_batch_moments``), a batch of
+one value per channel, integer inputs, symbolic (meta) tensors. Nothing here is
+installed: ``keras_fixes`` decides that.
 
 ``reference_call`` is the yardstick of the tests and ``benchmarks/torch_bn_parity.py``:
 the layer in float64. Keras's own layer cannot be: Keras 3.15.1 computes
 BatchNormalization in float32 even in a float64 model (``backend.result_type`` turns
 float64 into float32 on torch and JAX), so a "float64" Keras run shares Keras's float32
-BatchNorm arithmetic, and measured against it Keras's float32 layer looked closer than it is.
+BatchNorm arithmetic, and measured against it Keras's float32 layer looked closer than it
+is: the "4x farther" of this layer on a CPU and, at least in part, the "4-12x" on an H200
+(``benchmarks/results/torch-fused-bn-h200.md``).
 """
 
 import torch
