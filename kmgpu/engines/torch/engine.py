@@ -68,9 +68,10 @@ class TorchEngine(Engine):
                 callbacks if launcher.runs_callbacks else None, template, method,
                 load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
+            tf32 = getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
             call = Call(method=method,
                         key=replicas.replica_key(template, self.options.sync_batchnorm,
-                                                 lr_scale),
+                                                 lr_scale) + (tf32,), tf32=tf32,
                         kwargs=kwargs, seed=int(np.random.randint(0, 2**31 - 1)),
                         sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
@@ -113,7 +114,8 @@ class TorchEngine(Engine):
 
     def train_step_mode(self, template):
         return graphs.describe(template, self.device_names[0].startswith("gpu"),
-                               self.num_replicas, self.options.sync_batchnorm)
+                               self.num_replicas, self.options.sync_batchnorm,
+                               tf32=getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT))
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
