@@ -24,6 +24,10 @@ import torch
 
 from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
 
+#: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
+WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
+         "likewise (other batch shapes eager)")
+
 
 class CapturedEval:
     """``test_step`` and ``predict_step`` for ``model`` on its CUDA device.
