@@ -122,12 +122,18 @@ def _same(ref, got):
     np.testing.assert_allclose(gpred, pred, rtol=TOL, atol=1e-7)  # in order
 
 
-def test_auc_and_iou_capture_whole_on_one_device(monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def reference():
+    """Plain Keras on one device: (history, evaluate, predict), weights."""
+    ref = _classifier(_confusion_metrics)
+    return _run(ref), ref.get_weights()
+
+
+def test_auc_and_iou_capture_whole_on_one_device(monkeypatch, capsys, reference):
     """Graph B and the test step with AUC (numpy thresholds), BinaryIoU (its target ids, a list
     attribute Keras tracks as a TrackedList: converted in result()) and Precision at
     thresholds, under the strict capture: nothing eager, Keras's numbers."""
-    ref = _classifier(_confusion_metrics)
-    want = _run(ref), ref.get_weights()
+    want = reference
     model = _classifier(_confusion_metrics)
     _strict_capture(monkeypatch)
     with one_device():
@@ -179,12 +185,11 @@ def test_tf32_reaches_every_rank():
 
 
 def test_evaluate_and_predict_on_two_ranks_are_captured_and_equal_one_device(monkeypatch,
-                                                                          capsys):
+                                                                          capsys, reference):
     """2 gloo ranks, captures faked (strict) in the forked workers: fit with validation,
     evaluate (43 rows, batch 8: a last batch of 3 split 2 + 1) and predict (batch 5:
     a stand-in row) equal plain Keras on one device, every row once, in order."""
-    ref = _classifier(_confusion_metrics)
-    want = _run(ref), ref.get_weights()
+    want = reference
     _close_pools()
     try:
         _strict_capture(monkeypatch)
