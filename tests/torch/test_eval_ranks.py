@@ -55,9 +55,10 @@ class _Strict(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _strict_capture(monkeypatch):
+def _strict_capture(monkeypatch, fail_rank=None):
     """``graphs.capture`` faked: records ``fn``'s outputs with nothing changed (the
-    writes undone), replay runs ``fn`` again into them; prints one line per capture."""
+    writes undone), replay runs ``fn`` again into them; prints one line per capture.
+    ``fail_rank``: on that rank the test and predict captures raise."""
     from kmgpu.engines.torch import graphs
 
     class Graph:
@@ -73,15 +74,17 @@ def _strict_capture(monkeypatch):
                     old.copy_(new)
 
     def capture(fn, pool=None):
+        names = fn.__code__.co_names
+        kind = "a" if "forward_backward" in names else "b" if "update" in names else "eval"
+        if kind == "eval" and fail_rank is not None and torch.distributed.get_rank() == fail_rank:
+            raise RuntimeError("simulated eval capture failure")
         strict = _Strict()
         with strict:
             out = fn()
         with torch.no_grad():
             for t, value in strict.saved.values():
                 t.copy_(value)
-        names = fn.__code__.co_names
-        print("fake capture:", "a" if "forward_backward" in names else
-              "b" if "update" in names else "eval")
+        print("fake capture:", kind)
         return Graph(fn, out), out
 
     monkeypatch.setattr(graphs, "available", lambda device: True)
@@ -184,23 +187,31 @@ def test_tf32_reaches_every_rank():
         _close_pools()
 
 
-def test_evaluate_and_predict_on_two_ranks_are_captured_and_equal_one_device(monkeypatch,
-                                                                          capsys, reference):
+@pytest.mark.parametrize("fail_rank", [None, 0])
+def test_evaluate_and_predict_on_two_ranks_are_captured_and_equal_one_device(
+        monkeypatch, capsys, reference, fail_rank):
     """2 gloo ranks, captures faked (strict) in the forked workers: fit with validation,
     evaluate (43 rows, batch 8: a last batch of 3 split 2 + 1) and predict (batch 5:
-    a stand-in row) equal plain Keras on one device, every row once, in order."""
+    a stand-in row) equal plain Keras on one device, every row once, in order. With
+    rank 0's test and predict captures failing, rank 0 runs them eagerly while rank 1
+    replays: the same numbers, and no rank waits for the other."""
     want = reference
     _close_pools()
     try:
-        _strict_capture(monkeypatch)
+        _strict_capture(monkeypatch, fail_rank)
         model = _classifier(_confusion_metrics)
         parallel = kmgpu.parallelize(model, gpus=2)
         got = _run(parallel)
         out = capsys.readouterr().out
-        assert "eagerly" not in out, out
         kinds = [ln.split()[-1] for ln in out.splitlines() if ln.startswith("fake capture")]
         # rank 0's lines reach this process: graph A, graph B, the test and predict steps
-        assert kinds.count("a") == kinds.count("b") == 1 and kinds.count("eval") >= 2, out
+        assert kinds.count("a") == kinds.count("b") == 1, out
+        if fail_rank is None:
+            assert "eagerly" not in out and kinds.count("eval") >= 2, out
+        else:
+            assert out.count("capturing the test step failed") == 1, out
+            assert out.count("capturing the predict step failed") == 1, out
+            assert "simulated eval capture failure" in out and kinds.count("eval") == 0, out
         _same(want[0], got)
         assert rel_diff(want[1], model.get_weights()) <= TOL
     finally:
