@@ -13,8 +13,18 @@ table (``--part bench``): plain Keras against kmgpu's default, order-balanced in
   mixed_float16 and mixed_bfloat16, for ResNet-50 64x64 (batch 256), a BERT-style
   encoder with Dropout in attention, and an LSTM.
 
+set (``--part bench --set default``): the model set of torch_default.py (13
+  keras.applications models at 128x128, batch 64, the bench's transformer and LSTM),
+  float32, the same four runs each at a small size (``--budget`` seconds: the models
+  left when it is spent are named in the JSON as not run).
+ranks (``--part ranks``, under torchrun): this process is one rank of a distributed job,
+  so evaluate, predict and fit's validation run the rank's captured test and predict
+  steps; numbers against plain Keras in the same process (TF32 off both sides).
+
     KERAS_BACKEND=torch python benchmarks/torch_whole_run.py --part check --out /tmp/w
     KERAS_BACKEND=torch python benchmarks/torch_whole_run.py --part bench --quick --out /tmp/w
+    KERAS_BACKEND=torch python benchmarks/torch_whole_run.py --part bench --set default --out /tmp/w
+    KERAS_BACKEND=torch torchrun --nproc_per_node=1 benchmarks/torch_whole_run.py --part ranks
 """
 
 import argparse
@@ -264,7 +274,56 @@ def mixed_parity():
     log(OUT["checks"]["mixed_float16 + accumulation + AUC"])
 
 
+def ranks_check(quick):
+    """One rank of a torchrun job (kmgpu's in-process launcher): fit with validation,
+    evaluate, predict through the rank's steps, against plain Keras (TF32 off)."""
+    import keras
+    import torch
+
+    import kmgpu
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+
+    def build():
+        keras.utils.set_random_seed(5)
+        m = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+        m.compile(optimizer="adam", loss="binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(), keras.metrics.BinaryIoU()])
+        return m
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1000, 32)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+    xv, yv = x[:333], y[:333]
+    kw = dict(batch_size=64, epochs=3, shuffle=False, verbose=0, validation_data=(xv, yv))
+    ref = build()
+    init = ref.get_weights()
+    h_ref = ref.fit(x, y, **kw).history
+    e_ref = ref.evaluate(xv, yv, batch_size=50, verbose=0)
+    p_ref = ref.predict(xv, batch_size=50, verbose=0)
+    model = build()
+    model.set_weights(init)
+    parallel = kmgpu.parallelize(model, tf32=False)
+    h, printed = quiet(lambda: parallel.fit(x, y, **kw).history)
+    (e, p), printed2 = quiet(lambda: (parallel.evaluate(xv, yv, batch_size=50, verbose=0),
+                                      parallel.predict(xv, batch_size=50, verbose=0)))
+    evals = parallel._engine.launcher.strategy.evals
+    OUT["checks"]["ranks"] = {
+        "engine": parallel._engine.name,
+        "weights": rel_diff(ref.get_weights(), model.get_weights()),
+        "history": {k: rel_diff([a], [b]) for (k, a), b in zip(h_ref.items(), h.values())},
+        "evaluate": rel_diff([np.ravel(e_ref)], [np.ravel(e)]), "predict": rel_diff([p_ref], [p]),
+        "predict_rows": [len(p_ref), len(p)],
+        "eval_graphs": sorted(str(k[0]) for k in evals.graphs) if evals else None,
+        "printed": printed + printed2}
+    log("ranks", OUT["checks"]["ranks"])
+
+
 def checks(quick):
+    if ARGS.part == "ranks":
+        return ranks_check(quick)
     for name, fn in [
             ("graph A fails (host read in training call)", lambda: one_fallback(
                 "graph A fails", lambda: host_read_model("train"))),
@@ -279,6 +338,8 @@ def checks(quick):
                 "mixed_float16 MLP", lambda: host_read_model("none"), "mixed_float16")),
             ("replays fail", lambda: replay_failure(lambda: host_read_model("none"))),
             ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity)]:
+        if ARGS.checks and not any(c in name for c in ARGS.checks):
+            continue
         try:
             fn()
         except Exception:
@@ -388,7 +449,7 @@ def one_run(model, init, compile_args, train, val, batch, epochs, default, with_
                         ("predict", lambda: runner.predict(val[0], batch_size=batch,
                                                            verbose=0))]:
             times = []
-            for _ in range(3):
+            for _ in range(2 if ARGS.set == "default" else 3):  # the first call not counted
                 sync()
                 t0 = time.perf_counter()
                 quiet(fn)
@@ -402,21 +463,50 @@ def one_run(model, init, compile_args, train, val, batch, epochs, default, with_
     return res
 
 
+def default_set(quick):
+    """torch_default.py's models: {name: ((build, data, compile_args), batch, n, nv)};
+    6 training and 3 validation batches each (2 and 2 with --quick)."""
+    import keras
+    from torch_default import applications, image_data
+
+    from kmgpu.bench import workloads
+
+    image, batch = (32, 8) if quick else (128, 64)
+    k, kv = (2, 2) if quick else (6, 3)
+    n, nv = k * batch, kv * batch  # the images' rows; the bench's workloads: their batch
+    adam = lambda: dict(optimizer="adam", metrics=["accuracy"],  # noqa: E731
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    out = {}
+    for wname in ("lstm", "transformer"):
+        w = workloads.get(wname, quick=quick, devices=1, steps=k)
+        out[f"{wname} (bench)"] = ((w.build, lambda rows, seed, w=w: tuple(
+            a[:rows] for a in w.data()), w.compile_args), w.batch, k * w.batch, kv * w.batch)
+    for name, build in applications(image).items():
+        out[f"{name} {image}x{image}"] = ((build, lambda k, s: image_data(k, image, s), adam),
+                                          batch, n, nv)
+    return out
+
+
 def bench(quick, only):
     import keras
 
     sizes = dict(n=4096, nv=2048, image=64, batch=256, epochs=3)
     if quick:
         sizes = dict(n=64, nv=40, image=32, batch=16, epochs=2)
-    models = {
-        "ResNet50 64x64": (resnet(sizes["image"]), sizes["batch"]),
-        "BERT-style encoder (dropout in attention)": (
-            bert(128, 8000, 256, 4, 4) if not quick else bert(16, 100, 32, 2, 1),
-            64 if not quick else 8),
-        "LSTM": (lstm(64, 128) if not quick else lstm(8, 8), 256 if not quick else 16),
-    }
+    if ARGS.set == "default":
+        sizes["epochs"] = 2
+        models = {k: (v[0], v[1]) for k, v in default_set(quick).items()}
+        rows = {k: (v[2], v[3]) for k, v in default_set(quick).items()}
+        only = ["float32"]
+    else:
+        rows = {}
+        models = self_models(sizes, quick)
+    start = time.perf_counter()
     for name, ((build, data, compile_args), batch) in models.items():
         if ARGS.models and not any(m in name for m in ARGS.models):
+            continue
+        if time.perf_counter() - start > ARGS.budget:
+            OUT["bench"].setdefault("not run (time budget)", []).append(name)
             continue
         for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
             if only and policy not in only:
@@ -424,7 +514,7 @@ def bench(quick, only):
             key = f"{name} | {policy}"
             keras.mixed_precision.set_global_policy(policy)
             try:
-                n, nv = sizes["n"], sizes["nv"]
+                n, nv = rows.get(name, (sizes["n"], sizes["nv"]))
                 if "BERT" in name:
                     n, nv = n // 2, nv // 2
                 train, val = data(n, 0), data(nv, 1)
@@ -449,6 +539,16 @@ def bench(quick, only):
             save(ARGS.out)
 
 
+def self_models(sizes, quick):
+    return {
+        "ResNet50 64x64": (resnet(sizes["image"]), sizes["batch"]),
+        "BERT-style encoder (dropout in attention)": (
+            bert(128, 8000, 256, 4, 4) if not quick else bert(16, 100, 32, 2, 1),
+            64 if not quick else 8),
+        "LSTM": (lstm(64, 128) if not quick else lstm(8, 8), 256 if not quick else 16),
+    }
+
+
 def best(runs, key, fn=max):
     vals = [r[key] for r in runs if key in r]
     return fn(vals) if vals else None
@@ -459,6 +559,9 @@ def markdown():
              "| x(val)/x | evaluate plain s | kmgpu s | x | predict plain s | kmgpu s | x |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, runs in OUT["bench"].items():
+        if key.startswith("not run"):
+            lines.append(f"| {key}: {', '.join(runs)} |" + " |" * 14)
+            continue
         if "error" in runs:
             lines.append(f"| {key} | error | | | | | | | | | | | | | |")
             continue
@@ -492,7 +595,11 @@ def save(out):
 def main():
     global ARGS
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=["check", "bench"], required=True)
+    p.add_argument("--part", choices=["check", "bench", "ranks"], required=True)
+    p.add_argument("--set", choices=["issue", "default"], default="issue",
+                   help="bench: the issue's models, or torch_default.py's model set")
+    p.add_argument("--checks", nargs="*", help="substrings of check names")
+    p.add_argument("--budget", type=float, default=1e9, help="bench: seconds for models")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", nargs="*", help="policies")
     p.add_argument("--models", nargs="*", help="substrings of model names")
@@ -502,7 +609,7 @@ def main():
 
     OUT["info"] = {"torch": torch.__version__, "cuda": cuda(),
                    "gpu": torch.cuda.get_device_name() if cuda() else None}
-    if ARGS.part == "check":
+    if ARGS.part in ("check", "ranks"):
         checks(ARGS.quick)
     else:
         bench(ARGS.quick, ARGS.only)

@@ -140,8 +140,9 @@ TF32_DEFAULT = True
 @contextlib.contextmanager
 def matmul_precision(tf32):
     """Within the block, float32 matmuls and cuDNN convolutions use TF32 (``tf32``
-    True) or full float32 (False); the global settings are put back after it."""
-    if tf32 is None or not torch.cuda.is_available():
+    True) or full float32 (False); the global settings are put back after it; set
+    also without CUDA, where they change nothing (a CPU rank shows the policy it got)."""
+    if tf32 is None:
         yield
         return
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn

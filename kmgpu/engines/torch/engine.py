@@ -68,9 +68,10 @@ class TorchEngine(Engine):
                 callbacks if launcher.runs_callbacks else None, template, method,
                 load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
+            tf32 = getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
             call = Call(method=method,
                         key=replicas.replica_key(template, self.options.sync_batchnorm,
-                                                 lr_scale),
+                                                 lr_scale) + (tf32,), tf32=tf32,
                         kwargs=kwargs, seed=int(np.random.randint(0, 2**31 - 1)),
                         sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
@@ -112,8 +113,10 @@ class TorchEngine(Engine):
         return results[0]
 
     def train_step_mode(self, template):
-        return graphs.describe(template, self.device_names[0].startswith("gpu"),
-                               self.num_replicas, self.options.sync_batchnorm)
+        on_gpu = self.device_names[0].startswith("gpu")
+        text = graphs.describe(template, on_gpu, self.num_replicas, self.options.sync_batchnorm,
+                               tf32=getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT))
+        return text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
@@ -169,8 +172,7 @@ class TorchLocalEngine(LocalEngine):
         text = graphs.describe(template, self._on_gpu(template), 1,
                                graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
         if self._on_gpu(template) and not template.run_eagerly:
-            text += ("; evaluate, predict and fit's validation: Keras's test and predict "
-                     "steps captured likewise (other batch shapes eager)")
+            text += eval_steps.WORDS
         return text
 
     def graph_memory(self):

@@ -9,6 +9,13 @@ static input buffers, replayed for every later batch of that shape; any other sh
 (the last partial batch) eager. Rows, order and numbers are Keras's. A capture or a
 replay that fails leaves torch as it was (``cuda_graphs.capture``) and the step eager
 from there on, with one printed line. On a CPU the steps are Keras's own (not installed).
+
+On N ranks (``on_rank``) each rank captures its own test step (``strategy``'s: its
+rows' loss weighed by its share of the global batch, the real rows of the batch part
+of the graph's signature, so a last partial batch or a stand-in row is another
+signature) and Keras's predict step likewise; the steps hold no collective (the
+metrics are summed over ranks when Keras reads them, outside the step), so a rank
+that falls back to eager never leaves the others waiting.
 """
 
 import contextlib
@@ -16,6 +23,10 @@ import contextlib
 import torch
 
 from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
+
+#: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
+WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
+         "likewise (other batch shapes eager)")
 
 
 class CapturedEval:
@@ -26,10 +37,14 @@ class CapturedEval:
         device: its torch device.
         say: ``say(text)`` prints a line.
         tf32: the float32 matmul policy inside the steps (``cuda_graphs.matmul_precision``).
+        test: ``test(x, y, sw)``, the test step to run (None: Keras's, as written here).
+        rows: ``rows()`` is (real rows, global rows) of the current test batch, part of
+            its signature (a rank's ``test`` weighs by them); None: no such part.
     """
 
-    def __init__(self, model, device, say=print, tf32=None):
+    def __init__(self, model, device, say=print, tf32=None, test=None, rows=None):
         self.model, self.device, self.say, self.tf32 = model, torch.device(device), say, tf32
+        self._test, self._rows = test, rows
         self.graphs, self.last, self.streak, self.reason = {}, {}, {}, {}
         self.failures = {}
         self.pools = []
@@ -56,7 +71,9 @@ class CapturedEval:
         def predict(x, y, sw):
             return forward(x)
 
-        return test if kind == "test" else predict
+        if kind == "test":
+            return self._test or test
+        return predict
 
     def _run(self, kind, data):
         x, y, sw = graphs._unpack(data)
@@ -64,7 +81,8 @@ class CapturedEval:
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
                 cuda_graphs.matmul_precision(self.tf32), \
                 keras_fixes.fused_batchnorm(self.device):
-            sig = (kind, graphs._signature(batch, 0, 0))
+            rows = self._rows() if kind == "test" and self._rows is not None else (0, 0)
+            sig = (kind, graphs._signature(batch, *rows))
             self.streak[kind] = self.streak.get(kind, 0) + 1 if sig == self.last.get(kind) else 1
             self.last[kind] = sig
             entry = self.graphs.get(sig)
@@ -142,6 +160,46 @@ class _Replay:
         except Exception as e:
             raise graphs.ReplayFailed(cuda_graphs.why(e)) from e
         return graphs._map(lambda t: t.clone() if torch.is_tensor(t) else t, self.out)
+
+
+def rank_kinds(replica, device):
+    """The steps a rank captures (``on_rank``): on a CUDA device, or with
+    ``compile(jit_compile=True)`` (then eagerly on a CPU, as the split train step), not
+    with ``run_eagerly=True``. Read before the rank sets ``jit_compile`` False."""
+    if getattr(replica, "run_eagerly", False) or not (
+            graphs.available(device) or keras_fixes.wants_captured_step(replica)):
+        return set()
+    return wants(replica)
+
+
+def on_rank(strategy, replica, kinds):
+    """Install captured test / predict steps (``kinds``, from ``rank_kinds``) on a
+    rank's replica; its test step is the rank's own (``replica.test_step`` as
+    ``strategy.prepare`` set it).
+
+    Returns:
+        the ``CapturedEval`` (None: none installed).
+    """
+    if not kinds:
+        return None
+    rank_test = replica.test_step
+
+    def rows():
+        test = strategy.test
+        return test.current if test is not None else (0, 0)
+
+    steps = CapturedEval(replica, strategy.device, say=print if strategy.rank == 0 else None,
+                         tf32=strategy.tf32, test=lambda x, y, sw: rank_test((x, y, sw)),
+                         rows=rows)
+    from kmgpu.engines import keras_fixes as common
+
+    if "test" in kinds and common.loss_kind(replica) == "weights":
+        # "mean_with_sample_weight": the rank's loss all-reduces the sample weights
+        # inside the step; collectives stay out of graphs, so this step stays eager
+        steps.reason["test"] = "the loss sums sample weights over ranks in the step"
+    for kind in kinds:
+        setattr(replica, f"{kind}_step", getattr(steps, f"{kind}_step"))
+    return steps
 
 
 def wants(model):

@@ -26,8 +26,9 @@ PATCHES = [
      "pageable memory that CUDA-graph capture refuses (\"Cannot copy between CPU and "
      "CUDA tensors during CUDA graph capture\": the loss's reduce_values, BatchNorm's "
      "momentum, the optimizer's iterations.assign_add(1) and beta casts); the swap fills "
-     "scalars on the device (torch.full) and caches constant lists: the same values "
-     "(upstream: no issue known to kmgpu)"),
+     "scalars on the device (torch.full) and caches constant lists (also the TrackedList "
+     "a metric's list attribute becomes: BinaryIoU's target_class_ids in result()) and "
+     "numpy constants (AUC's thresholds): the same values (upstream: no issue known to kmgpu)"),
     ("keras.src.backend.torch.random", "normal",
      "swapped (with uniform, randint, dropout, shuffle, categorical) while kmgpu's torch "
      "train step runs (device_random): Keras 3.15.1 seeds a new torch.Generator with "
@@ -84,7 +85,7 @@ def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _
             dt = _to_dtype(_floatx())
         return _torch.full((), x, dtype=dt, device=device)
     key = None
-    if (kind is tuple or kind is list) and x and all(
+    if isinstance(x, (tuple, list)) and x and all(  # Keras's TrackedList too (BinaryIoU)
             type(e) is int or type(e) is float or type(e) is bool for e in x):
         key = (kind, tuple(x), tuple(type(e) for e in x), str(dtype), str(_device()))
     elif (kind is _np.ndarray or isinstance(x, _np.generic)) and x.size <= _array_limit and \

@@ -80,6 +80,9 @@ class Call:
         layout: the arrays in that file.
         state_in: False when the ranks' replicas hold the template's state already
             (nothing written to slot 0: the replicas stay as they are).
+        tf32: the float32 matmul policy inside the ranks' kmgpu steps on CUDA
+            (``parallelize(..., tf32=)``, ``cuda_graphs.matmul_precision``); part of
+            ``key``, so a replica is prepared with one policy.
     """
 
     method: str
@@ -96,6 +99,7 @@ class Call:
     state_path: Optional[str] = None
     layout: Optional[StateLayout] = None
     state_in: bool = True
+    tf32: bool = True
 
 
 @dataclass(frozen=True)

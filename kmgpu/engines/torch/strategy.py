@@ -48,6 +48,7 @@ class DDPStrategy:
         self.world = dist.get_world_size()
         self.device = torch.device(device)
         self.sync_batchnorm = sync_batchnorm
+        self.tf32 = True  # the float32 matmul policy in kmgpu's steps (a Call's tf32)
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
@@ -112,11 +113,12 @@ class DDPStrategy:
         self._offset_seeds(replica)
         for layer in models.stateful_layers(replica):
             keras_fixes.copy_states_in(layer)
-        from kmgpu.engines.torch import graphs
+        from kmgpu.engines.torch import eval_steps, graphs
 
         # graphs.plan: the captured step on CUDA devices (the same on every rank: one
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
         kind, why = graphs.plan(replica, graphs.available(self.device))
+        evals = eval_steps.rank_kinds(replica, self.device)  # captured evaluate / predict
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
         if kind == graphs.SPLIT:
             replica.train_step = self._captured_step(replica, averaged).train_step
@@ -135,6 +137,7 @@ class DDPStrategy:
             self._hook_optimizer(replica, averaged)
         if not keras_fixes.has_own_test_step(replica):
             replica.test_step = self._test_step(replica)
+        self.evals = eval_steps.on_rank(self, replica, evals)
         keras_fixes.read_logs_within(replica, lambda: self._summed_metrics(replica))
         replica.evaluate = self._evaluate(replica)
         return replica
@@ -222,7 +225,7 @@ class DDPStrategy:
         if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
             refuse = "sync_batchnorm all-reduces inside the forward pass"
         return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
-                                   refuse=refuse, tf32=graphs.cuda_graphs.TF32_DEFAULT)
+                                   refuse=refuse, tf32=self.tf32)
 
     def _hook_optimizer(self, replica, averaged):
         """A model with its own ``train_step``: gradients summed in ``optimizer.apply``
