@@ -28,6 +28,12 @@ PATCHES = [
      "crashed the process (SIGSEGV in EpochIterator.reset)"),
     ("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter",
      "same: its get_tf_dataset() is the undistributed data"),
+    ("keras.src.backend.tensorflow.trainer", "TFEpochIterator._get_iterator",
+     "wrapped during kmgpu's calls (park_iterators): Keras drops a distributed iterator "
+     "while its per-device prefetch may still be fetching (a repeating dataset at the end "
+     "of fit, a validation iterator at each reset); tf.data's MultiDeviceIterator then "
+     "crashes the process now and then (SIGSEGV, 1 in ~150 one-epoch fits on 4 CPU "
+     "devices under load); kmgpu keeps each one until a later call, when it is idle"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
@@ -158,6 +164,62 @@ def all_reduce_without_walk():
         custom_gradient._get_dependent_variables = dependent
 
 
+_PARKED = {"depth": 0, "current": [], "previous": []}
+
+
+def _release_parked():
+    """At exit, while TensorFlow is still whole (atexit runs before module teardown)."""
+    _PARKED["current"].clear()
+    _PARKED["previous"].clear()
+
+
+@contextlib.contextmanager
+def park_iterators():
+    """Within the block, every distributed iterator Keras makes from a
+    ``TFEpochIterator`` is kept alive past the call that made it, and released at the
+    start of the call after the next one, when its prefetch threads have long been
+    idle. Keras drops them at once (at the end of ``fit``, at each ``reset``), often
+    while the per-device prefetch is still fetching the next batch, and destroying a
+    ``MultiDeviceIterator`` then sometimes segfaults (TensorFlow 2.21). The cost: the
+    previous call's prefetch buffers (a few batches per device) live one call longer.
+    """
+    import atexit
+
+    from keras.src.backend.tensorflow import trainer
+
+    parked = _PARKED
+    if not parked.get("atexit"):
+        parked["atexit"] = atexit.register(_release_parked)
+    if parked["depth"] == 0:  # a call of the user's (fit's validation is inside one)
+        released, parked["previous"], parked["current"] = (
+            parked["previous"], parked["current"], [])
+        released.clear()
+    parked["depth"] += 1
+    original = trainer.TFEpochIterator._get_iterator
+
+    def _get_iterator(self):
+        return _Parked(original(self), parked["current"])
+
+    trainer.TFEpochIterator._get_iterator = _get_iterator
+    try:
+        yield
+    finally:
+        trainer.TFEpochIterator._get_iterator = original
+        parked["depth"] -= 1
+
+
+class _Parked:
+    """A distributed dataset whose iterators are kept in ``keep``."""
+
+    def __init__(self, dataset, keep):
+        self.dataset, self.keep = dataset, keep
+
+    def __iter__(self):
+        iterator = iter(self.dataset)
+        self.keep.append(iterator)
+        return iterator
+
+
 def repeating_datasets(kwargs):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
@@ -206,7 +268,8 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None, replica_fixe
     """Keras builds metrics and optimizer from the first batch, averaged over replicas,
     which fails when the first batch splits unevenly. Only its shapes matter, so
     build from the first batch kmgpu already read from a generator (``feed``), or
-    from the first batch of the data's own undistributed ``tf.data`` pipeline.
+    from the first replica's rows of the first batch of the data's own
+    undistributed ``tf.data`` pipeline.
     Keras pulls one from a new distributed iterator and drops it at once
     (``EpochIterator.reset``): destroying a multi-device iterator whose prefetch
     has just started crashed the process now and then (SIGSEGV / SIGABRT in
@@ -248,7 +311,16 @@ def _first_batch(strategy, iterator):
                             tf_dataset_adapter.TFDatasetAdapter)):
         dataset = adapter.get_tf_dataset()
         if isinstance(dataset, tf.data.Dataset):
-            return next(iter(dataset.take(1)))
+            batch = next(iter(dataset.take(1)))
+            # the first replica's rows, as tf.distribute would hand them: a stateful
+            # RNN is built for its replica's batch size
+            rows = tf.nest.flatten(batch)[0].shape[0]
+            if rows is None:
+                return batch
+            first = -(-rows // strategy.num_replicas_in_sync)
+            return tf.nest.map_structure(
+                lambda t: t[:first] if getattr(t, "shape", None) is not None
+                and t.shape.rank else t, batch)
     for _, _, it in iterator:
         return strategy.experimental_local_results(next(it))[0]
 
