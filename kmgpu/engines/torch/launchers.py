@@ -236,7 +236,7 @@ class PoolLauncher(Launcher):
 
     def push_state(self, template):
         state, layout = self._state
-        state.write(0, replicas.model_arrays(template, layout))
+        replicas.write_state(state, 0, template, layout)
 
     def end_call(self, failed, touched=False):
         self._synced = None

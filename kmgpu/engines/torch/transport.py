@@ -261,17 +261,32 @@ class StateFile:
         arrays = list(arrays)
         if len(arrays) != len(self.layout):
             raise ValueError(f"state has {len(arrays)} arrays, the file {len(self.layout)}")
-        head = self._header(slot)
-        head[1] = 0
-        base = slot * self.slot_size
-        for arr, (shape, dtype), off in zip(arrays, self.layout, self.offsets):
+        for arr, view in zip(arrays, self.begin(slot)):
             arr = np.asarray(arr)
-            if tuple(arr.shape) != shape:
-                raise ValueError(f"state array of shape {arr.shape}, expected {shape}")
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            self.mm[base + off: base + off + n].view(dtype).reshape(shape)[...] = arr
+            if tuple(arr.shape) != view.shape:
+                raise ValueError(f"state array of shape {arr.shape}, expected {view.shape}")
+            view[...] = arr
+        self.complete(slot, seq, epoch)
+
+    def begin(self, slot):
+        """Mark ``slot`` incomplete; return writable views of its arrays (the layout's
+        order) for a writer that fills them itself, then calls ``complete``."""
+        self._header(slot)[1] = 0
+        return self._views(slot)
+
+    def complete(self, slot, seq=1, epoch=-1):
+        """Mark ``slot`` complete: snapshot number ``seq``, the state at ``epoch``."""
+        head = self._header(slot)
         head[0], head[2] = seq, epoch
         head[1] = 1
+
+    def _views(self, slot):
+        base = slot * self.slot_size
+        out = []
+        for (shape, dtype), off in zip(self.layout, self.offsets):
+            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            out.append(np.asarray(self.mm[base + off: base + off + n]).view(dtype).reshape(shape))
+        return out
 
     def write_one(self, slot, index, arr):
         """Overwrite array ``index`` of ``slot``'s complete snapshot (same shape)."""
@@ -288,16 +303,10 @@ class StateFile:
         """The arrays of ``slot``, or None when it is not complete. ``copy=False``: views
         of the file, valid until the next call writes it (for a reader that copies them
         at once, e.g. into a model's variables)."""
-        head = self._header(slot)
-        if head[1] != 1:
+        if self._header(slot)[1] != 1:
             return None
-        base = slot * self.slot_size
-        out = []
-        for (shape, dtype), off in zip(self.layout, self.offsets):
-            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            view = self.mm[base + off: base + off + n].view(dtype).reshape(shape)
-            out.append(np.array(view) if copy else view)
-        return out
+        views = self._views(slot)
+        return [np.array(v) for v in views] if copy else views
 
     def latest(self, copy=True):
         """(arrays, epoch) of the newest complete snapshot, or None (``copy``: as

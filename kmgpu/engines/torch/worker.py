@@ -198,6 +198,17 @@ class Worker:
         self.rank, self.world = self.strategy.rank, self.strategy.world
         self.replica, self.key = None, None
         self.conn = conn
+        self._state, self._state_key = None, None  # the pool's state file, mapped once
+
+    def _state_file(self, call):
+        """The call's ``transport.StateFile``: the last call's mapping when it is the same
+        file and layout (its pages stay mapped; a new mapping faults each page in again)."""
+        key = (call.state_path, call.layout.arrays)
+        if key != self._state_key:
+            self._state = None  # the old mapping goes before the new one is made
+            self._state = transport.StateFile(call.state_path, call.layout.arrays)
+            self._state_key = key
+        return self._state
 
     def relay(self, event):
         """Rank 0: run the user's callbacks on the driver; wait for its Reply."""
@@ -238,42 +249,39 @@ class Worker:
         clock = timing.Clock("worker", self.rank == 0)
         replica = self._replica(call)
         clock("replica")
-        state = transport.StateFile(call.state_path, call.layout.arrays)
-        try:
-            if call.state_in:  # else the replicas hold the template's state already
-                if self.rank == 0:
-                    replicas.load_arrays(replica, state.read(0), call.layout)
-                s.broadcast_state(replica)
-            s.write_state_rows(replica, call.rnn_states)
-            clock("state in")
-            kwargs = data.receive(call.kwargs)
+        state = self._state_file(call)
+        if call.state_in:  # else the replicas hold the template's state already
+            if self.rank == 0:
+                replicas.load_arrays(replica, state.read(0, copy=False), call.layout)
+            s.broadcast_state(replica)
+        s.write_state_rows(replica, call.rnn_states)
+        clock("state in")
+        kwargs = data.receive(call.kwargs)
 
-            def reload(model):  # the driver's callbacks set the model's state: slot 0
-                replicas.load_arrays(model, state.read(0), call.layout)
+        def reload(model):  # the driver's callbacks set the model's state: slot 0
+            replicas.load_arrays(model, state.read(0, copy=False), call.layout)
 
-            before = None if call.method in ("fit", "train_on_batch") else \
-                replicas.marks(replica)
-            snapshot = None
-            if call.method == "fit" and self.rank == 0:
-                snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
-            result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
-                           relay=self.relay, snapshot=snapshot,
-                           reload=reload if snapshot is not None else None,
-                           reset_states=call.reset_states,
-                           fit_callbacks=[feeds.NextPass(kwargs.get("x")),
-                                          _stop_on_request(state, self.rank)])
-            if isinstance(result, Aborted) and snapshot is not None:
-                snapshot(replica, -2)  # stopped: the last completed step's state goes back
-            if call.method == "train_on_batch" and self.rank == 0:
-                _Snapshots(state, call.layout, True, clock)(replica, -1)  # the new state
-            clock(call.method)
-            clock.report()
-            # this rank's stateful RNN rows go back to the user's model, like the weights
-            rows = s.last_rows if call.method.endswith("_on_batch") else None
-            touched = before is not None and not replicas.unchanged(replica, before)
-            return RankResult(result, s.state_rows(replica), rows, touched)
-        finally:
-            state.close()
+        before = None if call.method in ("fit", "train_on_batch") else \
+            replicas.marks(replica)
+        snapshot = None
+        if call.method == "fit" and self.rank == 0:
+            snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
+        result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
+                       relay=self.relay, snapshot=snapshot,
+                       reload=reload if snapshot is not None else None,
+                       reset_states=call.reset_states,
+                       fit_callbacks=[feeds.NextPass(kwargs.get("x")),
+                                      _stop_on_request(state, self.rank)])
+        if isinstance(result, Aborted) and snapshot is not None:
+            snapshot(replica, -2)  # stopped: the last completed step's state goes back
+        if call.method == "train_on_batch" and self.rank == 0:
+            _Snapshots(state, call.layout, True, clock)(replica, -1)  # the new state
+        clock(call.method)
+        clock.report()
+        # this rank's stateful RNN rows go back to the user's model, like the weights
+        rows = s.last_rows if call.method.endswith("_on_batch") else None
+        touched = before is not None and not replicas.unchanged(replica, before)
+        return RankResult(result, s.state_rows(replica), rows, touched)
 
 
 class _Snapshots:
@@ -305,13 +313,12 @@ class _Snapshots:
             self.clock("snapshots", since=now)
             return
         self.seq += 1
-        self.state.write(1 + self.seq % 2, replicas.model_arrays(model, self.layout),
-                         seq=self.seq, epoch=epoch)
+        replicas.write_state(self.state, 1 + self.seq % 2, model, self.layout, seq=self.seq,
+                             epoch=epoch)
         self.marks = replicas.marks(model)
         self.last = time.perf_counter()
         self.cost = self.last - now
         self.clock("snapshots", since=now)
-
 
     def _relabel(self, model, epoch):
         """True when the newest snapshot is ``model``'s state but for the learning rate
@@ -333,8 +340,7 @@ class _Snapshots:
         if changed:
             if not self.layout.has_lr:
                 return False
-            self.state.write_one(slot, len(self.layout.arrays) - 1,
-                                 replicas.model_arrays(model, self.layout)[-1])
+            self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
         self.state.relabel(slot, epoch)
         return True
 

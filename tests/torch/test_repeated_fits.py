@@ -1,0 +1,106 @@
+"""Repeated fits on the torch pool (issue 30, per call): the state travels as little as it
+can -- rank 0 copies each variable straight into the state file, the driver copies
+it straight from the file into the user's variables, and an unchanged model is not
+sent to the workers again -- yet after every fit the user's model holds what plain
+Keras's would, also when the user changed the weights, an optimizer slot or the
+learning rate, or compiled again, between two fits.
+
+4 simulated devices, the tests' MLP, one epoch of 4 steps per fit.
+"""
+
+import numpy as np
+import pytest
+
+import kmgpu
+from tests.helpers import data, few_steps, mlp, rel_diff
+
+TOL = 1e-5
+
+
+def _state(model):
+    return model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+
+
+def _fit(ref, parallel, x, y):
+    ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def test_fits_copy_in_only_what_the_user_changed_and_equal_plain_keras():
+    import keras
+
+    x, y = data("mlp", 32)
+    ref, model = mlp(), mlp()
+    for m in (ref, model):
+        m.compile(optimizer="adam", loss="mse")
+    parallel = kmgpu.parallelize(model)
+    engine = parallel._engine
+    with few_steps():
+        _fit(ref, parallel, x, y)
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+    _fit(ref, parallel, x, y)
+    assert engine.copied_in == 0  # the workers hold the state the last fit left
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+
+    def changed(change):
+        for m in (ref, model):
+            change(m)
+        _fit(ref, parallel, x, y)
+        assert engine.copied_in > 0, "the user's change did not reach the workers"
+        assert rel_diff(_state(ref), _state(model)) <= TOL
+
+    changed(lambda m: m.set_weights([w * 0.5 for w in m.get_weights()]))
+
+    def optimizer(m):  # one Adam moment and the learning rate, through Keras's variable API
+        m.optimizer.variables[2].assign(m.optimizer.variables[2].numpy() + 0.01)
+        m.optimizer.learning_rate.assign(0.01)
+
+    changed(optimizer)
+    changed(lambda m: m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5),
+                                loss="mse"))
+    assert type(model.optimizer).__name__ == "SGD"
+    _fit(ref, parallel, x, y)
+    assert engine.copied_in == 0
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+    parallel.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_state_goes_through_the_file_exactly_and_leaves_no_view_behind(dtype):
+    """``replicas.write_state`` / ``load_arrays`` copy each variable once, straight
+    to and from the file (a dtype numpy lacks takes Keras's own conversion), and
+    the loaded model shares no memory with the file."""
+    import keras
+
+    from kmgpu.engines.torch import replicas, transport
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, dtype=dtype),
+                              keras.layers.Dense(2)])
+        m.compile(optimizer="adam", loss="mse")
+        m.optimizer.build(m.trainable_variables)
+        return m
+
+    def same(a, b):  # bit for bit (the file holds bfloat16 as raw bytes)
+        return len(a) == len(b) and all(
+            np.asarray(u).shape == np.asarray(w).shape
+            and np.asarray(u).tobytes() == np.asarray(w).tobytes() for u, w in zip(a, b))
+
+    src, dst = model(1), model(2)
+    for v in src.optimizer.variables:  # non-zero moments, a step count, a learning rate
+        v.assign(np.full(v.shape, 3, dtype=keras.backend.standardize_dtype(v.dtype)))
+    layout, arrays = replicas.state_of(src, with_optimizer=True)
+    state = transport.StateFile.make(layout.arrays)
+    try:
+        replicas.write_state(state, 1, src, layout, seq=1, epoch=0)
+        assert same(state.read(1), arrays)
+        want = replicas.model_arrays(src, layout)
+        assert not same(replicas.model_arrays(dst, layout), want)
+        replicas.load_arrays(dst, state.read(1, copy=False), layout)
+        assert same(replicas.model_arrays(dst, layout), want)
+        for view in state.begin(1):  # the file changes: the loaded model does not
+            view[...] = np.zeros_like(view)
+        assert same(replicas.model_arrays(dst, layout), want)
+    finally:
+        transport.remove(state.path.rsplit("/", 1)[0])
