@@ -58,7 +58,7 @@ def _data():
 
 def _fit(model, parallel=False, **kwargs):
     x, y = _data()
-    args = dict(x=x, y=y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    args = dict(x=x, y=y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     args.update(kwargs)
     if not parallel:
         return model.fit(**args)
