@@ -128,6 +128,7 @@ def check_weighable(model, kwargs, method="fit"):
     weights = uses_loss and loss_kind(model) == "weights"
     probe = loss_rows.rules(model, True) is None and loss_rows.needs_probe(model)
     if not (weights or probe):
+        loss_rows.check(model, None, uses_loss)  # a loss refused on an earlier call
         return kwargs
     given, batch = kwargs.get("sample_weight"), None
     if probe or (weights and given is None):
