@@ -124,11 +124,11 @@ def main():
     parallel = kmgpu.parallelize(m, gpus=1, tf32=False)
     start = time.perf_counter()
     loss = parallel.fit(**fit).history["loss"]
-    results.append(("kmgpu gpus=1 (captured step)", rel_diff(reference.get_weights(),
-                                                             m.get_weights()),
+    results.append(("kmgpu gpus=1 " + ("(captured step)" if gpu else "(Keras's step: CPU)"),
+                    rel_diff(reference.get_weights(), m.get_weights()),
                     loss, time.perf_counter() - start, counts.row()))
     log("kmgpu gpus=1", results[-1])
-    parallel.close() if hasattr(parallel, "close") else None
+    parallel.close()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29537")
@@ -152,7 +152,8 @@ def main():
     start = time.perf_counter()
     with graphs.installed(m2, step):
         loss = m2.fit(**fit).history["loss"]
-    results.append(("split step world 2, NCCL group of 1 (captured)",
+    results.append(("split step world 2, " + ("NCCL group of 1 (captured)" if gpu
+                                              else "gloo group of 1 (eager: CPU)"),
                     rel_diff(reference.get_weights(), m2.get_weights()), loss,
                     time.perf_counter() - start, counts2.row()))
     log("world 2", results[-1])
