@@ -56,14 +56,15 @@ def _data():
     return x, rng.normal(size=(ROWS, 2)).astype("float32")
 
 
-def _fit(model, parallel=False, **kwargs):
+def _fit(model, parallel=None, **kwargs):
+    """``model.fit``, or ``parallel.fit`` (a ParallelModel of ``model``) when given."""
     x, y = _data()
     args = dict(x=x, y=y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     args.update(kwargs)
-    if not parallel:
+    if parallel is None:
         return model.fit(**args)
     with few_steps():
-        return kmgpu.parallelize(model).fit(**args)
+        return parallel.fit(**args)
 
 
 @pytest.mark.parametrize("compiled_loss", [True, False], ids=["with-compiled-loss",
@@ -74,9 +75,15 @@ def test_sum_and_mean_over_rows_equal_one_device(compiled_loss):
         _model(*layers, compiled_loss=compiled_loss)
     no_y = {} if compiled_loss else {"y": None}
     one = _fit(reference, **no_y)
-    many = _fit(model, parallel=True, **no_y)
+    parallel = kmgpu.parallelize(model)
+    many = _fit(model, parallel, **no_y)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
     np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+    if compiled_loss:  # the test step weighs them likewise
+        x, y = _data()
+        np.testing.assert_allclose(
+            parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+            reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
 
 
 def test_other_dependence_on_rows_refused_or_exact():
@@ -84,7 +91,7 @@ def test_other_dependence_on_rows_refused_or_exact():
     if keras.backend.backend() == "jax":  # the loss of the global batch: one device's
         reference = _model(SquaredBatchMean)
         _fit(reference)
-        _fit(model, parallel=True)
+        _fit(model, kmgpu.parallelize(model))
         assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
         return
     before = [w.copy() for w in model.get_weights()]
