@@ -1,7 +1,10 @@
 """A masked sequence loss inside kmgpu's captured torch step, on one GPU (issue 27).
 
-Model: Embedding(mask_zero=True) -> LSTM(return_sequences) -> TimeDistributed(Dense),
-sparse categorical crossentropy, padded sequences of varying lengths (0 = padding): Keras
+Models: Embedding(mask_zero=True) -> LSTM(return_sequences) -> TimeDistributed(Dense), and
+the same with Dense in place of the LSTM (Keras's torch LSTM with a mask runs a Python loop
+that reads a tensor time counter on the host, so it cannot be captured: kmgpu says so and
+trains it eagerly; the Dense model keeps the mask and captures), sparse categorical
+crossentropy, padded sequences of varying lengths (0 = padding): Keras
 divides the summed loss by the valid timesteps. Same initial weights, shuffle=False, 2
 epochs, TF32 off everywhere (matmuls and cuDNN), against Keras's own fit on the same
 device:
@@ -51,14 +54,15 @@ def data(rows):
     return x.astype("int32"), y.astype("int32")
 
 
-def model(units):
+def model(units, kind="lstm"):
     import keras
 
     keras.utils.set_random_seed(7)
+    middle = (keras.layers.LSTM(units, return_sequences=True) if kind == "lstm"
+              else keras.layers.Dense(units, activation="tanh"))  # Dense keeps the mask
     m = keras.Sequential([
         keras.Input((STEPS_LEN,), dtype="int32"),
-        keras.layers.Embedding(VOCAB, 16, mask_zero=True),
-        keras.layers.LSTM(units, return_sequences=True),
+        keras.layers.Embedding(VOCAB, 16, mask_zero=True), middle,
         keras.layers.TimeDistributed(keras.layers.Dense(CLASSES))])
     m.compile(optimizer=keras.optimizers.Adam(1e-2),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -98,12 +102,8 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    import keras
     import torch
     import torch.distributed as dist
-
-    import kmgpu
-    from kmgpu.engines.torch import graphs, split_step
 
     gpu = torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -111,28 +111,44 @@ def main():
     x, y = data(rows)
     fit = dict(x=x, y=y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     log(f"device: {torch.cuda.get_device_name(0) if gpu else 'cpu'}; rows {rows}, batch "
-        f"{batch}, LSTM {units}, valid timesteps {int((x > 0).sum())} of {x.size}")
+        f"{batch}, units {units}, valid timesteps {int((x > 0).sum())} of {x.size}")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29537")
+    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+    results = []
+    for kind in ("dense", "lstm"):
+        results += runs(kind, units, fit, gpu)
+    dist.destroy_process_group()
+    table(results, gpu, rows, batch, units, a.out)
 
-    reference = model(units)
+
+def runs(kind, units, fit, gpu):
+    """Plain Keras, kmgpu gpus=1 and the world-2 split step for one model kind."""
+    import torch
+    import torch.distributed as dist
+
+    import kmgpu
+    from kmgpu.engines.torch import graphs, split_step
+
+    reference = model(units, kind)
     start = time.perf_counter()
     plain_loss = reference.fit(**fit).history["loss"]
-    results = [("Keras fit (plain)", 0.0, plain_loss, time.perf_counter() - start, None)]
+    results = [(f"{kind}: Keras fit (plain)", 0.0, plain_loss, time.perf_counter() - start,
+                None)]
     log("plain", plain_loss)
 
     counts = Counts()
-    m = model(units)
+    m = model(units, kind)
     parallel = kmgpu.parallelize(m, gpus=1, tf32=False)
     start = time.perf_counter()
     loss = parallel.fit(**fit).history["loss"]
-    results.append(("kmgpu gpus=1 " + ("(captured step)" if gpu else "(Keras's step: CPU)"),
+    results.append((f"{kind}: kmgpu gpus=1 " + ("(captured step)" if gpu
+                                                else "(Keras's step: CPU)"),
                     rel_diff(reference.get_weights(), m.get_weights()),
                     loss, time.perf_counter() - start, counts.row()))
     log("kmgpu gpus=1", results[-1])
     parallel.close()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29537")
-    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
     counts2 = Counts()
 
     def reduce(flats):
@@ -145,38 +161,45 @@ def main():
                     counts2.small_eager += 1
             dist.all_reduce(flat)
 
-    m2 = model(units)
+    m2 = model(units, kind)
     split = split_step.SplitStep(m2, world=2, reduce=reduce,
                                  rows=lambda x: (split_step._num_rows(x),) * 2)
     step = graphs.CapturedStep(split, graphs.device_of(m2), tf32=False)
     start = time.perf_counter()
     with graphs.installed(m2, step):
         loss = m2.fit(**fit).history["loss"]
-    results.append(("split step world 2, " + ("NCCL group of 1 (captured)" if gpu
-                                              else "gloo group of 1 (eager: CPU)"),
+    results.append((f"{kind}: split step world 2, " + ("NCCL group of 1 (captured)" if gpu
+                                                        else "gloo group of 1 (eager: CPU)"),
                     rel_diff(reference.get_weights(), m2.get_weights()), loss,
                     time.perf_counter() - start, counts2.row()))
     log("world 2", results[-1])
     step.close()
-    dist.destroy_process_group()
+    return results
+
+
+def table(results, gpu, rows, batch, units, out):
+    import keras
+    import torch
 
     head = ("| run | weights vs plain (rel.) | loss per epoch | fit s | train steps | eager "
-            "steps | replayed | masked all-reduces recorded in a graph / eager |")
+            "steps | not eager (captured/replayed) | masked all-reduces recorded in a graph / "
+            "eager |")
     lines = [head, "|" + "---|" * 8]
     for name, diff, loss, secs, c in results:
         c = c or {}
         lines.append(
             f"| {name} | {diff:.2e} | {', '.join(f'{v:.6f}' for v in loss)} | {secs:.1f} | "
             f"{c.get('steps', '-')} | {c.get('eager', '-')} | {c.get('replayed', '-')} | "
-            f"{c.get('masked_allreduce_in_capture', '-')} / {c.get('masked_allreduce_eager', '-')} |")
-    table = "\n".join(lines)
-    print(table, flush=True)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "torch-masked-capture.md"), "w") as f:
+            f"{c.get('masked_allreduce_in_capture', '-')} / "
+            f"{c.get('masked_allreduce_eager', '-')} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "torch-masked-capture.md"), "w") as f:
             f.write(f"device: {torch.cuda.get_device_name(0) if gpu else 'cpu'}, torch "
                     f"{torch.__version__}, keras {keras.__version__}; rows {rows}, batch "
-                    f"{batch}, LSTM {units}\n\n{table}\n")
+                    f"{batch}, units {units}\n\n{text}\n")
 
 
 if __name__ == "__main__":
