@@ -17,7 +17,7 @@ import json
 
 import keras
 
-from kmgpu.engines import keras_fixes
+from kmgpu.engines import keras_fixes, loss_rows
 
 
 def check_model(model):
@@ -81,8 +81,10 @@ def carried(template):
     """What a replica needs from ``template`` beside its config, compile config and
     weights, as picklable data: the state Keras's saving path writes for its adapted
     layers (``keras_fixes.own_state``) and its optimizer's settings outside its config
-    (``keras_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
-    return keras_fixes.own_state(template), keras_fixes.optimizer_settings(template)
+    (``keras_fixes.optimizer_settings``), and how its own losses add up over replicas
+    (``loss_rows.carried``). ``load_carried`` puts it into a replica."""
+    return (keras_fixes.own_state(template), keras_fixes.optimizer_settings(template),
+            loss_rows.carried(template))
 
 
 def load_carried(replica, carried, compiled=False):
@@ -90,11 +92,13 @@ def load_carried(replica, carried, compiled=False):
     before compile, the layers' state (through Keras's own ``load_own_variables`` /
     ``load_assets``, which finalize adapted layers); after compile
     (``compiled=True``), the optimizer's settings."""
-    layers, optimizer = carried
+    layers, optimizer = carried[:2]
     if compiled:
         keras_fixes.apply_optimizer_settings(replica, optimizer)
     else:
         keras_fixes.load_own_state(replica, layers)
+        if len(carried) > 2:  # how the model's own losses add up over replicas
+            loss_rows.load(replica, carried[2])
 
 
 def clone(template):

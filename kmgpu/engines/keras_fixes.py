@@ -107,30 +107,47 @@ def loss_kind(model):
     return next(iter(found), "rows")
 
 
-def check_weighable(model, kwargs):
+def check_weighable(model, kwargs, method="fit"):
     """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
-    does: outputs whose losses reduce differently (``loss_kind``), and per-output sample
+    does: outputs whose losses reduce differently (``loss_kind``); per-output sample
     weights that differ under "mean_with_sample_weight" (each replica's part of the loss
-    is weighed by one output's weight sums). Arrays only: weights inside a dataset are
-    not seen here."""
+    is weighed by one output's weight sums): given as arrays, or in the first batch of a
+    dataset (later batches are not read here); a model's own loss (``add_loss``) that is
+    neither a mean nor a sum over rows (``loss_rows``, probed once per model, on the
+    first batch, also for predict so that every replica is made with the probe's rules).
+
+    Returns:
+        ``kwargs``; a generator peeked at is replaced by one that yields all its batches.
+    """
+    import keras
     import numpy as np
 
-    if loss_kind(model) != "weights":
-        return
-    given = kwargs.get("sample_weight")
-    if not isinstance(given, (list, tuple, dict)):
-        return
-    import keras
+    from kmgpu.engines import loss_rows
 
-    leaves = [np.asarray(w) for w in keras.tree.flatten(given) if w is not None]
-    if any(not np.array_equal(leaves[0], w) for w in leaves[1:]):
-        raise NotImplementedError(
-            "kmgpu: per-output sample weights that differ, with the 'mean_with_sample_weight' "
-            "reduction: each replica's share of the loss is weighed by one set of sample "
-            "weights, so the result would differ from one device. Pass one sample_weight "
-            "array for every output, give the losses another reduction (e.g. "
-            "'sum_over_batch_size'), or use the JAX backend (it computes the loss on the "
-            "global batch).")
+    uses_loss = method not in ("predict", "predict_on_batch")
+    weights = uses_loss and loss_kind(model) == "weights"
+    probe = loss_rows.rules(model, True) is None and loss_rows.needs_probe(model)
+    if not (weights or probe):
+        loss_rows.check(model, None, uses_loss)  # a loss refused on an earlier call
+        return kwargs
+    given, batch = kwargs.get("sample_weight"), None
+    if probe or (weights and given is None):
+        kwargs, batch = loss_rows.first_batch(kwargs, whole=method.endswith("_on_batch"))
+    if weights:
+        if given is None and batch is not None:
+            given = batch[2]
+        leaves = ([np.asarray(w) for w in keras.tree.flatten(given) if w is not None]
+                  if isinstance(given, (list, tuple, dict)) else [])
+        if any(not np.array_equal(leaves[0], w) for w in leaves[1:]):
+            raise NotImplementedError(
+                "kmgpu: per-output sample weights that differ, with the "
+                "'mean_with_sample_weight' reduction: each replica's share of the loss is "
+                "weighed by one set of sample weights, so the result would differ from one "
+                "device. Pass one sample_weight array for every output, give the losses "
+                "another reduction (e.g. 'sum_over_batch_size'), or use the JAX backend (it "
+                "computes the loss on the global batch).")
+    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss)
+    return kwargs
 
 
 def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
@@ -207,13 +224,15 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     own_losses = list(model.losses) if own_losses is None else own_losses
     fraction = (rows / global_rows if isinstance(rows, (int, float))
                 else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
+    own_terms = _own_terms(model, own_losses, training, rows, global_rows, fraction,
+                           keras_scale)
     if type(model).compute_loss is Trainer.compute_loss and model._compile_loss is None \
             and own_losses:  # add_loss alone: weighed as the model's own losses below
         local = part = None
-        for own in own_losses:
-            own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
-            local = own if local is None else local + own
-            part = _times(own, fraction) if part is None else part + _times(own, fraction)
+        for own, whole, per_row in own_terms:
+            mine, counted = (per_row, own) if whole else (own, _times(own, fraction))
+            local = mine if local is None else local + mine
+            part = counted if part is None else part + counted
         return "rows", local, part
     if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
         local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
@@ -249,10 +268,37 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
         local = part = local * keras_scale
     if kind != "none":
         part = _times(local, share)
-    for own in own_losses:  # Python numbers only: no host-to-device copy in a captured step
-        own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
-        local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
+    for own, whole, per_row in own_terms:
+        if whole:  # a sum over rows: the replica's value counts whole
+            local, part = local + per_row, part + (per_row if kind == "none" else own)
+        else:
+            local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
     return kind, local, part
+
+
+def _own_terms(model, own_losses, training, rows, global_rows, fraction, keras_scale):
+    """The model's own losses as (value, counts whole, value * global_rows / rows): a sum
+    over rows (``loss_rows``) counts whole on every replica; the last form is what the
+    loss tracker (which weighs a replica by its rows) and an unreduced loss need. Python
+    numbers only: no host-to-device copy in a captured step."""
+    from keras import ops
+
+    from kmgpu.engines import loss_rows
+
+    rules = loss_rows.rules(model, training)
+    if rules is not None and len(rules) != len(own_losses):
+        rules = None  # not the losses the probe saw: weighed by share, as before
+    terms = []
+    for i, own in enumerate(own_losses):
+        own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
+        whole = rules is not None and rules[i] == loss_rows.WHOLE
+        per_row = None
+        if whole:
+            per_row = (own * (global_rows / max(rows, 1)) if isinstance(rows, (int, float))
+                       else _times(own, ops.cast(global_rows, "float32")
+                                   / ops.maximum(ops.cast(rows, "float32"), 1.0)))
+        terms.append((own, whole, per_row))
+    return terms
 
 
 def _without_rows(own, rows):

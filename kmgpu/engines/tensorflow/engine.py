@@ -94,7 +94,7 @@ class TensorFlowEngine(InProcessEngine):
         from kmgpu.engines import keras_fixes as fixes
 
         if template.compiled and self.num_replicas > 1:
-            fixes.check_weighable(template, kwargs)  # refused before any work
+            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
         self._feed["first"] = None
         if method in ON_BATCH:
             try:

@@ -55,7 +55,7 @@ class TorchEngine(Engine):
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
-            fixes.check_weighable(template, kwargs)  # refused before any work
+            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
                   and not method.endswith("_on_batch"))
         if resets:

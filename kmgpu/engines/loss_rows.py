@@ -1,0 +1,222 @@
+"""How a model's own losses (``add_loss``, weight regularizers) add up over replicas.
+
+On one device Keras adds each of ``model.losses`` once per batch, computed on the whole
+batch. A replica computes it on its own rows, so the replicas' values add up to one
+device's only by a rule that depends on how the loss depends on the rows:
+
+- a mean over rows, ``L(B) = (n1 L(B1) + n2 L(B2)) / n``, and a loss that does not depend
+  on the rows (a weight regularizer): each replica's value weighed by its share of the
+  batch's rows ("share");
+- a sum over rows, ``L(B) = L(B1) + L(B2)``: each replica's value counts whole ("whole");
+- anything else (a batch statistic, a mean of the whole batch squared): no rule gives
+  one device's value; TensorFlow and torch refuse such a call before any work.
+
+Nothing in Keras says which a loss is, so kmgpu measures it, once per model, on the
+first batch of the first call with a loss (``probe``): three forward passes (the batch,
+its first third, the rest) in training mode, and in inference mode when the loss is
+used there (evaluate). The model's variables (random seeds included) are restored after
+each pass. Only models with a layer written outside Keras are probed: Keras's own
+layers add only activity regularizers, which Keras divides by the batch size (a mean).
+JAX computes every loss on the global batch (one jit over the sharded batch) and needs
+no rule. Limits: what the first batch shows is taken for every batch; a model that cannot
+run on fewer rows (a fixed batch size: stateful RNNs) or a first batch of one row is not
+probed (its own losses weigh by share, as before).
+"""
+
+import weakref
+
+SHARE, WHOLE = "share", "whole"
+
+#: model -> {training: (rule per entry of model.losses) or the reason none fits}
+_RULES = weakref.WeakKeyDictionary()
+
+
+def rules(model, training):
+    """The probed rule of each of ``model.losses`` (``SHARE`` / ``WHOLE``) for a pass in
+    ``training`` mode; None when not probed (every one weighs by share)."""
+    found = _RULES.get(model, {}).get(bool(training))
+    return found if isinstance(found, tuple) else None
+
+
+def carried(model):
+    """The probe's result for a replica of ``model`` (``models.carried``): picklable."""
+    return dict(_RULES.get(model, {})) or None
+
+
+def load(replica, found):
+    """Give ``replica`` the probe's result of its template (``carried``)."""
+    if found:
+        _RULES[replica] = dict(found)
+
+
+def needs_probe(model):
+    """True when a layer of ``model`` (or the model) is written outside Keras: only such
+    code may call ``add_loss`` in other ways than Keras's activity regularizers."""
+    return any(not type(layer).__module__.startswith("keras.")
+               for layer in model._flatten_layers(include_self=True))
+
+
+def check(model, x, uses_loss):
+    """Probe ``model``'s own losses on the batch ``x`` once (``probe``), and refuse a call
+    that computes a loss (``uses_loss``) when one of them is neither a mean nor a sum
+    over rows nor independent of them.
+
+    Raises:
+        NotImplementedError: such a loss, with what to do instead.
+    """
+    if model not in _RULES and x is not None and needs_probe(model):
+        found = probe(model, x)
+        if found is not None:
+            _RULES[model] = found
+    if not uses_loss:
+        return
+    for training, found in _RULES.get(model, {}).items():
+        if isinstance(found, str):
+            raise NotImplementedError(
+                f"kmgpu: {found} in {'training' if training else 'inference'} mode; it is "
+                "neither a mean nor a sum over rows, nor independent of them (measured on the "
+                "first batch: the loss of all its rows against that of its first third and "
+                "of the rest). Each replica computes the model's own losses on its part of "
+                "the batch, so no weighing of the replicas' values gives one device's. Write "
+                "it as a mean (or a sum) over the batch's rows, compute it in a compiled "
+                "loss (compile(loss=...)) or a model's own compute_loss on the global "
+                "batch's terms, or use the JAX backend (it computes the loss on the global "
+                "batch).")
+
+
+def probe(model, x):
+    """How each of ``model.losses`` depends on the rows of the batch ``x``.
+
+    Returns:
+        {training: (rule per loss) or a text naming the loss no rule fits}, for
+        training=True and, where it differs, False; None when the model cannot be
+        probed (unbuilt, fewer than 2 rows, a fixed batch size).
+    """
+    import keras
+    import numpy as np
+
+    leaves = [a for a in keras.tree.flatten(x) if a is not None]
+    n = int(np.shape(leaves[0])[0]) if leaves else 0
+    if n < 2 or not model.built:
+        return None
+    first = max(1, n // 3)  # unequal parts: a sum and a mean differ unless all is 0
+    parts = [x] + [keras.tree.map_structure(lambda a, s=s: a[s], x)
+                   for s in (slice(0, first), slice(first, n))]
+    saved = [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]
+    found = {}
+    try:
+        with _torch_rng():
+            for training in (True, False):
+                values = []
+                for part in parts:
+                    model(part, training=training)
+                    values.append([float(np.sum(keras.ops.convert_to_numpy(loss)))
+                                   for loss in model.losses])
+                    for v, a in zip(model.variables, saved):
+                        v.assign(a)
+                found[training] = _classify(values, n, first)
+    except Exception:  # cannot run on these rows (a fixed batch size): not probed
+        for v, a in zip(model.variables, saved):
+            v.assign(a)
+        return None
+    if isinstance(found[True], str) and isinstance(found[False], tuple):
+        # random layers in training mode draw differently in the three passes: the
+        # inference passes show the losses' form
+        found[True] = found[False]
+    return found
+
+
+def _classify(values, n, first):
+    """The rule of each loss from its values on (all rows, the first part, the rest)."""
+    if len({len(v) for v in values}) != 1:
+        return "the number of the model's own losses changes with the rows"
+    rules = []
+    for i, (whole, a, b) in enumerate(zip(*values)):
+        tolerance = 1e-4 * max(abs(whole), abs(a), abs(b), 1e-6)
+        if abs(whole - (first * a + (n - first) * b) / n) <= tolerance:
+            rules.append(SHARE)  # a mean over rows, or no dependence on them
+        elif abs(whole - (a + b)) <= tolerance:
+            rules.append(WHOLE)
+        else:
+            return (f"the model's own loss number {i + 1} of {len(values[0])} (model.losses"
+                    f"[{i}], from add_loss) is {whole:.6g} on the batch's {n} rows, {a:.6g}"
+                    f" on its first {first} and {b:.6g} on the other {n - first}")
+    return tuple(rules)
+
+
+def _torch_rng():
+    """torch's own random state kept as it was (Keras's torch dropout draws from it)."""
+    import contextlib
+
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.random.fork_rng(devices=[])
+
+
+# -- the first batch of a call, for the checks before any work ---------------------------
+def first_batch(kwargs, whole=False):
+    """The first batch of a call's data as (x, y, sample_weight), read without changing
+    what the call will read: arrays sliced (``batch_size`` rows, or all of them for
+    ``whole``: the ``*_on_batch`` methods), a PyDataset's item 0, a ``tf.data`` dataset's
+    first element (a new iterator, as Keras's own build takes it), a map-style torch
+    ``DataLoader``'s first batch collated from its dataset, and a generator's first
+    batch, given back in front of the rest.
+
+    Returns:
+        (kwargs, with a generator peeked at replaced by one that yields that batch
+        first; the batch, or None for data it cannot read so, e.g. an iterable torch
+        dataset).
+    """
+    import inspect
+
+    import keras
+
+    from kmgpu.checks import is_dataset
+
+    x = kwargs.get("x")
+    if x is None:
+        return kwargs, None
+    if not is_dataset(x):
+        rows = None if whole else int(kwargs.get("batch_size") or 32)
+        batch = tuple(keras.tree.map_structure(lambda a: a[:rows], kwargs.get(key))
+                      if kwargs.get(key) is not None else None
+                      for key in ("x", "y", "sample_weight"))
+        return kwargs, batch
+    try:
+        if isinstance(x, keras.utils.PyDataset):
+            batch = x[0]
+        elif hasattr(x, "element_spec") and hasattr(x, "take"):  # tf.data
+            batch = next(iter(x.take(1)))
+        elif hasattr(x, "collate_fn") and hasattr(x, "dataset"):  # torch DataLoader
+            size = x.batch_size
+            if not size or not hasattr(x.dataset, "__getitem__"):
+                return kwargs, None
+            batch = x.collate_fn([x.dataset[i] for i in range(min(size, len(x.dataset)))])
+        elif inspect.isgenerator(x) or hasattr(x, "__next__"):
+            batch = next(x)
+            kwargs = dict(kwargs, x=_in_front(batch, x))
+        else:
+            return kwargs, None
+    except (StopIteration, IndexError, TypeError):
+        return kwargs, None
+    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    x, y, sw = keras.utils.unpack_x_y_sample_weight(batch)
+    return kwargs, tuple(None if part is None else keras.tree.map_structure(_numpy, part)
+                         for part in (x, y, sw))
+
+
+def _in_front(first, rest):
+    yield first
+    yield from rest
+
+
+def _numpy(a):
+    import numpy as np
+
+    if hasattr(a, "detach"):  # torch
+        a = a.detach().cpu()
+    return np.asarray(a)

@@ -1,0 +1,103 @@
+"""A model's own losses (``add_loss``, regularizers) on several replicas: each replica
+computes them on its own rows, so how they add up depends on how they depend on the
+rows. kmgpu probes that once, on the first batch (``kmgpu.engines.loss_rows``): a mean
+over rows (and a loss that does not depend on them) is weighed by the replica's share of
+the batch, a sum over rows counts whole on every replica, anything else is refused
+before any work on TensorFlow and torch (JAX computes the loss on the global batch and
+equals one device). 30 rows, batch 7 on 4 devices: every batch splits unevenly."""
+
+import keras
+import numpy as np
+import pytest
+
+import kmgpu
+from tests.helpers import few_steps, rel_diff
+
+ROWS, BATCH = 30, 7
+
+
+class SumOverRows(keras.layers.Layer):
+    """Adds a sum over rows (what kmgpu weighed as a mean before the probe)."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
+        return x
+
+
+class MeanOverRows(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.abs(x)))
+        return x
+
+
+class SquaredBatchMean(keras.layers.Layer):
+    """Neither a mean nor a sum over rows: the square of the batch's mean."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.square(keras.ops.mean(x)))
+        return x
+
+
+def _model(*layers, compiled_loss=True):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="tanh", kernel_regularizer="l2")(inputs)
+    h = keras.layers.Dense(2)(h)
+    for layer in layers:  # every weight reaches the added losses (add_loss alone)
+        h = layer()(h)
+    model = keras.Model(inputs, h)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse" if compiled_loss else None)
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(ROWS, 4)).astype("float32")
+    return x, rng.normal(size=(ROWS, 2)).astype("float32")
+
+
+def _fit(model, parallel=None, **kwargs):
+    """``model.fit``, or ``parallel.fit`` (a ParallelModel of ``model``) when given."""
+    x, y = _data()
+    args = dict(x=x, y=y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    args.update(kwargs)
+    if parallel is None:
+        return model.fit(**args)
+    with few_steps():
+        return parallel.fit(**args)
+
+
+@pytest.mark.parametrize("compiled_loss", [True, False], ids=["with-compiled-loss",
+                                                              "add-loss-only"])
+def test_sum_and_mean_over_rows_equal_one_device(compiled_loss):
+    layers = (SumOverRows, MeanOverRows)
+    reference, model = _model(*layers, compiled_loss=compiled_loss), \
+        _model(*layers, compiled_loss=compiled_loss)
+    no_y = {} if compiled_loss else {"y": None}
+    one = _fit(reference, **no_y)
+    parallel = kmgpu.parallelize(model)
+    many = _fit(model, parallel, **no_y)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+    if compiled_loss:  # the test step weighs them likewise
+        x, y = _data()
+        np.testing.assert_allclose(
+            parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+            reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+
+
+def test_other_dependence_on_rows_refused_or_exact():
+    model = _model(SquaredBatchMean)
+    if keras.backend.backend() == "jax":  # the loss of the global batch: one device's
+        reference = _model(SquaredBatchMean)
+        _fit(reference)
+        _fit(model, kmgpu.parallelize(model))
+        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+        return
+    before = [w.copy() for w in model.get_weights()]
+    x, y = _data()
+    with few_steps(), pytest.raises(NotImplementedError,
+                                    match="neither a mean nor a sum over rows"):
+        kmgpu.parallelize(model).fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not model.optimizer.built
