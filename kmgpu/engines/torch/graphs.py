@@ -40,7 +40,7 @@ import os
 import keras
 import torch
 
-from kmgpu.engines.torch import cuda_graphs, keras_fixes
+from kmgpu.engines.torch import cuda_graphs, keras_fixes, split_step
 from kmgpu.engines.torch.split_step import (  # noqa: F401 (graphs.SplitStep etc.)
     FlatBuffers, SplitStep, _map, _num_rows, _unpack)
 
@@ -119,7 +119,8 @@ def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
         return ("Keras's eager step" + (" (gradients summed by DDP in backward)" if world > 1
                                         else "") + f": {why}")
     what = ("forward+backward into a flat gradient buffer, " +
-            ("one all-reduce, " if world > 1 else "") + "optimizer+metrics")
+            ("one all-reduce, " if world > 1 else "") +
+            f"optimizer ({split_step.optimizer_words(model)})+metrics")
     if sync_batchnorm and world > 1:
         return (f"split step ({what}), eager: sync_batchnorm all-reduces inside the "
                 "forward pass, which stays out of a graph")

@@ -3,25 +3,32 @@ all-reduce, B the optimizer, statistics, loss tracker and metrics; eager here, c
 as CUDA graphs by ``graphs.CapturedStep``. Split from graphs.py by role."""
 
 import contextlib
+import os
 
 import keras
 import torch
 
-from kmgpu.engines.torch import cond_keras_fixes, keras_fixes
+from kmgpu.engines.torch import cond_keras_fixes, flat_optim, keras_fixes
 
 
 class FlatBuffers:
-    """Tensors laid out in one flat buffer per dtype; ``views[i]`` has tensor i's shape."""
+    """Tensors laid out in one flat buffer per dtype (dtypes in order of first
+    appearance); ``views[i]`` has tensor i's shape and starts ``flat_optim.ALIGN_BYTES``
+    into its buffer, zero padding between, as ``flat_optim`` lays out the variables: the
+    first tensors of a dtype (the trainable variables) are then the flat optimizer's
+    gradient buffer of that dtype, with no copy."""
 
     def __init__(self, tensors, device):
-        sizes, slots = {}, []
-        for t in tensors:
-            offset = sizes.get(t.dtype, 0)
-            slots.append((t.dtype, offset, t.numel(), tuple(t.shape)))
-            sizes[t.dtype] = offset + t.numel()
-        self.flats = [torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()]
-        by_dtype = dict(zip(sizes, self.flats))
-        self.views = [by_dtype[d][o:o + n].view(shape) for d, o, n, shape in slots]
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        self.flats, self.views = [], [None] * len(tensors)
+        for dtype, members in by_dtype.items():
+            where, n = flat_optim.offsets([tensors[i] for i in members])
+            flat = torch.zeros(n, dtype=dtype, device=device)
+            self.flats.append(flat)
+            for i, o in zip(members, where):
+                self.views[i] = flat[o:o + tensors[i].numel()].view(tensors[i].shape)
 
 
 def _copy(dst, src):
@@ -56,6 +63,7 @@ class SplitStep:
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
         self.forward = forward or (lambda n_real: contextlib.nullcontext())
         self.trainable, self.buffers, self.used, self._key = None, None, None, None
+        self.flat, self.optimizer_path = None, None  # the flat optimizer, or why not
 
     def layout(self):
         """(Re)make the flat buffers when the trainable variables changed; True if so."""
@@ -67,6 +75,7 @@ class SplitStep:
         tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
         self.buffers = FlatBuffers(tensors, tensors[0].device)
         self.trainable, self._key, self.used = trainable, key, None
+        self.flat, self.optimizer_path = None, None
         return True
 
     @property
@@ -131,15 +140,40 @@ class SplitStep:
         with torch.no_grad():
             for view, v in zip(views[n:], self.averaged):
                 v.value.copy_(view)
-            grads = [g if used else None for g, used in zip(views[:n], self.used)]
-            if not model.optimizer.built:  # its variables exist before the branches run
-                model.optimizer.build(self.trainable)
-            with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
-                model.optimizer.apply(grads, self.trainable)
+            flat = self.flat_optimizer()
+            if flat is not None:
+                flat.step(self._flat_grads)
+            else:
+                grads = [g if used else None for g, used in zip(views[:n], self.used)]
+                if not model.optimizer.built:  # its variables exist before the branches run
+                    model.optimizer.build(self.trainable)
+                with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
+                    model.optimizer.apply(grads, self.trainable)
             if not n_real:  # a stand-in row: nothing of it counts
                 return model.get_metrics_result()
             model._loss_tracker.update_state(loss, sample_weight=n_real)
             return model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+    def flat_optimizer(self):
+        """The ``flat_optim.FlatOptimizer`` stage B updates with (made at the first update,
+        an eager step, before any capture: the variables and the optimizer's slots become
+        views of flat buffers), or None: Keras's own ``optimizer.apply`` runs, and
+        ``optimizer_path`` says why."""
+        if self.optimizer_path is None:
+            ok, why = flat_optim.supported(self.model.optimizer, self.trainable)
+            if ok and not all(self.used):  # Keras leaves those alone: no decay, no slots
+                ok, why = False, ("some trainable variables get no gradient (Keras's "
+                                  "update skips them); Keras's own update runs")
+            if ok and os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") == "0":
+                ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
+            if ok:
+                self.flat = flat_optim.FlatOptimizer(self.model.optimizer, self.trainable)
+                by_dtype = {f.dtype: f for f in self.flats}  # the trainable lead each buffer
+                self._flat_grads = [by_dtype[g.params.dtype][:g.numel]
+                                    for g in self.flat.groups]
+                why = f"kmgpu's flat {self.flat.kind} update over one buffer per dtype"
+            self.optimizer_path = why
+        return self.flat
 
     def step(self, x, y, sw, n_real, n_global):
         """A, all-reduce, B, eagerly."""
@@ -147,6 +181,17 @@ class SplitStep:
         if self.reduce is not None:
             self.reduce(self.flats)
         return self.update(x, y, sw, loss, y_pred, n_real, n_global)
+
+
+def optimizer_words(model):
+    """Which update stage B runs for ``model``, in words (for ``describe()``)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return "no optimizer"
+    ok, why = flat_optim.supported(opt, model.trainable_weights)
+    if ok and os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") == "0":
+        ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
+    return "kmgpu's flat update, one buffer per dtype" if ok else why
 
 
 def _map(fn, structure):
