@@ -20,7 +20,7 @@ from kmgpu.engines import keras_fixes as fixes
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, graphs, keras_fixes, launchers,
-                                 relay, replicas, timing)
+                                 relay, replicas, timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -56,6 +56,8 @@ class TorchEngine(Engine):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
             fixes.check_weighable(template, kwargs)  # refused before any work
+            if self.options.shard_optimizer:
+                zero.check(template.optimizer)
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
                   and not method.endswith("_on_batch"))
         if resets:
@@ -69,12 +71,13 @@ class TorchEngine(Engine):
                 load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
             call = Call(method=method,
-                        key=replicas.replica_key(template, self.options.sync_batchnorm,
-                                                 lr_scale),
+                        key=(replicas.replica_key(template, self.options.sync_batchnorm,
+                                                  lr_scale), self.options.shard_optimizer),
                         kwargs=kwargs, seed=int(np.random.randint(0, 2**31 - 1)),
                         sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
-                        rnn_states=replicas.states_of(template), reset_states=resets)
+                        rnn_states=replicas.states_of(template), reset_states=resets,
+                        shard_optimizer=self.options.shard_optimizer)
             try:
                 answers = launcher.launch(call, template, driver, clock)
             except BaseException:

@@ -164,8 +164,7 @@ class _Graphs:
         except Exception as e:
             raise ReplayFailed(_why(e)) from e
         split = self.split
-        if split.reduce is not None:
-            split.reduce(split.flats)
+        split.exchange()  # the all-reduce (sharded: reduce-scatter), eager
         if self.graph_b is not None:
             try:
                 self.graph_b.replay()
@@ -175,8 +174,11 @@ class _Graphs:
                     say("kmgpu (torch): replaying the optimizer and metrics failed, so they "
                         f"run eagerly after the captured forward/backward: {_why(e)}")
         if self.graph_b is None:
-            return split.update(*self.static, self.loss, self.y_pred, self.n_real,
+            logs = split.update(*self.static, self.loss, self.y_pred, self.n_real,
                                 self.n_global)
+            split.finish()  # sharded: the all-gather of the weights, eager
+            return logs
+        split.finish()
         # Keras may read the logs later (callbacks on another thread): its own copy
         return _map(lambda t: t.clone() if torch.is_tensor(t) else t, self.logs)
 

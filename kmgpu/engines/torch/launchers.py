@@ -335,6 +335,7 @@ class InProcessLauncher(Launcher):
                        else models.clone_at(template, fixed // self.strategy.world))
             if template.compiled:
                 models.compile_like(replica, template, call.lr_scale)
+            self.strategy.shard_optimizer = call.shard_optimizer
             self.replica, self._built_key = self.strategy.prepare(replica), call.key
         return self.replica
 

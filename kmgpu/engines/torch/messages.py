@@ -80,6 +80,7 @@ class Call:
         layout: the arrays in that file.
         state_in: False when the ranks' replicas hold the template's state already
             (nothing written to slot 0: the replicas stay as they are).
+        shard_optimizer: the optimizer state sharded over the ranks (``zero``).
     """
 
     method: str
@@ -96,6 +97,7 @@ class Call:
     state_path: Optional[str] = None
     layout: Optional[StateLayout] = None
     state_in: bool = True
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)

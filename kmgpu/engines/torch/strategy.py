@@ -48,6 +48,8 @@ class DDPStrategy:
         self.world = dist.get_world_size()
         self.device = torch.device(device)
         self.sync_batchnorm = sync_batchnorm
+        self.shard_optimizer = False  # ZeRO-1 (zero.py): set per call before prepare
+        self.sharded = None      # the sharded SplitStep of the prepared replica
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
@@ -117,6 +119,13 @@ class DDPStrategy:
         # graphs.plan: the captured step on CUDA devices (the same on every rank: one
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
         kind, why = graphs.plan(replica, graphs.available(self.device))
+        self.sharded = None
+        if self.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step
+            if kind == graphs.KERAS and replica.trainable_weights and replica.compiled:
+                kind = graphs.SPLIT
+            elif kind != graphs.SPLIT and self.rank == 0:
+                print(f"kmgpu (torch): shard_optimizer=True: the optimizer state stays whole "
+                      f"on every rank: {why}")
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
         if kind == graphs.SPLIT:
             replica.train_step = self._captured_step(replica, averaged).train_step
@@ -216,11 +225,16 @@ class DDPStrategy:
             for flat in flats:
                 dist.all_reduce(flat)
 
+        shard = self.shard_optimizer and self.world > 1
         split = graphs.SplitStep(replica, world=self.world, reduce=reduce if self.world > 1
-                                 else None, averaged=averaged, rows=rows, forward=forward)
+                                 else None, averaged=averaged, rows=rows, forward=forward,
+                                 rank=self.rank, shard=shard)
+        self.sharded = split if shard else None
         refuse = None
         if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
             refuse = "sync_batchnorm all-reduces inside the forward pass"
+        elif shard and replica.run_eagerly:
+            refuse = "compile(run_eagerly=True)"
         return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
                                    refuse=refuse, tf32=graphs.cuda_graphs.TF32_DEFAULT)
 
@@ -352,6 +366,10 @@ class DDPStrategy:
         sync = SyncCallback(self.rank, self.device, hooks, relay,
                             snapshot if method == "fit" else None, reload_everywhere)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
+        if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
+            from kmgpu.engines.torch import zero
+
+            callbacks.insert(0, zero.GatherBack(self.sharded))
         if reset_states:
             models.reset_states(replica)
             callbacks.insert(0, models.reset_callback(replica))
@@ -391,6 +409,8 @@ class DDPStrategy:
         self.collective = True
         try:
             getattr(replica, method)(*batch, return_dict=True)
+            if self.sharded is not None and self.sharded.zero is not None:
+                self.sharded.zero.materialize()  # the whole state, for the snapshot
             with self._summed_metrics(replica):
                 logs = keras_fixes.pythonify_logs(replica.get_metrics_result())
         finally:

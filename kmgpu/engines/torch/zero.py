@@ -1,0 +1,270 @@
+"""``shard_optimizer=True`` on torch (ZeRO stage 1) over the flat buffers of ``flat_optim``.
+
+The split step (``split_step``) keeps the gradient in one flat buffer per dtype, padded
+to N equal, 256-byte aligned pieces; rank r owns the contiguous piece r. Per step:
+
+  A  forward/backward into the flat gradient buffers (as unsharded);
+     ``exchange``: a reduce-scatter of each buffer (``torch.distributed.reduce_scatter_single``,
+     NCCL and gloo both have it), so each rank gets the summed gradient of its piece only;
+     with ``clipnorm`` / ``global_clipnorm`` an all-reduce instead (the norms need every
+     element; the rank then reads its piece, a view); BatchNorm statistics all-reduced;
+  B  ``update``: the optimizer's update (``flat_optim``'s arithmetic) on this rank's piece of
+     the weights with this rank's piece of the optimizer state: the only state allocated
+     while training (Adam: 8/N bytes per parameter instead of 8);
+     ``gather``: an all-gather of the updated pieces into the whole flat weights, in place,
+     then Keras's variable constraints on the whole weights.
+
+The exchange and the gather stay outside the CUDA graphs (as the unsharded all-reduce);
+B's update is captured. The Keras optimizer's own slot variables hold no memory while a
+fit trains (an empty tensor); ``materialize`` all-gathers the state into them (every
+rank, the same moment: at fit's validation, every epoch end and the end of training,
+and after ``train_on_batch``), so the user's model gets the whole optimizer state back,
+``save`` / ``load_model`` work as unsharded, and a later call's state (loaded, or
+broadcast from rank 0) is taken back into the pieces at the next step (``release``).
+
+Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
+Adagrad, Lion, Nadam and Adamax with their options (``flat_optim.COVERED``); anything else
+(Adafactor's factored moments, Lamb's per-layer trust ratio, Muon, a subclass, the
+LossScaleOptimizer of ``mixed_float16``, gradient accumulation) is refused by ``check``
+before any work.
+"""
+
+import keras
+import torch
+import torch.distributed as dist
+
+from kmgpu.engines.torch import flat_optim
+
+
+def check(optimizer):
+    """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded."""
+    if optimizer is None:
+        return
+    ok, why = flat_optim.supported(optimizer)
+    if not ok:
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"shard_optimizer=True on torch shards an update that is elementwise over the "
+            f"parameters: Keras's {', '.join(flat_optim.COVERED)}; this optimizer is not ({why}"
+            f"). Use one of those, pass shard_optimizer=False, or the JAX backend "
+            f"(KERAS_BACKEND=jax), which shards any optimizer's state. ({name})")
+
+
+def _reduce_scatter(out, flat):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, flat)
+
+
+def _all_gather(out, piece):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, piece)
+
+
+class Shards:
+    """This rank's piece of the optimizer (see the module).
+
+    Args:
+        optimizer: the Keras optimizer (built here if needed, as Keras's apply does).
+        trainable: the trainable variables, the step's order.
+        rank, world: this rank and the number of ranks.
+    """
+
+    def __init__(self, optimizer, trainable, rank, world):
+        check(optimizer)
+        self.rank, self.world = rank, world
+        # the weights and (for now) the slots become views of flat buffers padded to
+        # ``world`` equal aligned pieces; the slots' pieces are copied out below
+        self.flat = flat_optim.FlatOptimizer(optimizer, trainable, multiple=world)
+        self.optimizer = optimizer
+        self.whole = bool(optimizer.clipnorm or optimizer.global_clipnorm)
+        self.parts = []  # per dtype group: (lo, hi) of this rank's piece
+        for g in self.flat.groups:
+            size = g.numel // world
+            self.parts.append((rank * size, (rank + 1) * size))
+        self.slots = [{} for _ in self.flat.groups]
+        self._keras_slots = []  # per group: name -> [Keras slot variable per variable]
+        index = optimizer._get_variable_index
+        for g in self.flat.groups:
+            attrs = {n: a for n, a, _ in flat_optim.SLOTS[self.flat.kind] + [flat_optim.EMA]}
+            self._keras_slots.append({name: [getattr(optimizer, attrs[name])[index(v)]
+                                             for v in g.variables] for name in g.slots})
+        self.materialized = True  # the Keras slot variables hold the state now
+        self.release()
+        for g in self.flat.groups:
+            g.slots = {}  # the whole slot buffers: freed (the pieces are in self.slots)
+        self.grad_pieces = None
+        self._decayed = [self._decayed_pieces(g, part) for g, part in
+                         zip(self.flat.groups, self.parts)]
+        self._spans = [self._piece_spans(g, part) for g, part in
+                       zip(self.flat.groups, self.parts)]
+
+    # -- the layout ---------------------------------------------------------------------
+    def _overlaps(self, g, part):
+        """(variable index, lo, hi) in buffer coordinates: the variables' elements in
+        this rank's piece."""
+        lo, hi = part
+        out = []
+        for i, (v, o) in enumerate(zip(g.variables, g.offsets)):
+            a, b = max(o, lo), min(o + v.value.numel(), hi)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+    def _decayed_pieces(self, g, part):
+        if g.decayed is None or g.decayed is True:
+            return g.decayed
+        decayed = {id(w) for w in g.decayed}
+        lo = part[0]
+        piece = g.params[part[0]:part[1]]
+        return [piece[a - lo:b - lo] for i, a, b in self._overlaps(g, part)
+                if id(g.views[i]) in decayed]
+
+    def _piece_spans(self, g, part):
+        """Each variable's span (elements + padding after) inside this rank's piece."""
+        lo, hi = part
+        ends = g.offsets[1:] + [g.numel]
+        spans = [max(0, min(b, hi) - max(a, lo)) for a, b in zip(g.offsets, ends)]
+        return torch.tensor(spans, device=g.params.device)
+
+    def grad_buffers(self, flats):
+        """Make this rank's gradient pieces for the step's flat gradient buffers (one per
+        dtype group, laid out as the weights)."""
+        self.grad_flats = list(flats)
+        if self.whole:  # all-reduced whole: the piece is a view
+            self.grad_pieces = [f[lo:hi] for f, (lo, hi) in zip(flats, self.parts)]
+        else:
+            self.grad_pieces = [f.new_zeros(hi - lo) for f, (lo, hi) in zip(flats, self.parts)]
+
+    # -- one step -----------------------------------------------------------------------
+    def exchange(self):
+        """The summed gradient of this rank's piece (eager: outside any graph)."""
+        for flat, piece in zip(self.grad_flats, self.grad_pieces):
+            if self.whole:
+                dist.all_reduce(flat)
+            else:
+                _reduce_scatter(piece, flat)
+
+    @torch.no_grad()
+    def update(self):
+        """The optimizer's update of this rank's piece (capturable), then ``iterations``
+        += 1: ``FlatOptimizer.step``'s arithmetic, restricted to the piece."""
+        flat, opt = self.flat, self.optimizer
+        grads = list(self.grad_pieces)
+        if opt.loss_scale_factor is not None:
+            grads = [g / opt.loss_scale_factor for g in grads]
+            whole = [g / opt.loss_scale_factor for g in self.grad_flats] if self.whole else None
+        else:
+            whole = self.grad_flats
+        grads = self._clip(grads, whole)
+        pieces = [g.params[lo:hi] for g, (lo, hi) in zip(flat.groups, self.parts)]
+        if opt.weight_decay is not None:
+            lr = opt.learning_rate
+            factor = 1 - opt.weight_decay * (lr.value if hasattr(lr, "value") else lr)
+            for p, decayed in zip(pieces, self._decayed):
+                if decayed is True:
+                    p.mul_(factor)
+                elif decayed:
+                    torch._foreach_mul_(decayed, factor)
+        lr = flat._scalar(opt.learning_rate)
+        step = getattr(flat, "_" + flat.kind.lower())
+        scalars = flat._scalars(lr)
+        for g, p, grad, slots in zip(flat.groups, pieces, grads, self.slots):
+            step(g, p, grad, slots, lr, scalars)
+        if opt.use_ema:
+            momentum = (flat.iterations != 0).to(flat.dtype) * opt.ema_momentum
+            for p, slots in zip(pieces, self.slots):
+                slots["ema"].copy_(momentum * slots["ema"] + (1 - momentum) * p)
+            if opt.ema_overwrite_frequency:
+                now = (flat.iterations + 1) % opt.ema_overwrite_frequency == 0
+                for p, slots in zip(pieces, self.slots):
+                    p.copy_(torch.where(now, slots["ema"], p))
+        flat.iterations.add_(1)
+
+    def _clip(self, grads, whole):
+        opt = self.optimizer
+        if opt.clipnorm and opt.clipnorm > 0:
+            out = []
+            for g, grad, full, spans, (lo, hi) in zip(self.flat.groups, grads, whole,
+                                                      self._spans, self.parts):
+                norms = torch.stack(torch._foreach_norm(g.split(full)))
+                den = torch.clamp(norms, min=opt.clipnorm)
+                den = torch.repeat_interleave(den, spans, output_size=hi - lo)
+                out.append(torch.mul(grad, opt.clipnorm) / den)
+            return out
+        if opt.global_clipnorm and opt.global_clipnorm > 0:
+            clip = opt.global_clipnorm
+            squares = torch.stack([torch.sum(torch.square(g)) for g in whole])
+            use_norm = torch.sqrt(torch.sum(squares))
+            scale = clip * torch.clamp(1.0 / use_norm, max=1.0 / clip)
+            scale = scale + (use_norm - use_norm)  # inf / NaN norm: NaN, as Keras
+            return [g * scale for g in grads]
+        if opt.clipvalue and opt.clipvalue > 0:
+            return [torch.clamp(g, -opt.clipvalue, opt.clipvalue) for g in grads]
+        return grads
+
+    @torch.no_grad()
+    def gather(self):
+        """Every rank's updated piece into the whole weights (in place, eager), then
+        Keras's variable constraints."""
+        for g, (lo, hi) in zip(self.flat.groups, self.parts):
+            _all_gather(g.params, g.params[lo:hi])
+        for g in self.flat.groups:
+            for v, w in g.constrained:
+                w.copy_(v.constraint(w))
+
+    # -- the Keras optimizer's variables ------------------------------------------------
+    @torch.no_grad()
+    def materialize(self):
+        """All-gather the optimizer state into the Keras slot variables (a collective:
+        every rank, at the same point). No-op when they hold it already."""
+        if self.materialized:
+            return
+        for g, slots, keras_slots in zip(self.flat.groups, self.slots, self._keras_slots):
+            for name, piece in slots.items():
+                whole = piece.new_empty(g.numel)
+                _all_gather(whole, piece)
+                for var, view in zip(keras_slots[name], g.split(whole)):
+                    var.value.data = view
+        self.materialized = True
+
+    @torch.no_grad()
+    def release(self):
+        """Take this rank's piece of the state from the Keras slot variables (they may
+        have been loaded or broadcast since ``materialize``) and free their memory."""
+        if not self.materialized:
+            return
+        for gi, g in enumerate(self.flat.groups):
+            lo, hi = self.parts[gi]
+            for name, keras_slots in self._keras_slots[gi].items():
+                piece = self.slots[gi].get(name)
+                if piece is None:
+                    piece = self.slots[gi][name] = g.params.new_zeros(hi - lo)
+                for i, a, b in self._overlaps(g, (lo, hi)):
+                    o = g.offsets[i]
+                    piece[a - lo:b - lo].copy_(keras_slots[i].value.reshape(-1)[a - o:b - o])
+                for var in keras_slots:
+                    var.value.data = var.value.new_empty(0)
+        self.materialized = False
+
+    def state_bytes(self):
+        """(bytes of optimizer slots this rank holds while training, bytes unsharded)."""
+        per = sum(p.numel() * p.element_size() for s in self.slots for p in s.values())
+        whole = sum(g.numel * g.params.element_size() * len(s)
+                    for g, s in zip(self.flat.groups, self.slots))
+        return per, whole
+
+
+class GatherBack(keras.callbacks.Callback):
+    """In a sharded fit, on every rank: the whole optimizer state into the Keras
+    variables before fit's validation, at every epoch end and at the end of training
+    (before rank 0 snapshots it); the next step takes the pieces back."""
+
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def _gather(self, *args, **kwargs):
+        if self.split.zero is not None:
+            self.split.zero.materialize()
+
+    on_test_begin = on_epoch_end = on_train_end = _gather
