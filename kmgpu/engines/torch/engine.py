@@ -115,8 +115,14 @@ class TorchEngine(Engine):
         return results[0]
 
     def train_step_mode(self, template):
-        return graphs.describe(template, self.device_names[0].startswith("gpu"),
+        text = graphs.describe(template, self.device_names[0].startswith("gpu"),
                                self.num_replicas, self.options.sync_batchnorm)
+        if self.options.shard_optimizer and self.num_replicas > 1:
+            text = zero.describe(text, self.num_replicas)
+        return text
+
+    def optimizer_bytes(self, template):
+        return zero.state_bytes(template, self.num_replicas)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:

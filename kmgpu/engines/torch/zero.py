@@ -268,3 +268,40 @@ class GatherBack(keras.callbacks.Callback):
             self.split.zero.materialize()
 
     on_test_begin = on_epoch_end = on_train_end = _gather
+
+
+def state_bytes(template, world):
+    """For describe(): (optimizer-state bytes on each of ``world`` ranks with
+    ``shard_optimizer``, whole bytes, bytes kept whole on every rank: the step count and
+    other scalars), from the layout ``Shards`` makes (each variable 256-byte aligned, each
+    dtype padded to ``world`` equal pieces); None when the optimizer is not built or not
+    shardable."""
+    from kmgpu import models
+
+    opt = getattr(template, "optimizer", None)
+    if opt is None or not opt.built or not flat_optim.supported(opt, template.trainable_weights)[0]:
+        return None
+    state = models.optimizer_state(opt)
+    whole = sum(v.value.numel() * v.value.element_size() for v in state)
+    by_dtype = {}
+    for v in template.trainable_weights:
+        by_dtype.setdefault(v.value.dtype, []).append(v.value)
+    slots = [s for s in flat_optim.SLOTS[flat_optim.kind(opt)] if s[2] is None or s[2](opt)]
+    if flat_optim.EMA[2](opt):
+        slots.append(flat_optim.EMA)
+    sliced = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
+    kept = whole - sliced * len(slots)
+    per = kept + len(slots) * sum(flat_optim.offsets(ts, world)[1] // world * ts[0].element_size()
+                                  for ts in by_dtype.values())
+    return per, whole, kept
+
+
+def describe(text, world):
+    """``graphs.describe``'s words for the step, made to say what a sharded step does."""
+    what = (f"forward+backward into a flat gradient buffer, reduce-scatter (all-reduce with "
+            f"clipnorm/global_clipnorm), the optimizer on this rank's 1/{world} of the state "
+            f"(ZeRO-1), all-gather of the weights, metrics")
+    if text.startswith("Keras's eager step"):  # a CPU: the split step runs eagerly
+        return f"split step ({what}), eager: CUDA graphs need GPUs"
+    return text.replace("one all-reduce, ", f"reduce-scatter / all-gather (ZeRO-1, 1/{world} "
+                        "of the optimizer state per rank), ")
