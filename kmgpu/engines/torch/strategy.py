@@ -384,7 +384,9 @@ class DDPStrategy:
                 return replica.evaluate(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
             if method == "predict":
                 return self._predict(replica, kwargs, verbose, sync)
-        except Abort:
+        except Abort:  # every rank at the same point: the sharded state can be gathered
+            if self.sharded is not None and self.sharded.zero is not None:
+                self.sharded.zero.materialize()
             return Aborted()
         raise ValueError(method)
 
