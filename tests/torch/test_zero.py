@@ -40,6 +40,9 @@ CASES = {  # name: (N, optimizer, layer dtype policy)
     "global_clipnorm": (2, lambda: O.SGD(0.05, momentum=0.9, global_clipnorm=0.5), None),
     "clipnorm": (4, lambda: O.Adam(0.01, clipnorm=0.2), None),
     "mixed_bfloat16": (2, lambda: O.Adam(0.01), "mixed_bfloat16"),
+    # float16 layers with compile's LossScaleOptimizer: its finite check and dynamic scale
+    "mixed_float16": (4, lambda: O.LossScaleOptimizer(O.Adam(0.01), dynamic_growth_steps=5),
+                      "mixed_float16"),
 }
 
 
@@ -82,11 +85,14 @@ def fits():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_equals_one_device(fits, name):
-    """(mixed_bfloat16: equals the unsharded run on as many ranks.)"""
+    """(mixed precision: equals the unsharded run on as many ranks; mixed_float16's
+    first steps overflow at the initial loss scale and are skipped, as Keras does.)"""
     (ref, ref_history, _), (model, history, parallel) = fits[name]
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert rel_diff(_state(ref), _state(model)) <= TOL  # the whole state, gathered back
-    assert int(model.optimizer.iterations.numpy()) == 24
+    assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy())
+    steps = int(model.optimizer.iterations.numpy())
+    assert steps == 24 if name != "mixed_float16" else 20 <= steps < 24  # some skipped
     for key in ref_history:
         np.testing.assert_allclose(ref_history[key], history[key], rtol=TOL, err_msg=key)
     moved = rel_diff(mlp().get_weights(), model.get_weights())

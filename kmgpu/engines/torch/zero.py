@@ -24,9 +24,10 @@ broadcast from rank 0) is taken back into the pieces at the next step (``release
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
 Adagrad, Lion, Nadam and Adamax with their options (``flat_optim.COVERED``); anything else
-(Adafactor's factored moments, Lamb's per-layer trust ratio, Muon, a subclass, the
-LossScaleOptimizer of ``mixed_float16``, gradient accumulation) is refused by ``check``
-before any work.
+(Adafactor's factored moments, Lamb's per-layer trust ratio, Muon, a subclass, gradient
+accumulation) is refused by ``check`` before any work. ``mixed_float16``'s
+LossScaleOptimizer around one of them is sharded: its finite check needs the whole
+gradient, so the gradient is all-reduced, not reduce-scattered.
 """
 
 import keras
@@ -36,11 +37,18 @@ import torch.distributed as dist
 from kmgpu.engines.torch import flat_optim
 
 
+def _scaler(optimizer):
+    """(the LossScaleOptimizer of ``mixed_float16`` or None, the optimizer it wraps)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, optimizer.inner_optimizer
+    return None, optimizer
+
+
 def check(optimizer):
     """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded."""
     if optimizer is None:
         return
-    ok, why = flat_optim.supported(optimizer)
+    ok, why = flat_optim.supported(_scaler(optimizer)[1])
     if not ok:
         name = type(optimizer).__name__
         raise ValueError(
@@ -72,11 +80,17 @@ class Shards:
     def __init__(self, optimizer, trainable, rank, world):
         check(optimizer)
         self.rank, self.world = rank, world
+        self.scaler, optimizer = _scaler(optimizer)
+        if self.scaler is not None and not self.scaler.built:  # as Keras's apply builds it
+            with keras.name_scope(self.scaler.name, caller=self.scaler):
+                self.scaler.build(trainable)
         # the weights and (for now) the slots become views of flat buffers padded to
         # ``world`` equal aligned pieces; the slots' pieces are copied out below
         self.flat = flat_optim.FlatOptimizer(optimizer, trainable, multiple=world)
         self.optimizer = optimizer
-        self.whole = bool(optimizer.clipnorm or optimizer.global_clipnorm)
+        # the whole gradient on every rank (all-reduce): the clipping norms, and the
+        # loss scale's finite check, need every element
+        self.whole = bool(optimizer.clipnorm or optimizer.global_clipnorm or self.scaler)
         self.parts = []  # per dtype group: (lo, hi) of this rank's piece
         for g in self.flat.groups:
             size = g.numel // world
@@ -147,14 +161,38 @@ class Shards:
     @torch.no_grad()
     def update(self):
         """The optimizer's update of this rank's piece (capturable), then ``iterations``
-        += 1: ``FlatOptimizer.step``'s arithmetic, restricted to the piece."""
+        += 1: ``FlatOptimizer.step``'s arithmetic, restricted to the piece. Under a
+        LossScaleOptimizer: as Keras's, the gradient unscaled, the step kept only when
+        every gradient is finite (a device-side select, no host branch), the scale
+        doubled after ``dynamic_growth_steps`` finite steps, halved after one that is not."""
+        if self.scaler is None:
+            return self._update(self.grad_pieces, self.grad_flats)
+        scaler, flat = self.scaler, self.flat
+        scale = scaler.dynamic_scale.value
+        finite = torch.stack([torch.isfinite(f).all() for f in self.grad_flats]).all()
+        pieces = [g.params[lo:hi] for g, (lo, hi) in zip(flat.groups, self.parts)]
+        state = (pieces + [s for slots in self.slots for s in slots.values()]
+                 + [flat.iterations])
+        if flat.kind == "Nadam":
+            state.append(self.optimizer._u_product.value)
+        before = [t.clone() for t in state]
+        self._update([g / scale for g in self.grad_pieces],
+                     [f / scale for f in self.grad_flats])
+        for t, old in zip(state, before):
+            t.copy_(torch.where(finite, t, old))
+        counter = scaler.step_counter.value
+        grow = counter == scaler.dynamic_growth_steps - 1
+        scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
+        counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+
+    def _update(self, grad_pieces, grad_flats):
         flat, opt = self.flat, self.optimizer
-        grads = list(self.grad_pieces)
+        grads = list(grad_pieces)
         if opt.loss_scale_factor is not None:
             grads = [g / opt.loss_scale_factor for g in grads]
-            whole = [g / opt.loss_scale_factor for g in self.grad_flats] if self.whole else None
+            whole = [g / opt.loss_scale_factor for g in grad_flats] if self.whole else None
         else:
-            whole = self.grad_flats
+            whole = grad_flats
         grads = self._clip(grads, whole)
         pieces = [g.params[lo:hi] for g, (lo, hi) in zip(flat.groups, self.parts)]
         if opt.weight_decay is not None:
@@ -279,15 +317,18 @@ def state_bytes(template, world):
     from kmgpu import models
 
     opt = getattr(template, "optimizer", None)
-    if opt is None or not opt.built or not flat_optim.supported(opt, template.trainable_weights)[0]:
+    if opt is None or not opt.built:
+        return None
+    inner = _scaler(opt)[1]
+    if not flat_optim.supported(inner, template.trainable_weights)[0]:
         return None
     state = models.optimizer_state(opt)
     whole = sum(v.value.numel() * v.value.element_size() for v in state)
     by_dtype = {}
     for v in template.trainable_weights:
         by_dtype.setdefault(v.value.dtype, []).append(v.value)
-    slots = [s for s in flat_optim.SLOTS[flat_optim.kind(opt)] if s[2] is None or s[2](opt)]
-    if flat_optim.EMA[2](opt):
+    slots = [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]
+    if flat_optim.EMA[2](inner):
         slots.append(flat_optim.EMA)
     sliced = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
     kept = whole - sliced * len(slots)
