@@ -174,3 +174,17 @@ def test_each_rank_holds_one_nth_of_the_state():
         pieces.append(group.params[lo:hi].clone())
     together = torch.cat(pieces)[:ref.groups[0].numel]
     assert torch.allclose(together, ref.groups[0].params, rtol=1e-6, atol=0)
+
+
+def test_train_on_batch_gathers_the_state_back():
+    ref, model = mlp(), mlp()
+    parallel = kmgpu.parallelize(model, gpus=2, shard_optimizer=True)
+    for m in (ref, parallel):
+        m.compile(optimizer=O.Adam(0.01), loss="mse")
+    for i in range(3):
+        ref.train_on_batch(X[8 * i:8 * i + 8], Y[8 * i:8 * i + 8])
+        parallel.train_on_batch(X[8 * i:8 * i + 8], Y[8 * i:8 * i + 8])
+    parallel.close()
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+    assert int(model.optimizer.iterations.numpy()) == 3

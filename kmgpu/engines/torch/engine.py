@@ -118,7 +118,7 @@ class TorchEngine(Engine):
         text = graphs.describe(template, self.device_names[0].startswith("gpu"),
                                self.num_replicas, self.options.sync_batchnorm)
         if self.options.shard_optimizer and self.num_replicas > 1:
-            text = zero.describe(text, self.num_replicas)
+            text = zero.describe(text, self.num_replicas, template)
         return text
 
     def optimizer_bytes(self, template):

@@ -337,12 +337,16 @@ def state_bytes(template, world):
     return per, whole, kept
 
 
-def describe(text, world):
-    """``graphs.describe``'s words for the step, made to say what a sharded step does."""
+def describe(text, world, template):
+    """``graphs.describe``'s words for ``template``'s step, made to say what a sharded
+    step does."""
+    from kmgpu.engines.torch import split_step
+
     what = (f"forward+backward into a flat gradient buffer, reduce-scatter (all-reduce with "
-            f"clipnorm/global_clipnorm), the optimizer on this rank's 1/{world} of the state "
-            f"(ZeRO-1), all-gather of the weights, metrics")
+            f"clipnorm/global_clipnorm/mixed_float16), the optimizer on this rank's 1/{world} "
+            f"of the state (ZeRO-1), all-gather of the weights, metrics")
     if text.startswith("Keras's eager step"):  # a CPU: the split step runs eagerly
         return f"split step ({what}), eager: CUDA graphs need GPUs"
-    return text.replace("one all-reduce, ", f"reduce-scatter / all-gather (ZeRO-1, 1/{world} "
-                        "of the optimizer state per rank), ")
+    unsharded = ("forward+backward into a flat gradient buffer, one all-reduce, optimizer "
+                 f"({split_step.optimizer_words(template)})+metrics")
+    return text.replace(unsharded, what)
