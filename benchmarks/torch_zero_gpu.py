@@ -1,4 +1,4 @@
-"""torch on one GPU: the flat-buffer optimizer's speed, and the captured sharded step (issues 31, 32).
+"""torch on one GPU: the flat optimizer's speed and the captured sharded step (issues 31, 32).
 
 ``KERAS_BACKEND=torch python benchmarks/torch_zero_gpu.py [--small] [--out DIR]``
 

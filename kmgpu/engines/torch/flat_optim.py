@@ -25,6 +25,8 @@ subclasses, ``LossScaleOptimizer`` (its dynamic loss scale skips steps by a host
 branch), ``gradient_accumulation_steps``, variables with ``overwrite_with_gradient``.
 """
 
+import os
+
 import keras
 import torch
 
@@ -85,6 +87,22 @@ def supported(optimizer, variables=None):
             return False, ("use_ema averages every variable the optimizer was built on; "
                            "these variables are not that set")
     return True, None
+
+
+def enabled():
+    """False when ``KMGPU_TORCH_FLAT_OPTIMIZER=0`` asks for Keras's own update (to measure)."""
+    return os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") != "0"
+
+
+def optimizer_words(model):
+    """Which update kmgpu's split step runs for ``model``, in words (for ``describe()``)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return "no optimizer"
+    ok, why = supported(opt, model.trainable_weights)
+    if ok and not enabled():
+        ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
+    return "kmgpu's flat update, one buffer per dtype" if ok else why
 
 
 #: each tensor starts this many bytes into its flat buffer (padding between them stays

@@ -3,7 +3,6 @@ all-reduce, B the optimizer, statistics, loss tracker and metrics; eager here, c
 as CUDA graphs by ``graphs.CapturedStep``. Split from graphs.py by role."""
 
 import contextlib
-import os
 
 import keras
 import torch
@@ -200,7 +199,7 @@ class SplitStep:
             if ok and not all(self.used):  # Keras leaves those alone: no decay, no slots
                 ok, why = False, ("some trainable variables get no gradient (Keras's "
                                   "update skips them); Keras's own update runs")
-            if ok and os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") == "0":
+            if ok and not flat_optim.enabled():
                 ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
             if ok:
                 self.flat = flat_optim.FlatOptimizer(self.model.optimizer, self.trainable)
@@ -235,15 +234,8 @@ class SplitStep:
         return logs
 
 
-def optimizer_words(model):
-    """Which update stage B runs for ``model``, in words (for ``describe()``)."""
-    opt = getattr(model, "optimizer", None)
-    if opt is None:
-        return "no optimizer"
-    ok, why = flat_optim.supported(opt, model.trainable_weights)
-    if ok and os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") == "0":
-        ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
-    return "kmgpu's flat update, one buffer per dtype" if ok else why
+#: which update stage B runs for a model, in words (for ``describe()``)
+optimizer_words = flat_optim.optimizer_words
 
 
 def _map(fn, structure):

@@ -340,13 +340,11 @@ def state_bytes(template, world):
 def describe(text, world, template):
     """``graphs.describe``'s words for ``template``'s step, made to say what a sharded
     step does."""
-    from kmgpu.engines.torch import split_step
-
     what = (f"forward+backward into a flat gradient buffer, reduce-scatter (all-reduce with "
             f"clipnorm/global_clipnorm/mixed_float16), the optimizer on this rank's 1/{world} "
             f"of the state (ZeRO-1), all-gather of the weights, metrics")
     if text.startswith("Keras's eager step"):  # a CPU: the split step runs eagerly
         return f"split step ({what}), eager: CUDA graphs need GPUs"
     unsharded = ("forward+backward into a flat gradient buffer, one all-reduce, optimizer "
-                 f"({split_step.optimizer_words(template)})+metrics")
+                 f"({flat_optim.optimizer_words(template)})+metrics")
     return text.replace(unsharded, what)
