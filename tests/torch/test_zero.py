@@ -188,3 +188,25 @@ def test_train_on_batch_gathers_the_state_back():
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert rel_diff(_state(ref), _state(model)) <= TOL
     assert int(model.optimizer.iterations.numpy()) == 3
+
+
+def test_forward_replayed_on_two_ranks_with_a_sharded_update(monkeypatch, capsys):
+    """Graph A 'replayed' (a fake capture, inherited by the forked workers), graph B's
+    capture failing: between them the captured step's reduce-scatter, after B the
+    all-gather, as on a GPU; still equal to one device."""
+    from kmgpu.engines.torch import launchers
+    from tests.torch.test_captured_step import _forced_capture
+
+    launchers.close_pools()
+    try:
+        _forced_capture(monkeypatch, fail_update=True)
+        make_opt = lambda: O.Adam(0.01)  # noqa: E731
+        ref, ref_history, _ = _fit(make_opt, None)
+        model, history, parallel = _fit(make_opt, None, 2)
+        parallel.close()
+        assert "run eagerly after the captured" in capsys.readouterr().out
+        assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+        assert rel_diff(_state(ref), _state(model)) <= TOL
+        np.testing.assert_allclose(ref_history["loss"], history["loss"], rtol=TOL)
+    finally:
+        launchers.close_pools()  # no worker keeps the fake capture
