@@ -71,3 +71,22 @@ def test_two_ranks_flat_update_equals_kerass_apply():
     assert "flat update" in parallel.describe()
     parallel.compile(optimizer=keras.optimizers.Adafactor(), loss="mse", jit_compile=True)
     assert "Adafactor is not one of" in parallel.describe()
+
+
+def test_captured_evaluate_graphs_are_dropped_when_the_weights_move():
+    """The flat optimizer moves the weights into its buffer at the first update (or a
+    new layout): test/predict graphs recorded before (an evaluate before fit on a GPU)
+    read the old memory, so the next call drops them."""
+    import torch
+
+    from kmgpu.engines.torch import eval_steps, flat_optim
+
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    steps = eval_steps.CapturedEval(model, "cpu", say=None)
+    x = torch.zeros(4, 5)
+    stale = object()
+    steps.graphs["recorded before"] = stale
+    flat_optim.FlatOptimizer(model.optimizer, model.trainable_weights)  # moves the weights
+    steps.predict_step((x,))
+    assert stale not in steps.graphs.values()

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
+from kmgpu.engines.torch import cuda_graphs, flat_optim, graphs, keras_fixes
 
 
 class CapturedEval:
@@ -34,6 +34,7 @@ class CapturedEval:
         self.failures = {}
         self.pools = []
         self._side = None
+        self._moved = flat_optim.generation
 
     def test_step(self, data):
         return self._run("test", data)
@@ -64,6 +65,9 @@ class CapturedEval:
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
                 cuda_graphs.matmul_precision(self.tf32), \
                 keras_fixes.fused_batchnorm(self.device):
+            if self._moved != flat_optim.generation:  # the weights moved: graphs stale
+                self.graphs.clear()
+                self._moved = flat_optim.generation
             sig = (kind, graphs._signature(batch, 0, 0))
             self.streak[kind] = self.streak.get(kind, 0) + 1 if sig == self.last.get(kind) else 1
             self.last[kind] = sig

@@ -123,11 +123,18 @@ def offsets(tensors, multiple=1):
     return out, -(-n // whole) * whole
 
 
+#: how many times ``flatten`` moved tensors into a new buffer: a CUDA graph recorded
+#: before reads their old memory (``eval_steps`` drops its graphs when this changes)
+generation = 0
+
+
 def flatten(tensors, multiple=1):
     """Make ``tensors`` (torch Parameters of one dtype and device) views of one new
     zero-padded buffer holding their values, each at an ``ALIGN_BYTES`` offset
     (``param.data = view``: the Parameter objects, hence Keras's variables and autograd,
     stay the same). Returns the buffer."""
+    global generation
+    generation += 1
     where, n = offsets(tensors, multiple)
     flat = torch.zeros(n, dtype=tensors[0].dtype, device=tensors[0].device)
     with torch.no_grad():
