@@ -50,6 +50,7 @@ class DDPStrategy:
         self.sync_batchnorm = sync_batchnorm
         self.shard_optimizer = False  # ZeRO-1 (zero.py): set per call before prepare
         self.sharded = None      # the sharded SplitStep of the prepared replica
+        self.gather_everywhere = False  # its state gathered on every rank (torchrun), not rank 0
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
@@ -63,6 +64,8 @@ class DDPStrategy:
         opt = getattr(replica, "optimizer", None)
         if opt is not None and not opt.built:
             opt.build(replica.trainable_variables)
+        if self.sharded is not None and self.sharded.zero is not None:
+            self.sharded.zero.receivable()  # whole Keras slot variables to receive into
         variables = list(replica.weights)
         if opt is not None and opt.built:
             variables += list(opt.variables)
@@ -369,7 +372,7 @@ class DDPStrategy:
         if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
             from kmgpu.engines.torch import zero
 
-            callbacks.insert(0, zero.GatherBack(self.sharded))
+            callbacks.insert(0, zero.GatherBack(self.sharded, self.gather_everywhere))
         if reset_states:
             models.reset_states(replica)
             callbacks.insert(0, models.reset_callback(replica))
@@ -386,7 +389,7 @@ class DDPStrategy:
                 return self._predict(replica, kwargs, verbose, sync)
         except Abort:  # every rank at the same point: the sharded state can be gathered
             if self.sharded is not None and self.sharded.zero is not None:
-                self.sharded.zero.materialize()
+                self.sharded.zero.materialize(self.gather_everywhere)
             return Aborted()
         raise ValueError(method)
 
@@ -412,7 +415,7 @@ class DDPStrategy:
         try:
             getattr(replica, method)(*batch, return_dict=True)
             if self.sharded is not None and self.sharded.zero is not None:
-                self.sharded.zero.materialize()  # the whole state, for the snapshot
+                self.sharded.zero.materialize(self.gather_everywhere)  # for the snapshot
             with self._summed_metrics(replica):
                 logs = keras_fixes.pythonify_logs(replica.get_metrics_result())
         finally:

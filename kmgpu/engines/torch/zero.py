@@ -16,9 +16,11 @@ to N equal, 256-byte aligned pieces; rank r owns the contiguous piece r. Per ste
 
 The exchange and the gather stay outside the CUDA graphs (as the unsharded all-reduce);
 B's update is captured. The Keras optimizer's own slot variables hold no memory while a
-fit trains (an empty tensor); ``materialize`` all-gathers the state into them (every
-rank, the same moment: at fit's validation, every epoch end and the end of training,
-and after ``train_on_batch``), so the user's model gets the whole optimizer state back,
+fit trains (an empty tensor); ``materialize`` gathers the state into them on rank 0 (a
+collective at the same moment on every rank: at fit's validation, every epoch end, the
+end of training, after ``train_on_batch`` and when a fit stops early; the other ranks
+keep 1/N; under torchrun every process's own model gets it: all-gather), so the user's
+model gets the whole optimizer state back,
 ``save`` / ``load_model`` work as unsharded, and a later call's state (loaded, or
 broadcast from rank 0) is taken back into the pieces at the next step (``release``).
 
@@ -103,6 +105,7 @@ class Shards:
             self._keras_slots.append({name: [getattr(optimizer, attrs[name])[index(v)]
                                              for v in g.variables] for name in g.slots})
         self.materialized = True  # the Keras slot variables hold the state now
+        self.stepped = False  # a step ran since the last materialize (every rank alike)
         self.release()
         for g in self.flat.groups:
             g.slots = {}  # the whole slot buffers: freed (the pieces are in self.slots)
@@ -244,6 +247,7 @@ class Shards:
     def gather(self):
         """Every rank's updated piece into the whole weights (in place, eager), then
         Keras's variable constraints."""
+        self.stepped = True
         for g, (lo, hi) in zip(self.flat.groups, self.parts):
             _all_gather(g.params, g.params[lo:hi])
         for g in self.flat.groups:
@@ -252,16 +256,38 @@ class Shards:
 
     # -- the Keras optimizer's variables ------------------------------------------------
     @torch.no_grad()
-    def materialize(self):
-        """All-gather the optimizer state into the Keras slot variables (a collective:
-        every rank, at the same point). No-op when they hold it already."""
-        if self.materialized:
+    def materialize(self, everywhere=False):
+        """Gather the optimizer state into the Keras slot variables (a collective: every
+        rank, at the same point): on rank 0 only (what snapshots the state for the user's
+        model; the other ranks keep 1/N), or on every rank (``everywhere``: each process
+        has its own user model, torchrun). No-op where they hold it already."""
+        if not self.stepped:  # nothing new since the last gather: the same on every rank
             return
+        self.stepped = False
+        mine = everywhere or self.rank == 0
         for g, slots, keras_slots in zip(self.flat.groups, self.slots, self._keras_slots):
             for name, piece in slots.items():
-                whole = piece.new_empty(g.numel)
-                _all_gather(whole, piece)
-                for var, view in zip(keras_slots[name], g.split(whole)):
+                whole = piece.new_empty(g.numel) if mine else None
+                if everywhere:
+                    _all_gather(whole, piece)
+                else:
+                    dist.gather(piece, list(whole.chunk(self.world)) if mine else None, dst=0)
+                if mine:
+                    for var, view in zip(keras_slots[name], g.split(whole)):
+                        var.value.data = view
+        self.materialized = mine
+
+    @torch.no_grad()
+    def receivable(self):
+        """Before rank 0's state is broadcast (a call's start): the Keras slot variables
+        made whole again where they are not (their values come from the broadcast); the
+        next step takes this rank's piece from them."""
+        if self.materialized:
+            return
+        for g, keras_slots in zip(self.flat.groups, self._keras_slots):
+            for variables in keras_slots.values():
+                whole = g.params.new_zeros(g.numel)
+                for var, view in zip(variables, g.split(whole)):
                     var.value.data = view
         self.materialized = True
 
@@ -293,17 +319,17 @@ class Shards:
 
 
 class GatherBack(keras.callbacks.Callback):
-    """In a sharded fit, on every rank: the whole optimizer state into the Keras
-    variables before fit's validation, at every epoch end and at the end of training
+    """In a sharded fit, on every rank: the whole optimizer state into rank 0's (or, with
+    ``everywhere``, every rank's) Keras variables before fit's validation, at every epoch end and at the end of training
     (before rank 0 snapshots it); the next step takes the pieces back."""
 
-    def __init__(self, split):
+    def __init__(self, split, everywhere=False):
         super().__init__()
-        self.split = split
+        self.split, self.everywhere = split, everywhere
 
     def _gather(self, *args, **kwargs):
         if self.split.zero is not None:
-            self.split.zero.materialize()
+            self.split.zero.materialize(self.everywhere)
 
     on_test_begin = on_epoch_end = on_train_end = _gather
 
