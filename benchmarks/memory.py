@@ -1,6 +1,12 @@
-"""``shard_optimizer=True`` (issue 32, ZeRO stage 1 on JAX): what it saves and what it costs.
+"""``shard_optimizer=True`` (issue 32, ZeRO stage 1): what it saves and what it costs.
 
-``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices.
+``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices;
+``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]``: torch (``engines/torch/zero.py``),
+where 1. is the bytes of each rank's pieces from the layout ``zero.Shards`` makes (every
+variable 256-byte aligned, each dtype padded to N equal pieces; ``tests/torch/test_zero.py``
+asserts a rank's tensors are that), without starting the ranks, and 3. compares two
+split steps (``jit_compile=True``: the unsharded one all-reduces and updates with
+``flat_optim``), so only the sharding differs.
 
 1. Memory. For N = 1, 2, 4, 8 devices, with and without sharding, a model of Dense
    layers whose sizes 8 divides is fitted one step with Adam in float32, and the bytes
@@ -55,6 +61,12 @@ def _model(width, depth, features=16):
     return keras.Sequential(layers + [keras.layers.Dense(8)])
 
 
+def _torch():
+    import keras
+
+    return keras.backend.backend() == "torch"
+
+
 def _parallel(n, shard, width, depth):
     import kmgpu
 
@@ -62,8 +74,37 @@ def _parallel(n, shard, width, depth):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one device; few steps
         parallel = kmgpu.parallelize(model, gpus=n, shard_optimizer=shard)
-    parallel.compile(optimizer="adam", loss="mse")
+    # torch: the split step in both runs (jit_compile=True), so only the sharding differs
+    parallel.compile(optimizer="adam", loss="mse", **({"jit_compile": True} if _torch() else {}))
     return model, parallel
+
+
+def memory_torch(width, depth):
+    """torch: bytes per parameter per rank from the layout of ``zero.Shards``."""
+    import keras
+
+    from kmgpu.engines.torch import flat_optim, zero
+
+    model = _model(width, depth)
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    params = sum(v.value.numel() for v in model.trainable_variables)
+    w = sum(v.value.numel() * v.value.element_size() for v in model.weights) / params
+    print(f"Adam, float32, torch; layout of a {depth} x Dense({width}) model ({params:,} "
+          "parameters); largest model on one H200 = 141e9 B / (bytes per parameter per device)\n")
+    print("| devices | sharded | weights B/param | gradients B/param | optimizer B/param "
+          "| total B/param/device | largest model (billion params) |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (1, 2, 4, 8):
+        per, whole, _ = zero.state_bytes(model, n)
+        for shard in ((False,) if n == 1 else (False, True)):
+            # the gradient buffer: padded to N aligned pieces when sharded
+            grads = flat_optim.offsets([v.value for v in model.trainable_variables],
+                                       n if shard else 1)[1] * 4
+            o = (per if shard else whole) / params
+            b = w + grads / params + o
+            print(f"| {n} | {'yes' if shard else ('no' if n > 1 else '-')} | {w:.3f} | "
+                  f"{grads / params:.3f} | {o:.3f} | {b:.3f} | {H200 / b / 1e9:.2f} |")
 
 
 def _on_devices(variables):
@@ -205,6 +246,8 @@ def speed(width, depth, rounds, steps):
             times[shard].append(epoch(shard))
     a, b = statistics.median(times[False]), statistics.median(times[True])
     params = sum(int(np.prod(v.shape)) for v in runs[False].model.trainable_variables)
+    for run in runs.values():
+        run.close()
     print(f"\n4 simulated CPU devices, {depth} x Dense({width}) ({params:,} parameters), Adam, "
           f"batch 64, {steps} steps per fit, {rounds} rounds alternating the order\n")
     print("| run | median ms/step | all ms/step |")
@@ -228,8 +271,11 @@ def main():
     import kmgpu
 
     kmgpu.simulate_devices(8)
-    memory(args.width, args.depth)
-    if args.optimizers:
+    if _torch():
+        memory_torch(args.width, args.depth)
+    else:
+        memory(args.width, args.depth)
+    if args.optimizers and not _torch():
         optimizers()
     if args.speed:
         speed(args.width, args.depth, args.rounds, args.steps)

@@ -36,7 +36,9 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             instead of raising an error.
         shard_optimizer: True lays the optimizer's state (Adam's moments, momentum...)
             out over the devices, 1/N on each (ZeRO stage 1); weights and gradients
-            stay replicated. JAX only; a no-op on one device.
+            stay replicated. JAX (any optimizer) and torch (Keras's elementwise
+            optimizers: SGD, Adam, AdamW, RMSprop, Adagrad, Lion, Nadam, Adamax); a
+            no-op on one device.
         tf32: torch on CUDA: float32 matmuls and convolutions inside kmgpu's steps
             use TF32, as JAX and TensorFlow do by default (True), or full float32
             (False); the process's own torch settings stay as they are outside them.

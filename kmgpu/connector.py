@@ -12,7 +12,6 @@ from kmgpu.engines import engine_class
 NO_SHARDED_OPTIMIZER = {
     "tensorflow": "tf.distribute.MirroredStrategy has no sharded optimizer state (every "
                   "replica keeps a whole copy)",
-    "torch": "it is not yet available on the torch backend",
 }
 
 
@@ -53,8 +52,9 @@ def connect(model, gpus, options):
 def _check_options(options, backend):
     if options.shard_optimizer and backend in NO_SHARDED_OPTIMIZER:
         raise NotImplementedError(
-            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX backend has it "
-            "(KERAS_BACKEND=jax); or pass shard_optimizer=False (the default).")
+            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX and torch "
+            "backends have it (KERAS_BACKEND=jax or torch); or pass shard_optimizer=False "
+            "(the default).")
 
 
 def unbuilt(model):

@@ -20,7 +20,7 @@ from kmgpu.engines import keras_fixes as fixes
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, graphs, keras_fixes, launchers,
-                                 relay, replicas, timing)
+                                 relay, replicas, timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -56,6 +56,8 @@ class TorchEngine(Engine):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
             kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
+            if self.options.shard_optimizer:
+                zero.check(template.optimizer)
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
                   and not method.endswith("_on_batch"))
         if resets:
@@ -70,12 +72,14 @@ class TorchEngine(Engine):
                 push_state=lambda: launcher.push_state(template))
             tf32 = getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
             call = Call(method=method,
-                        key=replicas.replica_key(template, self.options.sync_batchnorm,
-                                                 lr_scale) + (tf32,), tf32=tf32,
+                        key=(replicas.replica_key(template, self.options.sync_batchnorm,
+                                                  lr_scale) + (tf32,), self.options.shard_optimizer),
+                        tf32=tf32,
                         kwargs=kwargs, seed=int(np.random.randint(0, 2**31 - 1)),
                         sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
-                        rnn_states=replicas.states_of(template), reset_states=resets)
+                        rnn_states=replicas.states_of(template), reset_states=resets,
+                        shard_optimizer=self.options.shard_optimizer)
             try:
                 answers = launcher.launch(call, template, driver, clock)
             except BaseException:
@@ -116,7 +120,12 @@ class TorchEngine(Engine):
         on_gpu = self.device_names[0].startswith("gpu")
         text = graphs.describe(template, on_gpu, self.num_replicas, self.options.sync_batchnorm,
                                tf32=getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT))
+        if self.options.shard_optimizer and self.num_replicas > 1:
+            text = zero.describe(text, self.num_replicas, template)
         return text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
+
+    def optimizer_bytes(self, template):
+        return zero.state_bytes(template, self.num_replicas)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:

@@ -25,6 +25,8 @@ subclasses, ``LossScaleOptimizer`` (its dynamic loss scale skips steps by a host
 branch), ``gradient_accumulation_steps``, variables with ``overwrite_with_gradient``.
 """
 
+import os
+
 import keras
 import torch
 
@@ -87,28 +89,53 @@ def supported(optimizer, variables=None):
     return True, None
 
 
+def enabled():
+    """False when ``KMGPU_TORCH_FLAT_OPTIMIZER=0`` asks for Keras's own update (to measure)."""
+    return os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") != "0"
+
+
+def optimizer_words(model):
+    """Which update kmgpu's split step runs for ``model``, in words (for ``describe()``)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return "no optimizer"
+    ok, why = supported(opt, model.trainable_weights)
+    if ok and not enabled():
+        ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
+    return "kmgpu's flat update, one buffer per dtype" if ok else why
+
+
 #: each tensor starts this many bytes into its flat buffer (padding between them stays
 #: 0): the CUDA allocator gives every tensor 512-byte alignment and some kernels (cuDNN,
 #: depthwise convolutions, vectorised loads) fault on views that lack it
 ALIGN_BYTES = 256
 
 
-def offsets(tensors):
-    """(each tensor's offset in its flat buffer, the buffer's length), in elements."""
+def offsets(tensors, multiple=1):
+    """(each tensor's offset in its flat buffer, the buffer's length), in elements; the
+    length is a multiple of ``multiple`` aligned pieces (``zero``: one per rank)."""
     step = max(1, ALIGN_BYTES // tensors[0].element_size())
     out, n = [], 0
     for t in tensors:
         out.append(n)
         n += -(-t.numel() // step) * step
-    return out, n
+    whole = step * multiple
+    return out, -(-n // whole) * whole
 
 
-def flatten(tensors):
+#: how many times ``flatten`` moved tensors into a new buffer: a CUDA graph recorded
+#: before reads their old memory (``eval_steps`` drops its graphs when this changes)
+generation = 0
+
+
+def flatten(tensors, multiple=1):
     """Make ``tensors`` (torch Parameters of one dtype and device) views of one new
     zero-padded buffer holding their values, each at an ``ALIGN_BYTES`` offset
     (``param.data = view``: the Parameter objects, hence Keras's variables and autograd,
     stay the same). Returns the buffer."""
-    where, n = offsets(tensors)
+    global generation
+    generation += 1
+    where, n = offsets(tensors, multiple)
     flat = torch.zeros(n, dtype=tensors[0].dtype, device=tensors[0].device)
     with torch.no_grad():
         for t, o in zip(tensors, where):
@@ -121,12 +148,13 @@ def flatten(tensors):
 class _Group:
     """The variables of one dtype: their flat buffer, their slots' flat buffers."""
 
-    def __init__(self, variables, slots, decayed):
+    def __init__(self, variables, slots, decayed, multiple=1):
         self.variables = variables
-        self.offsets, self.numel = offsets([v.value for v in variables])
-        self.params = flatten([v.value for v in variables])
+        self.offsets, self.numel = offsets([v.value for v in variables], multiple)
+        self.params = flatten([v.value for v in variables], multiple)
         self.views = [v.value for v in variables]
-        self.slots = {name: flatten([s.value for s in svars]) for name, svars in slots.items()}
+        self.slots = {name: flatten([s.value for s in svars], multiple)
+                      for name, svars in slots.items()}
         # weight decay: None (no decay), True (every variable), or the views it applies to
         self.decayed = (None if not any(decayed) else True if all(decayed)
                         else [w for w, d in zip(self.views, decayed) if d])
@@ -144,7 +172,7 @@ class _Group:
 class FlatOptimizer:
     """``optimizer.apply(grads, variables)`` as flat-buffer ops (see the module)."""
 
-    def __init__(self, optimizer, variables):
+    def __init__(self, optimizer, variables, multiple=1):
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
@@ -170,7 +198,7 @@ class FlatOptimizer:
                      for name, attr, _ in wanted}
             decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
                        for v in vs]
-            self.groups.append(_Group(vs, slots, decayed))
+            self.groups.append(_Group(vs, slots, decayed, multiple))
         self.variables = [v for g in self.groups for v in g.variables]
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
         self.device = variables[0].value.device

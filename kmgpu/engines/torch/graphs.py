@@ -40,7 +40,7 @@ import os
 import keras
 import torch
 
-from kmgpu.engines.torch import cuda_graphs, keras_fixes
+from kmgpu.engines.torch import cuda_graphs, keras_fixes, split_step
 from kmgpu.engines.torch.split_step import (  # noqa: F401 (graphs.SplitStep etc.)
     FlatBuffers, SplitStep, _map, _num_rows, _unpack)
 
@@ -119,7 +119,8 @@ def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
         return ("Keras's eager step" + (" (gradients summed by DDP in backward)" if world > 1
                                         else "") + f": {why}")
     what = ("forward+backward into a flat gradient buffer, " +
-            ("one all-reduce, " if world > 1 else "") + "optimizer+metrics")
+            ("one all-reduce, " if world > 1 else "") +
+            f"optimizer ({split_step.optimizer_words(model)})+metrics")
     if sync_batchnorm and world > 1:
         return (f"split step ({what}), eager: sync_batchnorm all-reduces inside the "
                 "forward pass, which stays out of a graph")
@@ -163,8 +164,7 @@ class _Graphs:
         except Exception as e:
             raise ReplayFailed(_why(e)) from e
         split = self.split
-        if split.reduce is not None:
-            split.reduce(split.flats)
+        split.exchange()  # the all-reduce (sharded: reduce-scatter), eager
         if self.graph_b is not None:
             try:
                 self.graph_b.replay()
@@ -174,8 +174,11 @@ class _Graphs:
                     say("kmgpu (torch): replaying the optimizer and metrics failed, so they "
                         f"run eagerly after the captured forward/backward: {_why(e)}")
         if self.graph_b is None:
-            return split.update(*self.static, self.loss, self.y_pred, self.n_real,
+            logs = split.update(*self.static, self.loss, self.y_pred, self.n_real,
                                 self.n_global)
+            split.finish()  # sharded: the all-gather of the weights, eager
+            return logs
+        split.finish()
         # Keras may read the logs later (callbacks on another thread): its own copy
         return _map(lambda t: t.clone() if torch.is_tensor(t) else t, self.logs)
 

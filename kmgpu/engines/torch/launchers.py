@@ -322,6 +322,7 @@ class InProcessLauncher(Launcher):
                      f"{dist.get_rank()} of {world})")
         device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         self.strategy = DDPStrategy(device, sync_batchnorm)
+        self.strategy.gather_everywhere = True  # each process's own model gets the state
         self.runs_callbacks = self.strategy.rank == 0
         self.replica, self._built_key = None, None
         self._live = False  # the replica holds this call's state
@@ -336,6 +337,7 @@ class InProcessLauncher(Launcher):
             if template.compiled:
                 models.compile_like(replica, template, call.lr_scale)
             self.strategy.tf32 = call.tf32
+            self.strategy.shard_optimizer = call.shard_optimizer
             self.replica, self._built_key = self.strategy.prepare(replica), call.key
         return self.replica
 

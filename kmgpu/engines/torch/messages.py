@@ -83,6 +83,7 @@ class Call:
         tf32: the float32 matmul policy inside the ranks' kmgpu steps on CUDA
             (``parallelize(..., tf32=)``, ``cuda_graphs.matmul_precision``); part of
             ``key``, so a replica is prepared with one policy.
+        shard_optimizer: the optimizer state sharded over the ranks (``zero``).
     """
 
     method: str
@@ -100,6 +101,7 @@ class Call:
     layout: Optional[StateLayout] = None
     state_in: bool = True
     tf32: bool = True
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)

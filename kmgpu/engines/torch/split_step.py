@@ -7,21 +7,36 @@ import contextlib
 import keras
 import torch
 
-from kmgpu.engines.torch import cond_keras_fixes, keras_fixes
+from kmgpu.engines.torch import cond_keras_fixes, flat_optim, keras_fixes, zero
 
 
 class FlatBuffers:
-    """Tensors laid out in one flat buffer per dtype; ``views[i]`` has tensor i's shape."""
+    """Tensors laid out in one flat buffer per dtype (dtypes in order of first
+    appearance); ``views[i]`` has tensor i's shape and starts ``flat_optim.ALIGN_BYTES``
+    into its buffer, zero padding between, as ``flat_optim`` lays out the variables: the
+    first tensors of a dtype (the trainable variables) are then the flat optimizer's
+    gradient buffer of that dtype, with no copy."""
 
-    def __init__(self, tensors, device):
-        sizes, slots = {}, []
-        for t in tensors:
-            offset = sizes.get(t.dtype, 0)
-            slots.append((t.dtype, offset, t.numel(), tuple(t.shape)))
-            sizes[t.dtype] = offset + t.numel()
-        self.flats = [torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()]
-        by_dtype = dict(zip(sizes, self.flats))
-        self.views = [by_dtype[d][o:o + n].view(shape) for d, o, n, shape in slots]
+    def __init__(self, tensors, device, multiple=1):
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        self.flats, self.views = [], [None] * len(tensors)
+        for dtype, members in by_dtype.items():
+            where, n = flat_optim.offsets([tensors[i] for i in members], multiple)
+            flat = torch.zeros(n, dtype=dtype, device=device)
+            self.flats.append(flat)
+            for i, o in zip(members, where):
+                self.views[i] = flat[o:o + tensors[i].numel()].view(tensors[i].shape)
+
+
+class _Joined:
+    """The gradient buffers and the statistics' buffers of a sharded step, as one."""
+
+    def __init__(self, grads, stats):
+        self.grads, self.stats = grads, stats
+        self.flats = grads.flats + stats.flats
+        self.views = grads.views + stats.views
 
 
 def _copy(dst, src):
@@ -48,25 +63,47 @@ class SplitStep:
         rows: ``rows(x)`` is (real rows here, rows in the global batch); None: one
             replica, every row real.
         forward: ``forward(n_real)`` is a context manager around the forward pass.
+        rank: this replica's rank, for ``shard``.
+        shard: the optimizer state sharded over the ranks (``zero``, ZeRO-1): the
+            gradient reduce-scattered, each rank's piece updated, the weights
+            all-gathered; False: all-reduced and updated whole on every rank.
     """
 
-    def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None):
+    def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None,
+                 rank=0, shard=False):
         self.model, self.world, self.reduce = model, world, reduce
+        self.rank, self.shard, self.zero = rank, shard, None
         self.averaged = list(averaged)
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
         self.forward = forward or (lambda n_real: contextlib.nullcontext())
         self.trainable, self.buffers, self.used, self._key = None, None, None, None
+        self.flat, self.optimizer_path = None, None  # the flat optimizer, or why not
 
     def layout(self):
         """(Re)make the flat buffers when the trainable variables changed; True if so."""
         trainable = self.model.trainable_weights[:]
         key = [id(v) for v in trainable]
         if self.buffers is not None and key == self._key:
+            if self.zero is not None:  # the state a fit's end gathered: back into pieces
+                self.zero.release()
             return False
         self.model.zero_grad(set_to_none=True)  # stale .grad from an eager step: free it
         tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
-        self.buffers = FlatBuffers(tensors, tensors[0].device)
+        device = tensors[0].device
+        self.zero = None
+        if self.shard:  # the gradient buffers padded to equal pieces, the statistics apart
+            grads = FlatBuffers(tensors[:len(trainable)], device, multiple=self.world)
+            stats = FlatBuffers(tensors[len(trainable):], device)
+            self.buffers = _Joined(grads, stats)
+            self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world)
+            self.zero.grad_buffers(grads.flats)
+            self.optimizer_path = (f"kmgpu's flat {self.zero.flat.kind} update on this "
+                                   f"rank's 1/{self.world} of the state (ZeRO-1)")
+        else:
+            self.buffers = FlatBuffers(tensors, device)
+            self.optimizer_path = None
         self.trainable, self._key, self.used = trainable, key, None
+        self.flat = None
         return True
 
     @property
@@ -131,22 +168,74 @@ class SplitStep:
         with torch.no_grad():
             for view, v in zip(views[n:], self.averaged):
                 v.value.copy_(view)
-            grads = [g if used else None for g, used in zip(views[:n], self.used)]
-            if not model.optimizer.built:  # its variables exist before the branches run
-                model.optimizer.build(self.trainable)
-            with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
-                model.optimizer.apply(grads, self.trainable)
+            flat = self.flat_optimizer() if self.zero is None else None
+            if self.zero is not None:
+                if not all(self.used):
+                    raise ValueError(
+                        "shard_optimizer=True: some trainable variables get no gradient "
+                        "(Keras's update skips them, a sharded update cannot): freeze them "
+                        "(trainable=False) or pass shard_optimizer=False.")
+                self.zero.update()
+            elif flat is not None:
+                flat.step(self._flat_grads)
+            else:
+                grads = [g if used else None for g, used in zip(views[:n], self.used)]
+                if not model.optimizer.built:  # its variables exist before the branches run
+                    model.optimizer.build(self.trainable)
+                with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
+                    model.optimizer.apply(grads, self.trainable)
             if not n_real:  # a stand-in row: nothing of it counts
                 return model.get_metrics_result()
             model._loss_tracker.update_state(loss, sample_weight=n_real)
             return model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
+    def flat_optimizer(self):
+        """The ``flat_optim.FlatOptimizer`` stage B updates with (made at the first update,
+        an eager step, before any capture: the variables and the optimizer's slots become
+        views of flat buffers), or None: Keras's own ``optimizer.apply`` runs, and
+        ``optimizer_path`` says why."""
+        if self.optimizer_path is None:
+            ok, why = flat_optim.supported(self.model.optimizer, self.trainable)
+            if ok and not all(self.used):  # Keras leaves those alone: no decay, no slots
+                ok, why = False, ("some trainable variables get no gradient (Keras's "
+                                  "update skips them); Keras's own update runs")
+            if ok and not flat_optim.enabled():
+                ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
+            if ok:
+                self.flat = flat_optim.FlatOptimizer(self.model.optimizer, self.trainable)
+                by_dtype = {f.dtype: f for f in self.flats}  # the trainable lead each buffer
+                self._flat_grads = [by_dtype[g.params.dtype][:g.numel]
+                                    for g in self.flat.groups]
+                why = f"kmgpu's flat {self.flat.kind} update over one buffer per dtype"
+            self.optimizer_path = why
+        return self.flat
+
+    def exchange(self):
+        """Between A and B (eager): the all-reduce, or with ``shard`` the
+        reduce-scatter of the gradient and the all-reduce of the statistics."""
+        if self.zero is not None:
+            self.zero.exchange()
+            if self.reduce is not None and self.buffers.stats.flats:
+                self.reduce(self.buffers.stats.flats)
+        elif self.reduce is not None:
+            self.reduce(self.flats)
+
+    def finish(self):
+        """After B (eager): with ``shard``, the all-gather of the updated weights."""
+        if self.zero is not None:
+            self.zero.gather()
+
     def step(self, x, y, sw, n_real, n_global):
         """A, all-reduce, B, eagerly."""
         loss, y_pred = self.forward_backward(x, y, sw, n_real, n_global)
-        if self.reduce is not None:
-            self.reduce(self.flats)
-        return self.update(x, y, sw, loss, y_pred, n_real, n_global)
+        self.exchange()
+        logs = self.update(x, y, sw, loss, y_pred, n_real, n_global)
+        self.finish()
+        return logs
+
+
+#: which update stage B runs for a model, in words (for ``describe()``)
+optimizer_words = flat_optim.optimizer_words
 
 
 def _map(fn, structure):

@@ -19,23 +19,22 @@ are averaged over ranks after every step (weighted by batch share), or with
 ``sync_batchnorm`` the moments are computed over the global batch.
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from kmgpu import models
-from kmgpu.engines.torch import collectives, data, keras_fixes, own_steps
+from kmgpu.engines.torch import collectives, data, keras_fixes
 from kmgpu.engines.torch.messages import Aborted, Predictions
+from kmgpu.engines.torch.rank_steps import RankSteps
 from kmgpu.engines.torch.relay import Abort, SyncCallback
 
 #: the methods that run one batch (as ``kmgpu.engines.base.ON_BATCH``)
 ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
 
 
-class DDPStrategy:
+class DDPStrategy(RankSteps):
     """This rank's place in the group and what its replica's steps share.
 
     Args:
@@ -49,6 +48,9 @@ class DDPStrategy:
         self.device = torch.device(device)
         self.sync_batchnorm = sync_batchnorm
         self.tf32 = True  # the float32 matmul policy in kmgpu's steps (a Call's tf32)
+        self.shard_optimizer = False  # ZeRO-1 (zero.py): set per call before prepare
+        self.sharded = None      # the sharded SplitStep of the prepared replica
+        self.gather_everywhere = False  # its state gathered on every rank (torchrun), not rank 0
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
@@ -62,6 +64,8 @@ class DDPStrategy:
         opt = getattr(replica, "optimizer", None)
         if opt is not None and not opt.built:
             opt.build(replica.trainable_variables)
+        if self.sharded is not None and self.sharded.zero is not None:
+            self.sharded.zero.receivable()  # whole Keras slot variables to receive into
         variables = list(replica.weights)
         if opt is not None and opt.built:
             variables += list(opt.variables)
@@ -119,6 +123,13 @@ class DDPStrategy:
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
         kind, why = graphs.plan(replica, graphs.available(self.device))
         evals = eval_steps.rank_kinds(replica, self.device)  # captured evaluate / predict
+        self.sharded = None
+        if self.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step
+            if kind == graphs.KERAS and replica.trainable_weights and replica.compiled:
+                kind = graphs.SPLIT
+            elif kind != graphs.SPLIT and self.rank == 0:
+                print(f"kmgpu (torch): shard_optimizer=True: the optimizer state stays whole "
+                      f"on every rank: {why}")
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
         if kind == graphs.SPLIT:
             replica.train_step = self._captured_step(replica, averaged).train_step
@@ -151,150 +162,6 @@ class DDPStrategy:
                 state = np.asarray(generator.state.numpy()).astype(np.int64)
                 state[0] = (state[0] + 1_000_003 * self.rank) % 2**32
                 generator.state.assign(state.astype(generator.state.dtype))
-
-    def _average_statistics(self, variables, share):
-        """Non-sync BatchNorm: moving statistics averaged over ranks, weighted by share."""
-        if not variables or self.world == 1:
-            return
-        with torch.no_grad():
-            sums = collectives.sum_tensors([v.value * share for v in variables], self.device)
-            for v, s in zip(variables, sums):
-                v.value.copy_(s)
-
-    def _train_step(self, replica, ddp, averaged):
-        def train_step(batch):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            if self.train is None:
-                raise RuntimeError(
-                    "kmgpu: this replica trains only inside a distributed fit (a callback "
-                    "on rank 0 cannot call fit on it)."
-                )
-            n_real, n_global = self.train.current
-            self.n_real, self.in_train_step = n_real, True
-            try:
-                if replica._call_has_training_arg:
-                    y_pred = ddp(x, training=True)
-                else:
-                    y_pred = ddp(x)
-            finally:
-                self.in_train_step = False
-            replica.zero_grad()
-            part = self._track_loss(replica, x, y, y_pred, sample_weight, True, n_real, n_global)
-            share = n_real / n_global
-            loss = replica.optimizer.scale_loss(part)
-            trainable = replica.trainable_weights[:]
-            loss.backward()  # DDP sums the weighted gradients over ranks
-            gradients = [v.value.grad for v in trainable]
-            with torch.no_grad():
-                replica.optimizer.apply(gradients, trainable)
-            self._average_statistics(averaged, share)
-            if n_real:
-                return replica.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            return replica.get_metrics_result()
-
-        return train_step
-
-    def _captured_step(self, replica, averaged):
-        """The split step of ``graphs`` (the default on GPUs, jit_compile=True on a CPU),
-        captured as CUDA graphs on a GPU, eager on a CPU; its one collective is the flat
-        gradient all-reduce."""
-        from kmgpu.engines.torch import graphs
-
-        def rows(x):
-            if self.train is None:
-                raise RuntimeError(
-                    "kmgpu: this replica trains only inside a distributed fit (a callback "
-                    "on rank 0 cannot call fit on it).")
-            return self.train.current
-
-        @contextlib.contextmanager
-        def forward(n_real):
-            self.n_real, self.in_train_step = n_real, True
-            try:
-                yield
-            finally:
-                self.in_train_step = False
-
-        def reduce(flats):
-            for flat in flats:
-                dist.all_reduce(flat)
-
-        split = graphs.SplitStep(replica, world=self.world, reduce=reduce if self.world > 1
-                                 else None, averaged=averaged, rows=rows, forward=forward)
-        refuse = None
-        if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
-            refuse = "sync_batchnorm all-reduces inside the forward pass"
-        return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
-                                   refuse=refuse, tf32=self.tf32)
-
-    def _hook_optimizer(self, replica, averaged):
-        """A model with its own ``train_step``: gradients summed in ``optimizer.apply``
-        weighted by this rank's rows, its loss tracker likewise (``own_steps``)."""
-        own_steps.OwnSteps(self).prepare(replica, averaged)
-
-    def _test_step(self, replica):
-        def test_step(batch):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            n_real = self.test.current[0] if self.test is not None else data.num_rows(x)
-            if replica._call_has_training_arg:
-                y_pred = replica(x, training=False)
-            else:
-                y_pred = replica(x)
-            n_global = self.test.current[1] if self.test is not None else n_real
-            self._track_loss(replica, x, y, y_pred, sample_weight, False, n_real, n_global)
-            if not n_real:
-                return replica.get_metrics_result()
-            return replica.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-        return test_step
-
-    def sum_weights(self, n_real):
-        """``sum_weights(w)``: a rank's sum of sample weights summed over the ranks (a
-        rank with only a stand-in row adds 0), for ``replica_loss``."""
-        def sum_weights(w):
-            return collectives.sum_tensors([w * (1.0 if n_real else 0.0)], self.device)[0]
-
-        return sum_weights
-
-    def _track_loss(self, replica, x, y, y_pred, sample_weight, training, n_real, n_global):
-        """Update the loss tracker with this rank's value (``replica_loss``, the rule of
-        ``kmgpu.engines.keras_fixes``); returns the rank's part of the global loss (0
-        for a stand-in row)."""
-        from kmgpu.engines import keras_fixes as common
-
-        kind, local, part = common.replica_loss(
-            replica, x, y, y_pred, sample_weight, training, n_real, max(n_global, 1),
-            self.sum_weights(n_real))
-        if not n_real:
-            return part * 0.0
-        value, weight = common.tracker_update(kind, local, part, n_real, n_global)
-        replica._loss_tracker.update_state(value, sample_weight=weight)
-        return part
-
-    @contextlib.contextmanager
-    def _summed_metrics(self, replica):
-        """Within the block the metric variables hold their sums over ranks (when a
-        distributed call is running; yields whether they do)."""
-        if not self.collective:
-            yield False
-            return
-        seen, variables = set(), []
-        for m in replica.metrics:
-            for v in m.variables:
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    variables.append(v)
-        local = [v.value.detach().clone() for v in variables]
-        try:
-            with torch.no_grad():
-                sums = collectives.sum_tensors([v.value for v in variables], self.device)
-                for v, s in zip(variables, sums):
-                    v.value.copy_(s)
-            yield True
-        finally:
-            with torch.no_grad():
-                for v, s in zip(variables, local):
-                    v.value.copy_(s)
 
     def _evaluate(self, replica):
         evaluate = keras_fixes.keras_evaluate(replica)
@@ -355,6 +222,10 @@ class DDPStrategy:
         sync = SyncCallback(self.rank, self.device, hooks, relay,
                             snapshot if method == "fit" else None, reload_everywhere)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
+        if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
+            from kmgpu.engines.torch import zero
+
+            callbacks.insert(0, zero.GatherBack(self.sharded, self.gather_everywhere))
         if reset_states:
             models.reset_states(replica)
             callbacks.insert(0, models.reset_callback(replica))
@@ -369,7 +240,9 @@ class DDPStrategy:
                 return replica.evaluate(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
             if method == "predict":
                 return self._predict(replica, kwargs, verbose, sync)
-        except Abort:
+        except Abort:  # every rank at the same point: the sharded state can be gathered
+            if self.sharded is not None and self.sharded.zero is not None:
+                self.sharded.zero.materialize(self.gather_everywhere)
             return Aborted()
         raise ValueError(method)
 
@@ -394,6 +267,8 @@ class DDPStrategy:
         self.collective = True
         try:
             getattr(replica, method)(*batch, return_dict=True)
+            if self.sharded is not None and self.sharded.zero is not None:
+                self.sharded.zero.materialize(self.gather_everywhere)  # for the snapshot
             with self._summed_metrics(replica):
                 logs = keras_fixes.pythonify_logs(replica.get_metrics_result())
         finally:

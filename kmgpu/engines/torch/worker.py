@@ -227,6 +227,7 @@ class Worker:
             raise RuntimeError("kmgpu: the worker has no model for this call")
         self.replica, self.key = None, None
         self.strategy.sync_batchnorm, self.strategy.tf32 = call.sync_batchnorm, call.tf32
+        self.strategy.shard_optimizer = call.shard_optimizer
         replica = replicas.build(call.model, self.world, call.lr_scale)
         self.strategy.prepare(replica)
         self.replica, self.key = replica, call.key
