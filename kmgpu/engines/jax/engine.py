@@ -195,9 +195,11 @@ def _reusable(olds, news):
     """Indices i where ``news[i]`` (a replica's first copy) can be written into
     ``olds[i]``'s buffer: both on the same one device, the same shape and dtype, large,
     and that buffer held by no other template variable."""
+    import jax
+
     out, seen = [], set()
     for i, (old, new) in enumerate(zip(olds, news)):
-        if (old.nbytes < REUSE_BYTES or old.shape != new.shape or old.dtype != new.dtype
+        if (not isinstance(old, jax.Array) or old.nbytes < REUSE_BYTES or old.shape != new.shape or old.dtype != new.dtype
                 or old.is_deleted() or len(old.devices()) != 1 or old.devices() != new.devices()):
             continue
         buffer = old.unsafe_buffer_pointer()
