@@ -3,9 +3,15 @@ Markdown table, not a test.
 
     KERAS_BACKEND=jax python benchmarks/jax_balanced.py [--quick] [--devices N]
         [--models resnet50_small,...] [--variants plain,kmgpu] [--rounds 2]
-        [--budget SECONDS] [--out DIR]
+        [--processes P] [--budget SECONDS] [--out DIR]
 
-One process. A tiny warm-up fit first (the first fit of a process pays JAX's and the
+``--processes P``: one process per run. P times, a process for each variant in turn
+(plain, kmgpu, plain, kmgpu, ... for P = 2), each running only its variant over every
+model: the warm-up, then per model its first fit (the first compile of that
+architecture in that process: a fair first epoch) and ``--rounds`` rounds of the
+measures below. Each measure pools the processes' figures (first: one per process).
+
+Without it, one process. A tiny warm-up fit first (the first fit of a process pays JAX's and the
 GPU's start-up; it is charged to no variant). Per model, one instance per variant, the
 same initial weights and data:
 
@@ -35,6 +41,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -214,6 +221,55 @@ def run_model(name, variants, args, index):
                 devices=args.devices, times=times, kmgpu_step=mode, scan_s=min(scan))
 
 
+def run_processes(args, variants, argv):
+    """--processes: one child process per run (P x the variants, in turn); their figures
+    pooled per model, variant and measure. Returns the results as ``run_model`` gives."""
+    pooled, order = {}, []
+    share = args.budget / (args.processes * len(variants)) if args.budget else 0.0
+    keep = []  # the options a child takes as they are
+    skip = {"--processes", "--variants", "--budget", "--out"}
+    it = iter(argv)
+    for a in it:
+        name = a.split("=")[0]
+        if name in skip:
+            if "=" not in a:
+                next(it, None)
+            continue
+        keep.append(a)
+    for p in range(args.processes):
+        for v in variants:
+            t0 = time.perf_counter()
+            cmd = [sys.executable, os.path.abspath(__file__), *keep, "--variants", v,
+                   "--budget", str(share), "--child"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = [json.loads(line[len("JAXBAL "):]) for line in proc.stdout.splitlines()
+                   if line.startswith("JAXBAL ")]
+            print(f"process {p + 1}/{args.processes} {v}: {time.perf_counter() - t0:.0f} s, "
+                  f"{len(got)} model(s)" + ("" if proc.returncode == 0 else
+                                            f", exit {proc.returncode}:\n"
+                                            + (proc.stdout + proc.stderr)[-3000:]),
+                  flush=True)
+            for line in proc.stdout.splitlines():
+                if line.startswith("skipped") or (line.startswith("# jax_balanced") and p == 0):
+                    print(f"  {line}", flush=True)
+            for r in got:
+                if r["model"] not in pooled:
+                    order.append(r["model"])
+                    pooled[r["model"]] = dict(r, times={u: {m: [] for m in MEASURES}
+                                                        for u in variants})
+                into = pooled[r["model"]]
+                for m in MEASURES:
+                    into["times"][v][m] += r["times"][v][m]
+                if r.get("kmgpu_step"):
+                    into["kmgpu_step"] = r["kmgpu_step"]
+            if args.out:  # what is in so far, should a later process not finish
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "jax_balanced.json"), "w") as f:
+                    json.dump(dict(variants=variants, processes=args.processes,
+                                   results=[pooled[m] for m in order]), f, indent=1)
+    return [pooled[m] for m in order]
+
+
 def fmt(values):
     if not values:
         return "-"
@@ -266,15 +322,32 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=0, help="steps per epoch (0: the model's)")
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds: start no new model after this (0: no limit)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="one process per run: P rounds of a process per variant (0: one "
+                        "process for everything)")
     p.add_argument("--out", default="")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    if args.processes:
+        start = time.perf_counter()
+        results = run_processes(args, variants, sys.argv[1:] if argv is None else argv)
+        text = table(results, variants)
+        print(f"# jax_balanced: one process per run, {args.processes} per variant "
+              f"({', '.join(variants)} in turn), rounds {args.rounds} per process\n\n{text}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "jax_balanced.json"), "w") as f:
+                json.dump(dict(variants=variants, results=results, processes=args.processes),
+                          f, indent=1)
+        print(f"total {time.perf_counter() - start:.0f} s")
+        return
     if args.devices > 1:
         import kmgpu
 
         kmgpu.simulate_devices(args.devices)
     import jax
 
-    variants = args.variants.split(",")
     start, results = time.perf_counter(), []
     warm_up()
     print(f"# jax_balanced: {jax.devices()[0].device_kind} x{len(jax.devices())}, "
@@ -285,6 +358,9 @@ def main(argv=None):
             continue
         t0 = time.perf_counter()
         results.append(run_model(name, variants, args, i))
+        if args.child:
+            print("JAXBAL " + json.dumps(results[-1]), flush=True)
+            continue
         print(table(results[-1:], variants), flush=True)
         print(f"({name}: {time.perf_counter() - t0:.0f} s; kmgpu step: "
               f"{results[-1]['kmgpu_step']}; NaN/inf scan of the evaluate x: "
