@@ -63,9 +63,12 @@ def parse(argv):
                         "tensorflow and jax, else 1); "
                         "concurrent runs share the machine: their timings are not measurements")
     p.add_argument("--replay", dest="replay", action="store_true", default=None,
-                   help="run plain fit twice: the second run gives the run-to-run noise of "
-                        "the timings and of parity (default: on, off with --quick)")
-    p.add_argument("--no-replay", dest="replay", action="store_false")
+                   help="run plain fit again after kmgpu (plain, kmgpu, plain): the overhead "
+                        "compares kmgpu with the mean of both plain runs (order-balanced), "
+                        "and the second run gives the run-to-run noise of the timings and of "
+                        "parity (default: on, also with --quick)")
+    p.add_argument("--no-replay", dest="replay", action="store_false",
+                   help="one plain run before kmgpu: faster, but not order-balanced")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole command: runs that would not fit are skipped "
                         "(marked in the report), most useful first (default: no limit)")
