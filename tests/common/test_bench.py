@@ -73,13 +73,13 @@ def test_quick_bench_smoke(tmp_path):
 
 def _check_smoke(backend, names, out, tmp_path):
     """One backend's part of the quick run: every run there, finished, its figures sane."""
-    expected = plan.plan([backend], list(names), [1, 2], lean=True)
+    expected = plan.plan([backend], list(names), [1, 2], lean=True, replay=True)
     assert ".{json,md,png,log}" in out.splitlines()[0]
     assert "\x1b[" not in out and "\b" not in out  # a log: no colours, no redraws
     assert "share this machine's" in out and "not speedups" in out
     assert "budget 520 s" in out and "one process per workload" in out
     assert "kmgpu overhead vs plain fit" in out and "overhead: how much longer" in out
-    # every overhead is marked; gpu_run.sh passes --no-replay: no second plain run
+    # every overhead is marked; gpu_run.sh keeps the replay (plain, kmgpu, plain): balanced
     overheads = re.findall(r"\| ([+-]\d+\.\d%[^|]*) \| [^|]* \| [^|]* \|\n", out)
     assert overheads and all(re.fullmatch(r"[+-][\d.]+% (met|\*\*missed\*\*)( \(unbalanced\))?",
                                           o) for o in overheads), overheads
