@@ -280,20 +280,26 @@ class FlatOptimizer:
                 w.copy_(v.constraint(w))
         self.iterations.add_(1)
 
-    def _clip(self, grads):
+    def _clip(self, grads, whole=None, spans=None):
+        """Keras's clipnorm / global_clipnorm / clipvalue on ``grads``, one per group:
+        the flat buffers, or (``zero``) each buffer's piece; then ``whole`` are the
+        whole buffers the norms come from and ``spans`` each variable's elements in
+        the piece."""
         opt = self.optimizer
+        whole = grads if whole is None else whole
+        spans = [g.spans for g in self.groups] if spans is None else spans
         if opt.clipnorm and opt.clipnorm > 0:
             out = []
-            for g, grad in zip(self.groups, grads):
+            for g, grad, full, span in zip(self.groups, grads, whole, spans):
                 # Keras: g * clipnorm / max(||g||, clipnorm) per variable (0 norm: 0)
-                norms = torch.stack(torch._foreach_norm(g.split(grad)))
+                norms = torch.stack(torch._foreach_norm(g.split(full)))
                 den = torch.clamp(norms, min=opt.clipnorm)
-                den = torch.repeat_interleave(den, g.spans, output_size=g.numel)
+                den = torch.repeat_interleave(den, span, output_size=grad.numel())
                 out.append(torch.mul(grad, opt.clipnorm) / den)
             return out
         if opt.global_clipnorm and opt.global_clipnorm > 0:
             clip = opt.global_clipnorm
-            squares = torch.stack([torch.sum(torch.square(g)) for g in grads])
+            squares = torch.stack([torch.sum(torch.square(g)) for g in whole])
             use_norm = torch.sqrt(torch.sum(squares))
             scale = clip * torch.clamp(1.0 / use_norm, max=1.0 / clip)
             scale = scale + (use_norm - use_norm)  # inf / NaN norm: NaN, as Keras

@@ -196,7 +196,7 @@ class Shards:
             whole = [g / opt.loss_scale_factor for g in grad_flats] if self.whole else None
         else:
             whole = grad_flats
-        grads = self._clip(grads, whole)
+        grads = self.flat._clip(grads, whole, self._spans)
         pieces = [g.params[lo:hi] for g, (lo, hi) in zip(flat.groups, self.parts)]
         if opt.weight_decay is not None:
             lr = opt.learning_rate
@@ -220,28 +220,6 @@ class Shards:
                 for p, slots in zip(pieces, self.slots):
                     p.copy_(torch.where(now, slots["ema"], p))
         flat.iterations.add_(1)
-
-    def _clip(self, grads, whole):
-        opt = self.optimizer
-        if opt.clipnorm and opt.clipnorm > 0:
-            out = []
-            for g, grad, full, spans, (lo, hi) in zip(self.flat.groups, grads, whole,
-                                                      self._spans, self.parts):
-                norms = torch.stack(torch._foreach_norm(g.split(full)))
-                den = torch.clamp(norms, min=opt.clipnorm)
-                den = torch.repeat_interleave(den, spans, output_size=hi - lo)
-                out.append(torch.mul(grad, opt.clipnorm) / den)
-            return out
-        if opt.global_clipnorm and opt.global_clipnorm > 0:
-            clip = opt.global_clipnorm
-            squares = torch.stack([torch.sum(torch.square(g)) for g in whole])
-            use_norm = torch.sqrt(torch.sum(squares))
-            scale = clip * torch.clamp(1.0 / use_norm, max=1.0 / clip)
-            scale = scale + (use_norm - use_norm)  # inf / NaN norm: NaN, as Keras
-            return [g * scale for g in grads]
-        if opt.clipvalue and opt.clipvalue > 0:
-            return [torch.clamp(g, -opt.clipvalue, opt.clipvalue) for g in grads]
-        return grads
 
     @torch.no_grad()
     def gather(self):
