@@ -130,6 +130,12 @@ class DDPStrategy(RankSteps):
             elif kind != graphs.SPLIT and self.rank == 0:
                 print(f"kmgpu (torch): shard_optimizer=True: the optimizer state stays whole "
                       f"on every rank: {why}")
+        if (kind == graphs.KERAS and self.world > 1 and replica.compiled
+                and getattr(replica, "loss", None) is None and replica.trainable_weights):
+            # only added losses: DDP finds unused weights from the forward's outputs,
+            # which no loss reads, and fails at the second step; the split step sums
+            # one flat gradient buffer after backward instead
+            kind = graphs.SPLIT
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
         if kind == graphs.SPLIT:
             replica.train_step = self._captured_step(replica, averaged).train_step
