@@ -96,7 +96,7 @@ class RankSteps:
         refuse = None
         if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
             refuse = "sync_batchnorm all-reduces inside the forward pass"
-        elif shard and replica.run_eagerly:
+        elif replica.run_eagerly:  # the split step for ZeRO-1 or added losses only: eager
             refuse = "compile(run_eagerly=True)"
         return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
                                    refuse=refuse, tf32=self.tf32)
