@@ -27,22 +27,9 @@ import os
 import time
 
 import numpy as np
+from torch_default import log, rel_diff
 
-T0 = time.perf_counter()
 VOCAB, STEPS_LEN, CLASSES = 50, 12, 5
-
-
-def log(*a):
-    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def rel_diff(a, b):
-    worst = 0.0
-    for u, v in zip(a, b):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        if u.size:
-            worst = max(worst, float(np.max(np.abs(u - v)) / max(np.max(np.abs(u)), 1e-3)))
-    return worst
 
 
 def data(rows):
