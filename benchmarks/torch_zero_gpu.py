@@ -167,6 +167,7 @@ def main():
     text = markdown(speed_rows, parity_rows, args)
     print(text, f"({time.perf_counter() - start:.0f} s)")
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "torch-zero-gpu.md"), "w") as f:
             f.write(text)
 
