@@ -151,16 +151,16 @@ def test_in_a_model_trains_like_keras():
     assert dist(fast, exact) <= 1e-4, (dist(fast, exact), dist(ref, exact))
 
 
-def test_swapped_in_only_inside_kmgpus_step_on_cuda_when_asked(monkeypatch):
-    """keras_fixes.fused_batchnorm: with KMGPU_TORCH_FUSED_BN=1 a CUDA device swaps Keras's
-    call for the fused one inside the block (re-entrant) and back after; a CPU, or no
-    opt-in, keeps Keras's own call."""
-    from kmgpu.engines.torch import keras_fixes
+def test_swapped_in_only_inside_kmgpus_step_on_cuda_unless_off(monkeypatch):
+    """keras_fixes.fused_batchnorm: by default a CUDA device swaps Keras's call for the
+    fused one inside the block (re-entrant) and back after; a CPU, or
+    KMGPU_TORCH_FUSED_BN=0, keeps Keras's own call. describe() says which."""
+    import keras
+
+    from kmgpu.engines.torch import fast_layers, keras_fixes
 
     keras_call = BN.call
-    with keras_fixes.fused_batchnorm("cuda:0"):  # not asked for: Keras's own
-        assert BN.call is keras_call
-    monkeypatch.setenv("KMGPU_TORCH_FUSED_BN", "1")
+    monkeypatch.delenv("KMGPU_TORCH_FUSED_BN", raising=False)
     with keras_fixes.fused_batchnorm("cpu"):
         assert BN.call is keras_call
     with keras_fixes.fused_batchnorm("cuda:0"):
@@ -173,3 +173,12 @@ def test_swapped_in_only_inside_kmgpus_step_on_cuda_when_asked(monkeypatch):
         assert _rel(layer.moving_mean.value, x.mean(0) * (1 - layer.momentum)) < TOL
         assert out.shape == x.shape
     assert BN.call is keras_call
+    with_bn = keras.Sequential([keras.Input((3,)), BN()])
+    assert "fused batch-norm kernel" in fast_layers.describe(with_bn, on_gpu=True)
+    assert fast_layers.describe(with_bn, on_gpu=False) == ""
+    assert fast_layers.describe(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+                                on_gpu=True) == ""
+    monkeypatch.setenv("KMGPU_TORCH_FUSED_BN", "0")
+    with keras_fixes.fused_batchnorm("cuda:0"):  # switched off: Keras's own
+        assert BN.call is keras_call
+    assert "Keras's own layer" in fast_layers.describe(with_bn, on_gpu=True)

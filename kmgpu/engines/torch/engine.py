@@ -19,8 +19,8 @@ from kmgpu import models
 from kmgpu.engines import keras_fixes as fixes
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
-from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, graphs, keras_fixes, launchers,
-                                 relay, replicas, timing, zero)
+from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, graphs,
+                                 keras_fixes, launchers, relay, replicas, timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -122,7 +122,8 @@ class TorchEngine(Engine):
                                tf32=getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT))
         if self.options.shard_optimizer and self.num_replicas > 1:
             text = zero.describe(text, self.num_replicas, template)
-        return text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
+        return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
+                + fast_layers.describe(template, on_gpu))
 
     def optimizer_bytes(self, template):
         return zero.state_bytes(template, self.num_replicas)
@@ -182,7 +183,7 @@ class TorchLocalEngine(LocalEngine):
                                graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
         if self._on_gpu(template) and not template.run_eagerly:
             text += eval_steps.WORDS
-        return text
+        return text + fast_layers.describe(template, self._on_gpu(template))
 
     def graph_memory(self):
         """Bytes of GPU memory the captured steps' graphs hold now (0: none)."""

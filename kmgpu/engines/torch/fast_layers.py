@@ -45,6 +45,8 @@ is: the "4x farther" of this layer on a CPU and, at least in part, the "4-12x" o
 (``benchmarks/results/torch-fused-bn-h200.md``).
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -156,3 +158,25 @@ def batch_norm_method(original):
     call.__doc__ = original.__doc__
     call.__wrapped_by_kmgpu__ = original
     return call
+
+
+def describe(model, on_gpu):
+    """describe()'s words for the BatchNormalization path inside kmgpu's steps ("" when
+    ``model`` has no such layer)."""
+    import keras
+
+    if not any(isinstance(layer, keras.layers.BatchNormalization)
+               for layer in model._flatten_layers()):
+        return ""
+    if on_gpu and enabled():
+        return ("; BatchNormalization on torch's fused batch-norm kernel inside these steps "
+                "(KMGPU_TORCH_FUSED_BN=0: Keras's own layer)")
+    if on_gpu:
+        return "; BatchNormalization: Keras's own layer (KMGPU_TORCH_FUSED_BN=0)"
+    return ""
+
+
+def enabled():
+    """Whether kmgpu's steps on CUDA run BatchNormalization fused
+    (``keras_fixes.fused_batchnorm``): unless ``KMGPU_TORCH_FUSED_BN=0``."""
+    return os.environ.get("KMGPU_TORCH_FUSED_BN", "1") != "0"

@@ -44,8 +44,9 @@ PATCHES = [
      "(a host read each, which capture refuses); kmgpu's crops with index_select on the "
      "device, then Keras's own code runs on the cropped images"),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization.call",
-     "swapped while kmgpu's step runs on a CUDA device with KMGPU_TORCH_FUSED_BN=1 "
-     "(fused_batchnorm, opt-in until measured on a GPU against float64): Keras 3.15.1's "
+     "swapped while kmgpu's step runs on a CUDA device (fused_batchnorm; "
+     "KMGPU_TORCH_FUSED_BN=0 keeps Keras's layer; on one H200 as close to a float64 layer "
+     "as Keras's or closer, benchmarks/results/torch-fused-bn-h200.md): Keras 3.15.1's "
      "torch BatchNormalization is ~48 kernels per layer per training step (moments, "
      "normalisation, moving averages and their backward: 55% of ResNet-50's GPU time, "
      "benchmarks/results/torch-kernels-h200.md); fast_layers.batch_norm_call computes the "
@@ -385,13 +386,15 @@ _FUSED_BATCHNORM = _Swap(lambda: _swap_batchnorm(True), lambda: _swap_batchnorm(
 
 
 def fused_batchnorm(device):
-    """Within the block, with ``KMGPU_TORCH_FUSED_BN=1`` and a CUDA ``device``, Keras's
-    ``BatchNormalization`` runs on torch's fused batch norm (``fast_layers``: one kernel
-    each way instead of ~48 per layer; on cuDNN it took ResNet-50 64x64 from 8.2k to 14.6k
-    samples/s on one H200). Opt-in until its CUDA kernel (now torch's native one, as close
-    to float64 as Keras's layer on a CPU) is measured on a GPU against a float64 run
-    (benchmarks/torch_bn_parity.py; benchmarks/results/torch-fused-bn-h200.md). Elsewhere
+    """Within the block, on a CUDA ``device``, Keras's ``BatchNormalization`` runs on
+    torch's fused batch norm (``fast_layers``: torch's native kernel, one each way instead
+    of ~48 per layer; ResNet-50 64x64 8.3k -> 14.7k samples/s, EfficientNetB0 128x128
+    2.8k -> 5.1k on one H200), measured on that GPU as close to a float64 layer as Keras's
+    own or closer (benchmarks/torch_bn_parity.py; benchmarks/results/
+    torch-fused-bn-h200.md). ``KMGPU_TORCH_FUSED_BN=0`` keeps Keras's layer. Elsewhere
     Keras's own call. Re-entrant."""
-    on = os.environ.get("KMGPU_TORCH_FUSED_BN", "0") == "1"
+    from kmgpu.engines.torch import fast_layers
+
+    on = fast_layers.enabled()
     return (_FUSED_BATCHNORM if on and torch.device(device).type == "cuda"
             else contextlib.nullcontext())
