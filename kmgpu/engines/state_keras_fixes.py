@@ -61,7 +61,12 @@ def own_state(model):
     store = _Store()
     saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
                            visited_saveables=_not_layers(model))
-    return store.contents, saving_lib._save_assets_to_dict(model)
+    # the assets walk writes a folder per saveable of the whole model (it takes no skip
+    # set): only where a layer has assets to save (vocabularies)
+    assets = (saving_lib._save_assets_to_dict(model)
+              if any(hasattr(layer, "save_assets") for layer in model._flatten_layers())
+              else None)
+    return store.contents, assets
 
 
 def load_own_state(model, state):
