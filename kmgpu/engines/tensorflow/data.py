@@ -27,9 +27,10 @@ def is_python_data(x):
     return inspect.isgenerator(x) or isinstance(x, keras.utils.PyDataset)
 
 
-def feed(strategy, kwargs, method, shuffle=False):
+def feed(strategy, kwargs, method, shuffle=False, guard=None):
     """``kwargs`` with a generator / PyDataset ``x`` (and fit's ``validation_data``)
-    replaced by a per-replica distributed dataset.
+    replaced by a per-replica distributed dataset; every global batch read passes
+    ``guard`` (``batch_checks.Guard``; None: none) first.
 
     Returns:
         (kwargs, first) where ``first`` is the first global batch read (to build the
@@ -40,13 +41,16 @@ def feed(strategy, kwargs, method, shuffle=False):
     if is_python_data(kw.get("x")):
         x = kw["x"]
         class_weight = kw.pop("class_weight", None) if method == "fit" else None
-        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, method == "fit")
+        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, method == "fit",
+                                      guard, "the training data" if method == "fit"
+                                      else "the data")
         kw.update({key: None for key in ("y", "sample_weight") if key in kw})
         if kw.get(steps) is None:
             kw[steps] = _length(x)
     validation = kw.get("validation_data")
     if method == "fit" and is_python_data(validation):
-        kw["validation_data"], _ = _distributed(strategy, validation, False, None, True)
+        kw["validation_data"], _ = _distributed(strategy, validation, False, None, True,
+                                                guard, "the validation data")
         if kw.get("validation_steps") is None:
             kw["validation_steps"] = _length(validation)
     return (kw, first) if first is not None or kw.get("validation_data") is not validation \
@@ -60,7 +64,7 @@ def _length(source):
     return None if inspect.isgenerator(source) else source.num_batches
 
 
-def _distributed(strategy, source, shuffle, class_weight, repeat):
+def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, what=""):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -70,14 +74,22 @@ def _distributed(strategy, source, shuffle, class_weight, repeat):
         rest = (common.standardize_batch(b, class_weight) for b in source)
         stream = itertools.chain([first], rest)  # one stream: epochs continue it
 
-        def batches():
-            return stream
+        def passes():
+            yield stream
     else:
         first = common.standardize_batch(source[0], class_weight)
 
-        def batches():  # fit: pass after pass; evaluate / predict: one pass
+        def passes():  # fit: pass after pass; evaluate / predict: one pass
             for _ in itertools.count() if repeat else range(1):
-                yield from common.py_dataset_pass(source, shuffle, class_weight)
+                yield common.py_dataset_pass(source, shuffle, class_weight)
+
+    def batches():
+        for number, one_pass in enumerate(passes()):
+            for index, batch in enumerate(one_pass):
+                if guard is not None:  # numbered as Keras's epochs count them
+                    guard(batch, f"batch {index} of {what}" if not inspect.isgenerator(source)
+                          else f"batch {index} read from the generator ({what})")
+                yield batch
 
     first = keras.tree.map_structure(np.asarray, first)
     signature = keras.tree.map_structure(
@@ -102,3 +114,19 @@ def _distributed(strategy, source, shuffle, class_weight, repeat):
         return pipeline.flat_map(blocks).prefetch(replicas)
 
     return strategy.distribute_datasets_from_function(dataset_fn), first
+
+
+def checked(kwargs, guard, method):
+    """``kwargs`` with a ``tf.data`` dataset ``x`` (and fit's ``validation_data``) read
+    through ``guard`` (``batch_checks.checked_dataset``), batch by batch."""
+    import tensorflow as tf
+
+    from kmgpu.engines import batch_checks
+
+    kw = dict(kwargs)
+    for key, what in (("x", "the training data" if method == "fit" else "the data"),
+                      ("validation_data", "the validation data")):
+        value = kw.get(key)
+        if isinstance(value, tf.data.Dataset):
+            kw[key] = batch_checks.checked_dataset(value, guard, what)
+    return kw

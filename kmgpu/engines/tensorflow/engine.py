@@ -93,9 +93,22 @@ class TensorFlowEngine(InProcessEngine):
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         from kmgpu.engines import keras_fixes as fixes
 
+        from kmgpu.engines import batch_checks
+
         if template.compiled and self.num_replicas > 1:
-            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
+            kwargs = fixes.check_weighable(template, kwargs, method,  # refused before any work
+                                           self.num_replicas)
         self._feed["first"] = None
+        guard = None if method in ON_BATCH else batch_checks.guard(
+            template, method, self.num_replicas)
+        try:
+            return self._run(method, template, kwargs, lr_scale, guard)
+        except Exception:
+            if guard is not None and guard.error is not None:
+                raise guard.error from None  # tf.data hands it on as its own error type
+            raise
+
+    def _run(self, method, template, kwargs, lr_scale, guard):
         if method in ON_BATCH:
             try:
                 return super().run(method, template, kwargs, lr_scale)
@@ -105,7 +118,10 @@ class TensorFlowEngine(InProcessEngine):
         if self._single_worker():
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
-                                                    and kwargs.get("shuffle", True))
+                                                    and kwargs.get("shuffle", True),
+                                                    guard=guard)
+        if guard is not None:  # every batch of a tf.data dataset passes the guard too
+            kwargs = data.checked(kwargs, guard, method)
         if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
             # several steps per execution would run past an epoch's end into the next one
             kwargs = keras_fixes.repeating_datasets(kwargs)

@@ -55,7 +55,8 @@ class TorchEngine(Engine):
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
-            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
+            kwargs = fixes.check_weighable(template, kwargs, method,  # refused before any work
+                                           self.num_replicas)
             if self.options.shard_optimizer:
                 zero.check(template.optimizer)
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
@@ -104,6 +105,8 @@ class TorchEngine(Engine):
                 self.launcher.load_state(template)  # the last consistent state (epoch snapshot)
             if driver.error is not None:
                 raise driver.error
+            if getattr(results[0], "error", None) is not None:  # a refused batch
+                raise results[0].error
             raise RuntimeError("kmgpu: the call was aborted")
         if method == "fit":
             if not driver.final_loaded:

@@ -191,7 +191,11 @@ class TimedOut:
 # -- what a call returns --------------------------------------------------------------
 @dataclass(frozen=True)
 class Aborted:
-    """A user callback raised; every rank left the call at the same hook."""
+    """A user callback raised, or a batch was refused (``error``,
+    ``batch_checks.BatchRefused``); every rank left the call at the same point."""
+
+    def __init__(self, error=None):
+        self.error = error
 
 
 @dataclass(frozen=True)
