@@ -194,8 +194,7 @@ class Aborted:
     """A user callback raised, or a batch was refused (``error``,
     ``batch_checks.BatchRefused``); every rank left the call at the same point."""
 
-    def __init__(self, error=None):
-        self.error = error
+    error: Any = None
 
 
 @dataclass(frozen=True)
