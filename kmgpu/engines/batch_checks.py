@@ -1,6 +1,6 @@
 """What every batch of a dataset must hold for the replicas to weigh a loss as one device.
 
-``keras_fixes.check_weighable`` checks a call's arrays whole and a dataset's first batch
+``check_weighable`` checks a call's arrays whole and a dataset's first batch
 before any work. A dataset's later batches reach kmgpu's own code one by one (torch: each
 rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator or
 PyDataset, and a ``tf.data`` dataset mapped through ``checked_dataset``), and each gets
@@ -16,7 +16,7 @@ the user's model holds the state of the last completed step, as after any error.
 JAX computes the loss on the global batch and needs none of this.
 """
 
-from kmgpu.engines import loss_rows
+from kmgpu.engines import keras_fixes, loss_rows
 
 
 class BatchRefused(NotImplementedError):
@@ -44,6 +44,46 @@ WEIGHTS_TEXT = (
     "would differ from one device. Pass one sample_weight array for every output (in every "
     "batch), give the losses another reduction (e.g. 'sum_over_batch_size'), or use the JAX "
     "backend (it computes the loss on the global batch).")
+
+
+def check_weighable(model, kwargs, method="fit", replicas=2):
+    """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
+    does: outputs whose losses reduce differently (``loss_kind``); per-output sample
+    weights that differ under "mean_with_sample_weight" (each replica's part of the loss
+    is weighed by one output's weight sums): given as arrays, or in the first batch of a
+    dataset; a model's own loss (``add_loss``) that is neither a mean nor a sum over rows
+    (``loss_rows``, probed on the first batch and, for arrays, on the last partial one of
+    the training and validation data, split over ``replicas``; also for predict so that
+    every replica is made with the probe's rules). A dataset's later batches are checked
+    as they arrive (``batch_checks``).
+
+    Returns:
+        ``kwargs``; a generator peeked at is replaced by one that yields all its batches.
+    """
+    from kmgpu.checks import is_dataset
+
+    uses_loss = method not in ("predict", "predict_on_batch")
+    weights = uses_loss and keras_fixes.loss_kind(model) == "weights"
+    # a dataset's first batch is read once per model (its later batches, and those of
+    # later calls, are checked as they arrive); arrays' batches are slices: every call
+    probe = loss_rows.needs_probe(model) and (
+        loss_rows.rules(model, True) is None or (uses_loss and not is_dataset(kwargs.get("x"))))
+    if not (weights or probe):
+        loss_rows.check(model, None, uses_loss)  # a loss refused on an earlier call
+        return kwargs
+    given, batch = kwargs.get("sample_weight"), None
+    if probe or (weights and given is None):
+        kwargs, batch = loss_rows.first_batch(kwargs, whole=method.endswith("_on_batch"))
+    if weights:
+        if given is None and batch is not None:
+            given = batch[2]
+        if differing(given):
+            raise NotImplementedError(f"kmgpu: {WEIGHTS_TEXT}")
+    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss, replicas)
+    if probe and not method.endswith("_on_batch"):
+        for x in array_batches(kwargs):
+            loss_rows.check(model, x, uses_loss, replicas)
+    return kwargs
 
 
 def array_batches(kwargs):
@@ -81,8 +121,6 @@ def guard(model, method, replicas):
     """The per-batch check of a call of ``method`` on ``model`` split over ``replicas``
     (a ``Guard``), or None when no batch needs one (one replica, predict, a model not
     compiled, nothing to weigh)."""
-    from kmgpu.engines import keras_fixes
-
     if replicas < 2 or method in ("predict", "predict_on_batch") or not model.compiled:
         return None
     weights = keras_fixes.loss_kind(model) == "weights"

@@ -107,47 +107,6 @@ def loss_kind(model):
     return next(iter(found), "rows")
 
 
-def check_weighable(model, kwargs, method="fit", replicas=2):
-    """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
-    does: outputs whose losses reduce differently (``loss_kind``); per-output sample
-    weights that differ under "mean_with_sample_weight" (each replica's part of the loss
-    is weighed by one output's weight sums): given as arrays, or in the first batch of a
-    dataset; a model's own loss (``add_loss``) that is neither a mean nor a sum over rows
-    (``loss_rows``, probed on the first batch and, for arrays, on the last partial one of
-    the training and validation data, split over ``replicas``; also for predict so that
-    every replica is made with the probe's rules). A dataset's later batches are checked
-    as they arrive (``batch_checks``).
-
-    Returns:
-        ``kwargs``; a generator peeked at is replaced by one that yields all its batches.
-    """
-    from kmgpu.checks import is_dataset
-    from kmgpu.engines import batch_checks, loss_rows
-
-    uses_loss = method not in ("predict", "predict_on_batch")
-    weights = uses_loss and loss_kind(model) == "weights"
-    # a dataset's first batch is read once per model (its later batches, and those of
-    # later calls, are checked as they arrive); arrays' batches are slices: every call
-    probe = loss_rows.needs_probe(model) and (
-        loss_rows.rules(model, True) is None or (uses_loss and not is_dataset(kwargs.get("x"))))
-    if not (weights or probe):
-        loss_rows.check(model, None, uses_loss)  # a loss refused on an earlier call
-        return kwargs
-    given, batch = kwargs.get("sample_weight"), None
-    if probe or (weights and given is None):
-        kwargs, batch = loss_rows.first_batch(kwargs, whole=method.endswith("_on_batch"))
-    if weights:
-        if given is None and batch is not None:
-            given = batch[2]
-        if batch_checks.differing(given):
-            raise NotImplementedError(f"kmgpu: {batch_checks.WEIGHTS_TEXT}")
-    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss, replicas)
-    if probe and not method.endswith("_on_batch"):
-        for x in batch_checks.array_batches(kwargs):
-            loss_rows.check(model, x, uses_loss, replicas)
-    return kwargs
-
-
 def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
     """This replica's weight in the global batch's loss: one device's loss is the sum
     over replicas of ``share * (the replica's loss of its own rows)``, and so is its

@@ -173,7 +173,10 @@ def probe(model, x, replicas=2):
 
 
 def _classify(values, n, sizes):
-    """The rule of each loss from its values on (all rows, each replica's part)."""
+    """The rule of each loss from its values on (all rows, each replica's part);
+    ``sizes``: the parts' rows (an int: the first of two parts)."""
+    if isinstance(sizes, int):
+        sizes = [sizes, n - sizes]
     if len({len(v) for v in values}) != 1:
         return "the number of the model's own losses changes with the rows"
     rules = []

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import types
 
+from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
 from kmgpu.engines.tensorflow import data, keras_fixes
 
@@ -91,13 +92,8 @@ class TensorFlowEngine(InProcessEngine):
                                                     tf.distribute.MirroredStrategy)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        from kmgpu.engines import keras_fixes as fixes
-
-        from kmgpu.engines import batch_checks
-
-        if template.compiled and self.num_replicas > 1:
-            kwargs = fixes.check_weighable(template, kwargs, method,  # refused before any work
-                                           self.num_replicas)
+        if template.compiled and self.num_replicas > 1:  # refused before any work
+            kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas)
         self._feed["first"] = None
         guard = None if method in ON_BATCH else batch_checks.guard(
             template, method, self.num_replicas)
