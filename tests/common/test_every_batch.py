@@ -175,3 +175,38 @@ def test_own_loss_refused_at_the_batch_whose_rows_break_its_rule():
     x, y = _xy()
     batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, ROWS, 8)]
     _refused_at(_loss_model, "generator", batches, 9, r"batch 9 .*on a batch's 6 rows")
+
+
+class SumAndMean(keras.layers.Layer):
+    """Adds a sum over rows and a mean over rows."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.abs(x)))
+        return x
+
+
+def _sum_mean_model():
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model(inputs, SumAndMean()(keras.layers.Dense(2)(h)))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def test_new_row_count_probed_as_it_arrives_and_trained_as_one_device():
+    """A generator of 10 batches of 7 rows and one of 8: the last brings a row count the
+    first batch did not show, probed when it arrives (on torch by every rank, on
+    TensorFlow on the user's model) with the same rules, and training equals one device,
+    History included. (Guards the probe mid-fit: it passes on the previous main too.)"""
+    x, y = _xy()
+    sizes = [7] * 10 + [8]
+    starts = np.cumsum([0] + sizes)
+    batches = [(x[a:b], y[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    reference, model = _sum_mean_model(), _sum_mean_model()
+    one = reference.fit(_data("generator", batches), epochs=1, shuffle=False, verbose=0)
+    many = kmgpu.parallelize(model).fit(_data("generator", batches), epochs=1,
+                                        shuffle=False, verbose=0)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
