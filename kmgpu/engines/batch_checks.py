@@ -46,14 +46,15 @@ WEIGHTS_TEXT = (
     "backend (it computes the loss on the global batch).")
 
 
-def check_weighable(model, kwargs, method="fit", replicas=2):
+def check_weighable(model, kwargs, method="fit", replicas=2, rule="even"):
     """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
     does: outputs whose losses reduce differently (``loss_kind``); per-output sample
     weights that differ under "mean_with_sample_weight" (each replica's part of the loss
     is weighed by one output's weight sums): given as arrays, or in the first batch of a
     dataset; a model's own loss (``add_loss``) that is neither a mean nor a sum over rows
     (``loss_rows``, probed on the first batch and, for arrays, on the last partial one of
-    the training and validation data, split over ``replicas``; also for predict so that
+    the training and validation data, split over ``replicas`` by ``rule``
+    (``loss_rows.split_sizes``); also for predict so that
     every replica is made with the probe's rules). A dataset's later batches are checked
     as they arrive (``batch_checks``).
 
@@ -79,10 +80,11 @@ def check_weighable(model, kwargs, method="fit", replicas=2):
             given = batch[2]
         if differing(given):
             raise NotImplementedError(f"kmgpu: {WEIGHTS_TEXT}")
-    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss, replicas)
+    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss, replicas,
+                    rule=rule)
     if probe and not method.endswith("_on_batch"):
         for x in array_batches(kwargs):
-            loss_rows.check(model, x, uses_loss, replicas)
+            loss_rows.check(model, x, uses_loss, replicas, rule=rule)
     return kwargs
 
 
@@ -136,9 +138,10 @@ class Guard:
         self.model, self.replicas, self.weights, self.probe = model, replicas, weights, probe
         self.error = None
 
-    def __call__(self, batch, where):
+    def __call__(self, batch, where, rule="even"):
         """Check ``batch`` ((x, y, sample_weight) or Keras's packed form), named
-        ``where`` in the error (e.g. "batch 3 of epoch 2's training data").
+        ``where`` in the error (e.g. "batch 3 of the training data"), split over the
+        replicas by ``rule`` (``loss_rows.split_sizes``).
 
         Raises:
             BatchRefused: the batch breaks a rule above.
@@ -151,8 +154,8 @@ class Guard:
             if self.weights and differing(sw):
                 raise NotImplementedError(f"kmgpu: {WEIGHTS_TEXT}")
             if self.probe and x is not None and not loss_rows.probed(
-                    self.model, loss_rows.num_rows(x)):
-                loss_rows.check(self.model, x, True, self.replicas, late=True)
+                    self.model, loss_rows.num_rows(x), self.replicas, rule):
+                loss_rows.check(self.model, x, True, self.replicas, late=True, rule=rule)
         except NotImplementedError as e:
             if self.error is not None:  # tf.data reads on past a failed element
                 raise self.error from None
@@ -165,7 +168,8 @@ class Guard:
 
 def checked_dataset(dataset, check, what):
     """A ``tf.data`` dataset of global batches whose every element passes ``check`` (a
-    ``Guard``) on the host as it is read, numbered from 0 in each pass."""
+    ``Guard``, with ``tf.distribute``'s split) on the host as it is read, numbered from 0
+    in each pass."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -174,7 +178,7 @@ def checked_dataset(dataset, check, what):
 
     def run(index, *leaves):
         batch = keras.tree.pack_sequence_as(spec, [np.asarray(a) for a in leaves])
-        check(batch, f"batch {int(index)} of {what}")
+        check(batch, f"batch {int(index)} of {what}", "ceil")  # tf.distribute's split
         return np.int64(0)
 
     def each(index, element):

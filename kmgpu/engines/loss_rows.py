@@ -15,11 +15,12 @@ Nothing in Keras says which a loss is, so kmgpu measures it (``probe``) on the r
 own split of a batch: the loss of the whole batch against those of the contiguous row
 blocks the replicas get (one forward pass each), in training mode and in inference mode.
 The model's variables (random seeds included) are restored after each pass. It probes
-every row count a call's batches have, once per model and row count: the first batch and
-the last partial one of arrays before any work; a dataset's (generator, PyDataset,
-``tf.data``, DataLoader) each new row count when its batch arrives (``batch_checks``).
-A row count whose rule differs from the one already taken, or fits no rule, is refused
-(before any work, or at that batch, the model keeping the last completed step).
+every split a call's batches have (``split_sizes``: how the engine cuts that many rows),
+once per model and split: the first batch and the last partial one of arrays before any
+work; a dataset's (generator, PyDataset, ``tf.data``, DataLoader) each new one when its
+batch arrives (``batch_checks``). A split whose rule differs from the one already taken,
+or fits no rule, is refused (before any work, or at that batch, the model keeping the
+last completed step).
 A batch that only one replica gets rows of needs no rule (it is that replica's loss).
 Only models with a layer written outside Keras are probed: Keras's own layers add only
 activity regularizers, which Keras divides by the batch size (a mean). JAX computes
@@ -35,7 +36,7 @@ import weakref
 SHARE, WHOLE = "share", "whole"
 
 #: model -> {training: (rule per entry of model.losses) or the reason none fits,
-#: "rows": the row counts probed}
+#: "rows": the splits probed (rows per replica)}
 _RULES = weakref.WeakKeyDictionary()
 
 
@@ -65,9 +66,22 @@ def needs_probe(model):
                for layer in model._flatten_layers(include_self=True))
 
 
-def probed(model, n):
-    """True when ``model``'s own losses were probed on a batch of ``n`` rows already."""
-    return n in _RULES.get(model, {}).get("rows", ())
+def split_sizes(n, replicas, rule="even"):
+    """The rows each of ``replicas`` replicas gets of a batch of ``n``: "even", contiguous
+    blocks whose sizes differ by at most one (torch; TensorFlow's per-replica feed and
+    ``*_on_batch``); "ceil", ceil(n / replicas) each in turn until the rows run out
+    (``tf.distribute``'s split of a ``tf.data`` batch: 6 rows on 4 replicas 2, 2, 2, 0)."""
+    replicas = max(int(replicas), 1)
+    if rule == "ceil":
+        q = -(-n // replicas)
+        return [max(0, min(q, n - r * q)) for r in range(replicas)]
+    q, rem = divmod(n, replicas)
+    return [q + (r < rem) for r in range(replicas)]
+
+
+def probed(model, n, replicas=2, rule="even"):
+    """True when ``model``'s own losses were probed on this split of ``n`` rows already."""
+    return tuple(split_sizes(n, replicas, rule)) in _RULES.get(model, {}).get("rows", ())
 
 
 def num_rows(x):
@@ -79,9 +93,9 @@ def num_rows(x):
     return int(np.shape(leaves[0])[0]) if leaves else 0
 
 
-def check(model, x, uses_loss, replicas=2, late=False):
-    """Probe ``model``'s own losses on the batch ``x`` split over ``replicas`` (``probe``)
-    unless a batch of as many rows was probed already, and refuse a call that computes a
+def check(model, x, uses_loss, replicas=2, late=False, rule="even"):
+    """Probe ``model``'s own losses on the batch ``x`` split over ``replicas`` by ``rule``
+    (``probe``, ``split_sizes``) unless a batch split so was probed already, and refuse a call that computes a
     loss (``uses_loss``) when one of them is neither a mean nor a sum over rows nor
     independent of them, or weighs by another rule on batches of another row count.
     ``late``: the step already runs (``batch_checks``), weighing every loss by share
@@ -92,23 +106,24 @@ def check(model, x, uses_loss, replicas=2, late=False):
     """
     if x is not None and needs_probe(model):
         n = num_rows(x)
+        key = tuple(split_sizes(n, replicas, rule))
         entry = _RULES.setdefault(model, {})
         seen = entry.setdefault("rows", set())
-        if n not in seen:
-            found = probe(model, x, replicas)
-            seen.add(n)
-            for training, rule in (found or {}).items():
+        if key not in seen:
+            found = probe(model, x, replicas, rule)
+            seen.add(key)
+            for training, got in (found or {}).items():
                 taken = entry.get(training)
-                if taken is None and late and isinstance(rule, tuple):
-                    taken = (SHARE,) * len(rule)  # what the running step applies
-                if taken is None or isinstance(rule, str):
-                    entry[training] = rule if taken is None or isinstance(taken, tuple) \
+                if taken is None and late and isinstance(got, tuple):
+                    taken = (SHARE,) * len(got)  # what the running step applies
+                if taken is None or isinstance(got, str):
+                    entry[training] = got if taken is None or isinstance(taken, tuple) \
                         else taken
-                elif isinstance(taken, tuple) and rule != taken:
+                elif isinstance(taken, tuple) and got != taken:
                     entry[training] = (
-                        f"the model's own losses weigh as {list(rule)} on a batch of {n} "
-                        f"rows but as {list(taken)} on the batches probed before (rows "
-                        f"{sorted(seen - {n})}): their form changes with the batch's rows")
+                        f"the model's own losses weigh as {list(got)} on a batch "
+                        f"of {n} rows split {list(key)} but as {list(taken)} on the batches "
+                        f"before it: their form changes with the batch's rows")
     if not uses_loss:
         return
     for training in (True, False):
@@ -126,10 +141,9 @@ def check(model, x, uses_loss, replicas=2, late=False):
                 "computes the loss on the global batch).")
 
 
-def probe(model, x, replicas=2):
+def probe(model, x, replicas=2, rule="even"):
     """How each of ``model.losses`` depends on the rows of the batch ``x``, measured on
-    the contiguous row blocks ``replicas`` replicas get of it (sizes differ by at most
-    one row, as every engine splits a batch).
+    the contiguous row blocks ``replicas`` replicas get of it (``split_sizes``).
 
     Returns:
         {training: (rule per loss) or a text naming the loss no rule fits}, for
@@ -141,8 +155,7 @@ def probe(model, x, replicas=2):
     import numpy as np
 
     n = num_rows(x)
-    q, rem = divmod(n, max(int(replicas), 1))
-    sizes = [q + (r < rem) for r in range(max(int(replicas), 1)) if q + (r < rem)]
+    sizes = [size for size in split_sizes(n, replicas, rule) if size]
     if len(sizes) < 2 or not model.built:
         return None
     bounds = np.cumsum([0] + sizes)

@@ -93,7 +93,11 @@ class TensorFlowEngine(InProcessEngine):
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         if template.compiled and self.num_replicas > 1:  # refused before any work
-            kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas)
+            # kmgpu splits a batch it feeds evenly; tf.distribute a tf.data batch by ceil
+            fed = method in ON_BATCH or (self._single_worker()
+                                         and data.is_python_data(kwargs.get("x")))
+            kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas,
+                                                  "even" if fed else "ceil")
         self._feed["first"] = None
         guard = None if method in ON_BATCH else batch_checks.guard(
             template, method, self.num_replicas)
