@@ -61,9 +61,12 @@ def load(replica, found):
 
 def needs_probe(model):
     """True when a layer of ``model`` (or the model) is written outside Keras: only such
-    code may call ``add_loss`` in other ways than Keras's activity regularizers."""
-    return any(not type(layer).__module__.startswith("keras.")
-               for layer in model._flatten_layers(include_self=True))
+    code may call ``add_loss`` in other ways than Keras's activity regularizers. Not for
+    a stateful RNN model: its fixed batch runs on no part, and a pass would move its
+    states."""
+    layers = list(model._flatten_layers(include_self=True))
+    return (any(not type(layer).__module__.startswith("keras.") for layer in layers)
+            and not any(getattr(layer, "stateful", False) for layer in layers))
 
 
 def split_sizes(n, replicas, rule="even"):
