@@ -3,7 +3,7 @@
 ``check_weighable`` checks a call's arrays whole and a dataset's first batch
 before any work. A dataset's later batches reach kmgpu's own code one by one (torch: each
 rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator or
-PyDataset, and a ``tf.data`` dataset mapped through ``checked_dataset``), and each gets
+PyDataset, and a ``tf.data`` dataset mapped through ``tensorflow.data.checked``), and each gets
 the same check there (``Guard``), on the host, before its step runs:
 
 - under "mean_with_sample_weight", its per-output sample weights are one set for every
@@ -138,6 +138,11 @@ class Guard:
         self.model, self.replicas, self.weights, self.probe = model, replicas, weights, probe
         self.error = None
 
+    def known_rows(self, rule="even"):
+        """The row counts whose split by ``rule`` was probed already (none to probe)."""
+        return sorted({sum(key) for key in loss_rows.probed_splits(self.model)
+                       if tuple(loss_rows.split_sizes(sum(key), self.replicas, rule)) == key})
+
     def __call__(self, batch, where, rule="even"):
         """Check ``batch`` ((x, y, sample_weight) or Keras's packed form), named
         ``where`` in the error (e.g. "batch 3 of the training data"), split over the
@@ -164,26 +169,3 @@ class Guard:
                 "stopped before that batch's step; after fit your model holds the state of "
                 "the last completed step.")
             raise self.error from None
-
-
-def checked_dataset(dataset, check, what):
-    """A ``tf.data`` dataset of global batches whose every element passes ``check`` (a
-    ``Guard``, with ``tf.distribute``'s split) on the host as it is read, numbered from 0
-    in each pass."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    spec = dataset.element_spec
-
-    def run(index, *leaves):
-        batch = keras.tree.pack_sequence_as(spec, [np.asarray(a) for a in leaves])
-        check(batch, f"batch {int(index)} of {what}", "ceil")  # tf.distribute's split
-        return np.int64(0)
-
-    def each(index, element):
-        done = tf.py_function(run, [index] + tf.nest.flatten(element), Tout=tf.int64)
-        with tf.control_dependencies([done]):
-            return tf.nest.map_structure(tf.identity, element)
-
-    return dataset.enumerate().map(each)

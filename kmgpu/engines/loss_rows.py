@@ -82,6 +82,11 @@ def split_sizes(n, replicas, rule="even"):
     return [q + (r < rem) for r in range(replicas)]
 
 
+def probed_splits(model):
+    """The splits (rows per replica) ``model``'s own losses were probed on."""
+    return set(_RULES.get(model, {}).get("rows", ()))
+
+
 def probed(model, n, replicas=2, rule="even"):
     """True when ``model``'s own losses were probed on this split of ``n`` rows already."""
     return tuple(split_sizes(n, replicas, rule)) in _RULES.get(model, {}).get("rows", ())

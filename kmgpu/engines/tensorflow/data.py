@@ -118,15 +118,56 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
 
 def checked(kwargs, guard, method):
     """``kwargs`` with a ``tf.data`` dataset ``x`` (and fit's ``validation_data``) read
-    through ``guard`` (``batch_checks.checked_dataset``), batch by batch."""
+    through ``guard`` (a ``batch_checks.Guard``), batch by batch (``checked_dataset``)."""
     import tensorflow as tf
-
-    from kmgpu.engines import batch_checks
 
     kw = dict(kwargs)
     for key, what in (("x", "the training data" if method == "fit" else "the data"),
                       ("validation_data", "the validation data")):
         value = kw.get(key)
         if isinstance(value, tf.data.Dataset):
-            kw[key] = batch_checks.checked_dataset(value, guard, what)
+            kw[key] = checked_dataset(value, guard, what)
     return kw
+
+
+def checked_dataset(dataset, guard, what):
+    """``dataset`` (global batches) with every element checked by ``guard`` as it is read,
+    with ``tf.distribute``'s split, numbered from 0 in each pass. In the pipeline a batch
+    whose per-output sample weights are one set and whose row count was probed already
+    costs a few comparisons; only another one goes to ``guard`` on the host (a
+    ``tf.py_function``), which refuses it or probes its row count."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    known = tf.constant(guard.known_rows("ceil") or [-1], tf.int64)
+
+    def run(index, *leaves):
+        batch = keras.tree.pack_sequence_as(spec, [np.asarray(a) for a in leaves])
+        guard(batch, f"batch {int(index)} of {what}", "ceil")
+        return np.int64(0)
+
+    def unusual(element):
+        x, _, sw = keras.utils.unpack_x_y_sample_weight(
+            element if isinstance(element, tuple) else (element,))
+        flag = tf.constant(False)
+        if guard.probe and x is not None:
+            rows = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.int64)
+            flag = tf.logical_not(tf.reduce_any(tf.equal(rows, known)))
+        if guard.weights and isinstance(sw, (tuple, list, dict)):
+            leaves = tf.nest.flatten(sw)
+            for w in leaves[1:]:
+                flag = tf.logical_or(flag, tf.logical_not(tf.reduce_all(tf.equal(
+                    tf.cast(leaves[0], tf.float32), tf.cast(w, tf.float32)))))
+        return flag
+
+    def each(index, element):
+        done = tf.cond(unusual(element),
+                       lambda: tf.py_function(run, [index] + tf.nest.flatten(element),
+                                              Tout=tf.int64),
+                       lambda: tf.constant(0, tf.int64))
+        with tf.control_dependencies([done]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    return dataset.enumerate().map(each)
