@@ -198,18 +198,20 @@ def _sum_mean_model():
     return model
 
 
-def test_new_row_count_probed_as_it_arrives_and_trained_as_one_device():
-    """A generator of 10 batches of 7 rows and one of 8: the last brings a row count the
-    first batch did not show, probed when it arrives (on torch by every rank, on
-    TensorFlow on the user's model) with the same rules, and training equals one device,
-    History included. (Guards the probe mid-fit: it passes on the previous main too.)"""
+@pytest.mark.parametrize("kind", ["generator", "tf.data"])
+def test_new_row_count_probed_as_it_arrives_and_trained_as_one_device(kind):
+    """10 batches of 7 rows and one of 8: the last brings a row count the first batch did
+    not show, probed when it arrives (on torch by every rank, on TensorFlow on the user's
+    model; for tf.data the pipeline calls the host check for that batch only) with the
+    same rules, and training equals one device, History included. (Guards the probe
+    mid-fit: it passes on the previous main too.)"""
     x, y = _xy()
     sizes = [7] * 10 + [8]
     starts = np.cumsum([0] + sizes)
     batches = [(x[a:b], y[a:b]) for a, b in zip(starts[:-1], starts[1:])]
     reference, model = _sum_mean_model(), _sum_mean_model()
-    one = reference.fit(_data("generator", batches), epochs=1, shuffle=False, verbose=0)
-    many = kmgpu.parallelize(model).fit(_data("generator", batches), epochs=1,
-                                        shuffle=False, verbose=0)
+    one = reference.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
+    many = kmgpu.parallelize(model).fit(_data(kind, batches), epochs=1, shuffle=False,
+                                        verbose=0)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
     np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
