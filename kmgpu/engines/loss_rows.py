@@ -103,9 +103,9 @@ def num_rows(x):
 
 def check(model, x, uses_loss, replicas=2, late=False, rule="even"):
     """Probe ``model``'s own losses on the batch ``x`` split over ``replicas`` by ``rule``
-    (``probe``, ``split_sizes``) unless a batch split so was probed already, and refuse a call that computes a
-    loss (``uses_loss``) when one of them is neither a mean nor a sum over rows nor
-    independent of them, or weighs by another rule on batches of another row count.
+    (``probe``, ``split_sizes``) unless a batch split so was probed already, and refuse a
+    call that computes a loss (``uses_loss``) when one of them is neither a mean nor a sum
+    over rows nor independent of them, or weighs by another rule on another split.
     ``late``: the step already runs (``batch_checks``), weighing every loss by share
     where nothing was probed yet, so a sum found now is refused too.
 
