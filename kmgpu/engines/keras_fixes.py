@@ -107,49 +107,6 @@ def loss_kind(model):
     return next(iter(found), "rows")
 
 
-def check_weighable(model, kwargs, method="fit"):
-    """Refuse, before any work, a call whose losses the replicas cannot weigh as one device
-    does: outputs whose losses reduce differently (``loss_kind``); per-output sample
-    weights that differ under "mean_with_sample_weight" (each replica's part of the loss
-    is weighed by one output's weight sums): given as arrays, or in the first batch of a
-    dataset (later batches are not read here); a model's own loss (``add_loss``) that is
-    neither a mean nor a sum over rows (``loss_rows``, probed once per model, on the
-    first batch, also for predict so that every replica is made with the probe's rules).
-
-    Returns:
-        ``kwargs``; a generator peeked at is replaced by one that yields all its batches.
-    """
-    import keras
-    import numpy as np
-
-    from kmgpu.engines import loss_rows
-
-    uses_loss = method not in ("predict", "predict_on_batch")
-    weights = uses_loss and loss_kind(model) == "weights"
-    probe = loss_rows.rules(model, True) is None and loss_rows.needs_probe(model)
-    if not (weights or probe):
-        loss_rows.check(model, None, uses_loss)  # a loss refused on an earlier call
-        return kwargs
-    given, batch = kwargs.get("sample_weight"), None
-    if probe or (weights and given is None):
-        kwargs, batch = loss_rows.first_batch(kwargs, whole=method.endswith("_on_batch"))
-    if weights:
-        if given is None and batch is not None:
-            given = batch[2]
-        leaves = ([np.asarray(w) for w in keras.tree.flatten(given) if w is not None]
-                  if isinstance(given, (list, tuple, dict)) else [])
-        if any(not np.array_equal(leaves[0], w) for w in leaves[1:]):
-            raise NotImplementedError(
-                "kmgpu: per-output sample weights that differ, with the "
-                "'mean_with_sample_weight' reduction: each replica's share of the loss is "
-                "weighed by one set of sample weights, so the result would differ from one "
-                "device. Pass one sample_weight array for every output, give the losses "
-                "another reduction (e.g. 'sum_over_batch_size'), or use the JAX backend (it "
-                "computes the loss on the global batch).")
-    loss_rows.check(model, batch[0] if batch is not None else None, uses_loss)
-    return kwargs
-
-
 def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
     """This replica's weight in the global batch's loss: one device's loss is the sum
     over replicas of ``share * (the replica's loss of its own rows)``, and so is its

@@ -9,25 +9,34 @@ device's only by a rule that depends on how the loss depends on the rows:
   batch's rows ("share");
 - a sum over rows, ``L(B) = L(B1) + L(B2)``: each replica's value counts whole ("whole");
 - anything else (a batch statistic, a mean of the whole batch squared): no rule gives
-  one device's value; TensorFlow and torch refuse such a call before any work.
+  one device's value; TensorFlow and torch refuse such a call.
 
-Nothing in Keras says which a loss is, so kmgpu measures it, once per model, on the
-first batch of the first call with a loss (``probe``): three forward passes (the batch,
-its first third, the rest) in training mode, and in inference mode when the loss is
-used there (evaluate). The model's variables (random seeds included) are restored after
-each pass. Only models with a layer written outside Keras are probed: Keras's own
-layers add only activity regularizers, which Keras divides by the batch size (a mean).
-JAX computes every loss on the global batch (one jit over the sharded batch) and needs
-no rule. Limits: what the first batch shows is taken for every batch; a model that cannot
-run on fewer rows (a fixed batch size: stateful RNNs) or a first batch of one row is not
-probed (its own losses weigh by share, as before).
+Nothing in Keras says which a loss is, so kmgpu measures it (``probe``) on the replicas'
+own split of a batch: the loss of the whole batch against those of the contiguous row
+blocks the replicas get (one forward pass each), in training mode and in inference mode.
+The model's variables (random seeds included) are restored after each pass. It probes
+every split a call's batches have (``split_sizes``: how the engine cuts that many rows),
+once per model and split: the first batch and the last partial one of arrays before any
+work; a dataset's (generator, PyDataset, ``tf.data``, DataLoader) each new one when its
+batch arrives (``batch_checks``). A split whose rule differs from the one already taken,
+or fits no rule, is refused (before any work, or at that batch, the model keeping the
+last completed step).
+A batch that only one replica gets rows of needs no rule (it is that replica's loss).
+Only models with a layer written outside Keras are probed: Keras's own layers add only
+activity regularizers, which Keras divides by the batch size (a mean). JAX computes
+every loss on the global batch (one jit over the sharded batch) and needs no rule.
+Limits: a loss whose form depends on the data's values rather than its rows (a branch
+on a batch statistic) may pass the probe on the batches it sees; a model that cannot
+run on fewer rows (a fixed batch size: stateful RNNs) is not probed (its own losses
+weigh by share).
 """
 
 import weakref
 
 SHARE, WHOLE = "share", "whole"
 
-#: model -> {training: (rule per entry of model.losses) or the reason none fits}
+#: model -> {training: (rule per entry of model.losses) or the reason none fits,
+#: "rows": the splits probed (rows per replica)}
 _RULES = weakref.WeakKeyDictionary()
 
 
@@ -40,68 +49,126 @@ def rules(model, training):
 
 def carried(model):
     """The probe's result for a replica of ``model`` (``models.carried``): picklable."""
-    return dict(_RULES.get(model, {})) or None
+    found = _RULES.get(model)
+    return {k: (set(v) if k == "rows" else v) for k, v in found.items()} if found else None
 
 
 def load(replica, found):
     """Give ``replica`` the probe's result of its template (``carried``)."""
     if found:
-        _RULES[replica] = dict(found)
+        _RULES[replica] = {k: (set(v) if k == "rows" else v) for k, v in found.items()}
 
 
 def needs_probe(model):
     """True when a layer of ``model`` (or the model) is written outside Keras: only such
-    code may call ``add_loss`` in other ways than Keras's activity regularizers."""
-    return any(not type(layer).__module__.startswith("keras.")
-               for layer in model._flatten_layers(include_self=True))
+    code may call ``add_loss`` in other ways than Keras's activity regularizers. Not for
+    a stateful RNN model: its fixed batch runs on no part, and a pass would move its
+    states."""
+    layers = list(model._flatten_layers(include_self=True))
+    return (any(not type(layer).__module__.startswith("keras.") for layer in layers)
+            and not any(getattr(layer, "stateful", False) for layer in layers))
 
 
-def check(model, x, uses_loss):
-    """Probe ``model``'s own losses on the batch ``x`` once (``probe``), and refuse a call
-    that computes a loss (``uses_loss``) when one of them is neither a mean nor a sum
-    over rows nor independent of them.
-
-    Raises:
-        NotImplementedError: such a loss, with what to do instead.
-    """
-    if model not in _RULES and x is not None and needs_probe(model):
-        found = probe(model, x)
-        if found is not None:
-            _RULES[model] = found
-    if not uses_loss:
-        return
-    for training, found in _RULES.get(model, {}).items():
-        if isinstance(found, str):
-            raise NotImplementedError(
-                f"kmgpu: {found} in {'training' if training else 'inference'} mode; it is "
-                "neither a mean nor a sum over rows, nor independent of them (measured on the "
-                "first batch: the loss of all its rows against that of its first third and "
-                "of the rest). Each replica computes the model's own losses on its part of "
-                "the batch, so no weighing of the replicas' values gives one device's. Write "
-                "it as a mean (or a sum) over the batch's rows, compute it in a compiled "
-                "loss (compile(loss=...)) or a model's own compute_loss on the global "
-                "batch's terms, or use the JAX backend (it computes the loss on the global "
-                "batch).")
+def split_sizes(n, replicas, rule="even"):
+    """The rows each of ``replicas`` replicas gets of a batch of ``n``: "even", contiguous
+    blocks whose sizes differ by at most one (torch; TensorFlow's per-replica feed and
+    ``*_on_batch``); "ceil", ceil(n / replicas) each in turn until the rows run out
+    (``tf.distribute``'s split of a ``tf.data`` batch: 6 rows on 4 replicas 2, 2, 2, 0)."""
+    replicas = max(int(replicas), 1)
+    if rule == "ceil":
+        q = -(-n // replicas)
+        return [max(0, min(q, n - r * q)) for r in range(replicas)]
+    q, rem = divmod(n, replicas)
+    return [q + (r < rem) for r in range(replicas)]
 
 
-def probe(model, x):
-    """How each of ``model.losses`` depends on the rows of the batch ``x``.
+def probed_splits(model):
+    """The splits (rows per replica) ``model``'s own losses were probed on."""
+    return set(_RULES.get(model, {}).get("rows", ()))
 
-    Returns:
-        {training: (rule per loss) or a text naming the loss no rule fits}, for
-        training=True and, where it differs, False; None when the model cannot be
-        probed (unbuilt, fewer than 2 rows, a fixed batch size).
-    """
+
+def probed(model, n, replicas=2, rule="even"):
+    """True when ``model``'s own losses were probed on this split of ``n`` rows already."""
+    return tuple(split_sizes(n, replicas, rule)) in _RULES.get(model, {}).get("rows", ())
+
+
+def num_rows(x):
+    """The rows of the batch ``x`` (its first leaf's first axis; 0 for none)."""
     import keras
     import numpy as np
 
     leaves = [a for a in keras.tree.flatten(x) if a is not None]
-    n = int(np.shape(leaves[0])[0]) if leaves else 0
-    if n < 2 or not model.built:
+    return int(np.shape(leaves[0])[0]) if leaves else 0
+
+
+def check(model, x, uses_loss, replicas=2, late=False, rule="even"):
+    """Probe ``model``'s own losses on the batch ``x`` split over ``replicas`` by ``rule``
+    (``probe``, ``split_sizes``) unless a batch split so was probed already, and refuse a
+    call that computes a loss (``uses_loss``) when one of them is neither a mean nor a sum
+    over rows nor independent of them, or weighs by another rule on another split.
+    ``late``: the step already runs (``batch_checks``), weighing every loss by share
+    where nothing was probed yet, so a sum found now is refused too.
+
+    Raises:
+        NotImplementedError: such a loss, with what to do instead.
+    """
+    if x is not None and needs_probe(model):
+        n = num_rows(x)
+        key = tuple(split_sizes(n, replicas, rule))
+        entry = _RULES.setdefault(model, {})
+        seen = entry.setdefault("rows", set())
+        if key not in seen:
+            found = probe(model, x, replicas, rule)
+            seen.add(key)
+            for training, got in (found or {}).items():
+                taken = entry.get(training)
+                if taken is None and late and isinstance(got, tuple):
+                    taken = (SHARE,) * len(got)  # what the running step applies
+                if taken is None or isinstance(got, str):
+                    entry[training] = got if taken is None or isinstance(taken, tuple) \
+                        else taken
+                elif isinstance(taken, tuple) and got != taken:
+                    entry[training] = (
+                        f"the model's own losses weigh as {list(got)} on a batch "
+                        f"of {n} rows split {list(key)} but as {list(taken)} on the batches "
+                        f"before it: their form changes with the batch's rows")
+    if not uses_loss:
+        return
+    for training in (True, False):
+        found = _RULES.get(model, {}).get(training)
+        if isinstance(found, str):
+            raise NotImplementedError(
+                f"kmgpu: {found} in {'training' if training else 'inference'} mode; it is "
+                "neither a mean nor a sum over rows, nor independent of them (measured on "
+                "each row count of the call's batches: the loss of all its rows against "
+                "those of the replicas' parts of them). Each replica computes the model's "
+                "own losses on its part of the batch, so no weighing of the replicas' "
+                "values gives one device's. Write it as a mean (or a sum) over the batch's "
+                "rows, compute it in a compiled loss (compile(loss=...)) or a model's own "
+                "compute_loss on the global batch's terms, or use the JAX backend (it "
+                "computes the loss on the global batch).")
+
+
+def probe(model, x, replicas=2, rule="even"):
+    """How each of ``model.losses`` depends on the rows of the batch ``x``, measured on
+    the contiguous row blocks ``replicas`` replicas get of it (``split_sizes``).
+
+    Returns:
+        {training: (rule per loss) or a text naming the loss no rule fits}, for
+        training=True and False; None when there is nothing to probe (unbuilt, fewer
+        than 2 replicas with rows: one replica's loss is the batch's) or the model
+        cannot run on fewer rows (a fixed batch size).
+    """
+    import keras
+    import numpy as np
+
+    n = num_rows(x)
+    sizes = [size for size in split_sizes(n, replicas, rule) if size]
+    if len(sizes) < 2 or not model.built:
         return None
-    first = max(1, n // 3)  # unequal parts: a sum and a mean differ unless all is 0
-    parts = [x] + [keras.tree.map_structure(lambda a, s=s: a[s], x)
-                   for s in (slice(0, first), slice(first, n))]
+    bounds = np.cumsum([0] + sizes)
+    parts = [x] + [keras.tree.map_structure(lambda a, s=slice(lo, hi): a[s], x)
+                   for lo, hi in zip(bounds[:-1], bounds[1:])]
     saved = [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]
     found = {}
     try:
@@ -114,33 +181,37 @@ def probe(model, x):
                                    for loss in model.losses])
                     for v, a in zip(model.variables, saved):
                         v.assign(a)
-                found[training] = _classify(values, n, first)
+                found[training] = _classify(values, n, sizes)
     except Exception:  # cannot run on these rows (a fixed batch size): not probed
         for v, a in zip(model.variables, saved):
             v.assign(a)
         return None
     if isinstance(found[True], str) and isinstance(found[False], tuple):
-        # random layers in training mode draw differently in the three passes: the
+        # random layers in training mode draw differently in the passes: the
         # inference passes show the losses' form
         found[True] = found[False]
     return found
 
 
-def _classify(values, n, first):
-    """The rule of each loss from its values on (all rows, the first part, the rest)."""
+def _classify(values, n, sizes):
+    """The rule of each loss from its values on (all rows, each replica's part);
+    ``sizes``: the parts' rows (an int: the first of two parts)."""
+    if isinstance(sizes, int):
+        sizes = [sizes, n - sizes]
     if len({len(v) for v in values}) != 1:
         return "the number of the model's own losses changes with the rows"
     rules = []
-    for i, (whole, a, b) in enumerate(zip(*values)):
-        tolerance = 1e-4 * max(abs(whole), abs(a), abs(b), 1e-6)
-        if abs(whole - (first * a + (n - first) * b) / n) <= tolerance:
+    for i, (whole, *parts) in enumerate(zip(*values)):
+        tolerance = 1e-4 * max(abs(whole), *map(abs, parts), 1e-6)
+        if abs(whole - sum(s * v for s, v in zip(sizes, parts)) / n) <= tolerance:
             rules.append(SHARE)  # a mean over rows, or no dependence on them
-        elif abs(whole - (a + b)) <= tolerance:
+        elif abs(whole - sum(parts)) <= tolerance:
             rules.append(WHOLE)
         else:
+            shown = ", ".join(f"{v:.6g}" for v in parts)
             return (f"the model's own loss number {i + 1} of {len(values[0])} (model.losses"
-                    f"[{i}], from add_loss) is {whole:.6g} on the batch's {n} rows, {a:.6g}"
-                    f" on its first {first} and {b:.6g} on the other {n - first}")
+                    f"[{i}], from add_loss) is {whole:.6g} on a batch's {n} rows and "
+                    f"{shown} on the replicas' parts of {sizes} rows")
     return tuple(rules)
 
 

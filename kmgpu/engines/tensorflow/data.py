@@ -27,9 +27,10 @@ def is_python_data(x):
     return inspect.isgenerator(x) or isinstance(x, keras.utils.PyDataset)
 
 
-def feed(strategy, kwargs, method, shuffle=False):
+def feed(strategy, kwargs, method, shuffle=False, guard=None):
     """``kwargs`` with a generator / PyDataset ``x`` (and fit's ``validation_data``)
-    replaced by a per-replica distributed dataset.
+    replaced by a per-replica distributed dataset; every global batch read passes
+    ``guard`` (``batch_checks.Guard``; None: none) first.
 
     Returns:
         (kwargs, first) where ``first`` is the first global batch read (to build the
@@ -40,13 +41,16 @@ def feed(strategy, kwargs, method, shuffle=False):
     if is_python_data(kw.get("x")):
         x = kw["x"]
         class_weight = kw.pop("class_weight", None) if method == "fit" else None
-        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, method == "fit")
+        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, method == "fit",
+                                      guard, "the training data" if method == "fit"
+                                      else "the data")
         kw.update({key: None for key in ("y", "sample_weight") if key in kw})
         if kw.get(steps) is None:
             kw[steps] = _length(x)
     validation = kw.get("validation_data")
     if method == "fit" and is_python_data(validation):
-        kw["validation_data"], _ = _distributed(strategy, validation, False, None, True)
+        kw["validation_data"], _ = _distributed(strategy, validation, False, None, True,
+                                                guard, "the validation data")
         if kw.get("validation_steps") is None:
             kw["validation_steps"] = _length(validation)
     return (kw, first) if first is not None or kw.get("validation_data") is not validation \
@@ -60,7 +64,7 @@ def _length(source):
     return None if inspect.isgenerator(source) else source.num_batches
 
 
-def _distributed(strategy, source, shuffle, class_weight, repeat):
+def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, what=""):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -70,14 +74,22 @@ def _distributed(strategy, source, shuffle, class_weight, repeat):
         rest = (common.standardize_batch(b, class_weight) for b in source)
         stream = itertools.chain([first], rest)  # one stream: epochs continue it
 
-        def batches():
-            return stream
+        def passes():
+            yield stream
     else:
         first = common.standardize_batch(source[0], class_weight)
 
-        def batches():  # fit: pass after pass; evaluate / predict: one pass
+        def passes():  # fit: pass after pass; evaluate / predict: one pass
             for _ in itertools.count() if repeat else range(1):
-                yield from common.py_dataset_pass(source, shuffle, class_weight)
+                yield common.py_dataset_pass(source, shuffle, class_weight)
+
+    def batches():
+        for number, one_pass in enumerate(passes()):
+            for index, batch in enumerate(one_pass):
+                if guard is not None:  # numbered as Keras's epochs count them
+                    guard(batch, f"batch {index} of {what}" if not inspect.isgenerator(source)
+                          else f"batch {index} read from the generator ({what})")
+                yield batch
 
     first = keras.tree.map_structure(np.asarray, first)
     signature = keras.tree.map_structure(
@@ -102,3 +114,60 @@ def _distributed(strategy, source, shuffle, class_weight, repeat):
         return pipeline.flat_map(blocks).prefetch(replicas)
 
     return strategy.distribute_datasets_from_function(dataset_fn), first
+
+
+def checked(kwargs, guard, method):
+    """``kwargs`` with a ``tf.data`` dataset ``x`` (and fit's ``validation_data``) read
+    through ``guard`` (a ``batch_checks.Guard``), batch by batch (``checked_dataset``)."""
+    import tensorflow as tf
+
+    kw = dict(kwargs)
+    for key, what in (("x", "the training data" if method == "fit" else "the data"),
+                      ("validation_data", "the validation data")):
+        value = kw.get(key)
+        if isinstance(value, tf.data.Dataset):
+            kw[key] = checked_dataset(value, guard, what)
+    return kw
+
+
+def checked_dataset(dataset, guard, what):
+    """``dataset`` (global batches) with every element checked by ``guard`` as it is read,
+    with ``tf.distribute``'s split, numbered from 0 in each pass. In the pipeline a batch
+    whose per-output sample weights are one set and whose row count was probed already
+    costs a few comparisons; only another one goes to ``guard`` on the host (a
+    ``tf.py_function``), which refuses it or probes its row count."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    known = tf.constant(guard.known_rows("ceil") or [-1], tf.int64)
+
+    def run(index, *leaves):
+        batch = keras.tree.pack_sequence_as(spec, [np.asarray(a) for a in leaves])
+        guard(batch, f"batch {int(index)} of {what}", "ceil")
+        return np.int64(0)
+
+    def unusual(element):
+        x, _, sw = keras.utils.unpack_x_y_sample_weight(
+            element if isinstance(element, tuple) else (element,))
+        flag = tf.constant(False)
+        if guard.probe and x is not None:
+            rows = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.int64)
+            flag = tf.logical_not(tf.reduce_any(tf.equal(rows, known)))
+        if guard.weights and isinstance(sw, (tuple, list, dict)):
+            leaves = tf.nest.flatten(sw)
+            for w in leaves[1:]:
+                flag = tf.logical_or(flag, tf.logical_not(tf.reduce_all(tf.equal(
+                    tf.cast(leaves[0], tf.float32), tf.cast(w, tf.float32)))))
+        return flag
+
+    def each(index, element):
+        done = tf.cond(unusual(element),
+                       lambda: tf.py_function(run, [index] + tf.nest.flatten(element),
+                                              Tout=tf.int64),
+                       lambda: tf.constant(0, tf.int64))
+        with tf.control_dependencies([done]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    return dataset.enumerate().map(each)

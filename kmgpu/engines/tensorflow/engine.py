@@ -21,6 +21,7 @@ import contextlib
 import functools
 import types
 
+from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
 from kmgpu.engines.tensorflow import data, keras_fixes
 
@@ -91,11 +92,23 @@ class TensorFlowEngine(InProcessEngine):
                                                     tf.distribute.MirroredStrategy)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        from kmgpu.engines import keras_fixes as fixes
-
-        if template.compiled and self.num_replicas > 1:
-            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
+        if template.compiled and self.num_replicas > 1:  # refused before any work
+            # kmgpu splits a batch it feeds evenly; tf.distribute a tf.data batch by ceil
+            fed = method in ON_BATCH or (self._single_worker()
+                                         and data.is_python_data(kwargs.get("x")))
+            kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas,
+                                                  "even" if fed else "ceil")
         self._feed["first"] = None
+        guard = None if method in ON_BATCH else batch_checks.guard(
+            template, method, self.num_replicas)
+        try:
+            return self._run(method, template, kwargs, lr_scale, guard)
+        except Exception:
+            if guard is not None and guard.error is not None:
+                raise guard.error from None  # tf.data hands it on as its own error type
+            raise
+
+    def _run(self, method, template, kwargs, lr_scale, guard):
         if method in ON_BATCH:
             try:
                 return super().run(method, template, kwargs, lr_scale)
@@ -105,7 +118,10 @@ class TensorFlowEngine(InProcessEngine):
         if self._single_worker():
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
-                                                    and kwargs.get("shuffle", True))
+                                                    and kwargs.get("shuffle", True),
+                                                    guard=guard)
+        if guard is not None:  # every batch of a tf.data dataset passes the guard too
+            kwargs = data.checked(kwargs, guard, method)
         if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
             # several steps per execution would run past an epoch's end into the next one
             kwargs = keras_fixes.repeating_datasets(kwargs)

@@ -227,10 +227,12 @@ class ArraySource:
 
 
 class DatasetSource:
-    """A user's ``keras.utils.PyDataset``: its batches are the global batches."""
+    """A user's ``keras.utils.PyDataset``: its batches are the global batches, each
+    passing ``guard`` (``batch_checks.Guard``; None: none) as it is read, ``what`` naming
+    the data in its error. Every rank reads the same global batch: all refuse it alike."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, guard=None, what="the data"):
+        self.dataset, self.guard, self.what = dataset, guard, what
 
     def num_batches(self, batch_size):
         return len(self.dataset)
@@ -241,6 +243,8 @@ class DatasetSource:
         if isinstance(data, np.ndarray) or not isinstance(data, (tuple, list)):
             data = (data,)
         self._data = tuple(data)
+        if self.guard is not None:
+            self.guard(self._data, f"batch {s} of {self.what}")
         return slice(0, num_rows(self._data[0])), num_rows(self._data[0])
 
     def take(self, rows):
@@ -250,10 +254,11 @@ class DatasetSource:
         )
 
 
-def source_of(x, y=None, sample_weight=None):
-    """The global batches of a call's data: a DatasetSource or an ArraySource."""
+def source_of(x, y=None, sample_weight=None, guard=None, what="the data"):
+    """The global batches of a call's data: a DatasetSource (read through ``guard``) or
+    an ArraySource (arrays are checked whole before the call)."""
     if is_dataset(x):
-        return DatasetSource(x)
+        return DatasetSource(x, guard, what)
     return ArraySource(x, y, sample_weight)
 
 

@@ -16,7 +16,7 @@ result come back to the user's model.
 import numpy as np
 
 from kmgpu import models
-from kmgpu.engines import keras_fixes as fixes
+from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, graphs,
@@ -55,7 +55,8 @@ class TorchEngine(Engine):
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
-            kwargs = fixes.check_weighable(template, kwargs, method)  # refused before any work
+            kwargs = batch_checks.check_weighable(  # refused before any work
+                template, kwargs, method, self.num_replicas)
             if self.options.shard_optimizer:
                 zero.check(template.optimizer)
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
@@ -104,6 +105,8 @@ class TorchEngine(Engine):
                 self.launcher.load_state(template)  # the last consistent state (epoch snapshot)
             if driver.error is not None:
                 raise driver.error
+            if getattr(results[0], "error", None) is not None:  # a refused batch
+                raise results[0].error
             raise RuntimeError("kmgpu: the call was aborted")
         if method == "fit":
             if not driver.final_loaded:

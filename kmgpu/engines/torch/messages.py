@@ -191,7 +191,10 @@ class TimedOut:
 # -- what a call returns --------------------------------------------------------------
 @dataclass(frozen=True)
 class Aborted:
-    """A user callback raised; every rank left the call at the same hook."""
+    """A user callback raised, or a batch was refused (``error``,
+    ``batch_checks.BatchRefused``); every rank left the call at the same point."""
+
+    error: Any = None
 
 
 @dataclass(frozen=True)

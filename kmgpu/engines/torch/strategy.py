@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kmgpu import models
+from kmgpu.engines import batch_checks
 from kmgpu.engines.torch import collectives, data, keras_fixes
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.rank_steps import RankSteps
@@ -235,21 +236,24 @@ class DDPStrategy(RankSteps):
         if reset_states:
             models.reset_states(replica)
             callbacks.insert(0, models.reset_callback(replica))
+        guard = batch_checks.guard(replica, method, self.world)  # each batch of a dataset
         try:
             if method == "fit":
-                return self._fit(replica, kwargs, verbose, callbacks, seed)
+                return self._fit(replica, kwargs, verbose, callbacks, seed, guard)
             if method == "evaluate":
                 slices = data.RankSlices(
                     data.source_of(kwargs.pop("x"), kwargs.pop("y", None),
-                                   kwargs.pop("sample_weight", None)),
+                                   kwargs.pop("sample_weight", None), guard, "the data"),
                     kwargs.pop("batch_size"), self.rank, self.world)
                 return replica.evaluate(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
             if method == "predict":
                 return self._predict(replica, kwargs, verbose, sync)
-        except Abort:  # every rank at the same point: the sharded state can be gathered
+        except (Abort, batch_checks.BatchRefused) as e:
+            # every rank at the same point (a refused batch: each rank read the same
+            # global batch): the sharded state can be gathered
             if self.sharded is not None and self.sharded.zero is not None:
                 self.sharded.zero.materialize(self.gather_everywhere)
-            return Aborted()
+            return Aborted(e if isinstance(e, batch_checks.BatchRefused) else None)
         raise ValueError(method)
 
     def _on_batch(self, replica, method, kwargs):
@@ -295,7 +299,7 @@ class DDPStrategy(RankSteps):
                                                  self.rank, steps)
         return Predictions(where, keras.tree.map_structure(lambda a: np.asarray(a)[keep], out))
 
-    def _fit(self, replica, kwargs, verbose, callbacks, seed):
+    def _fit(self, replica, kwargs, verbose, callbacks, seed, guard=None):
         x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
         batch_size = kwargs.pop("batch_size")
         validation_data = kwargs.pop("validation_data", None)
@@ -308,12 +312,13 @@ class DDPStrategy(RankSteps):
                                  "validation_data instead.")
             (x, y, sw), validation_data = keras_fixes.train_validation_split(
                 (x, y, sw), validation_split)
-        train = data.RankSlices(data.on_device(data.source_of(x, y, sw), self.device),
-                                batch_size, self.rank, self.world, shuffle=shuffle, seed=seed)
+        train = data.RankSlices(
+            data.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),
+            batch_size, self.rank, self.world, shuffle=shuffle, seed=seed)
         val = None
         if validation_data is not None:
             if data.is_dataset(validation_data):
-                vsource = data.DatasetSource(validation_data)
+                vsource = data.DatasetSource(validation_data, guard, "the validation data")
             else:
                 vsource = data.ArraySource(*keras.utils.unpack_x_y_sample_weight(
                     validation_data))
