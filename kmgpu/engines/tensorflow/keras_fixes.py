@@ -208,9 +208,9 @@ def park_iterators():
     """Within the block, every distributed iterator Keras makes from a
     ``TFEpochIterator`` is kept alive past the call that made it, and released at the
     start of the user's next kmgpu call (on a thread of its own, see ``_drop``), when
-    its prefetch has long finished. Keras
-    drops them at once (at the end of ``fit``, at each ``reset``), often while the
-    per-device prefetch is still fetching the next batch, and destroying a
+    its prefetch has long finished. Keras drops them at once (at the end of ``fit``,
+    at each ``reset``), often while the per-device prefetch is still fetching the next
+    batch, and destroying a
     ``MultiDeviceIterator`` then sometimes segfaults (TensorFlow 2.21). Kept one call
     only: live iterators' prefetch threads slow the next call down (a test file of
     one-epoch fits took 28 s instead of 18 s when two calls' iterators lived on; 20 s
