@@ -54,7 +54,9 @@ def resources():
     fds = [_fds(p) for p in pids]
     return {
         "processes": kids,
-        "threads": threading.active_count(),
+        # not TensorFlow's drops of a call's iterators: a thread each, which ends by itself
+        # (kmgpu/engines/tensorflow/keras_fixes.py, _release)
+        "threads": sum(t.name != "kmgpu-iterator-release" for t in threading.enumerate()),
         "fds": sum(f for f, _ in fds),
         "sockets": sum(s for _, s in fds),
         "temp files": _temp_entries(pids),
