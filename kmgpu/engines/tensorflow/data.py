@@ -170,4 +170,6 @@ def checked_dataset(dataset, guard, what):
         with tf.control_dependencies([done]):
             return tf.nest.map_structure(tf.identity, element)
 
-    return dataset.enumerate().map(each)
+    # no autograph: ``each`` branches with tf.cond itself, and autograph's conversion of it
+    # (and of what it calls) once took 134 s of a suite run
+    return dataset.enumerate().map(tf.autograph.experimental.do_not_convert(each))

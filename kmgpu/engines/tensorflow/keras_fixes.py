@@ -195,8 +195,10 @@ def _release(kept):
 def _release_parked():
     """At exit, while TensorFlow is still whole (atexit runs before module teardown):
     the last call's iterators, and the drops still under way."""
+    import gc
     import time
 
+    gc.collect()  # iterators in reference cycles (a fault's traceback and its frames)
     _PARKED["kept"].clear()
     end = time.monotonic() + RELEASE_AT_EXIT_S
     for thread in _PARKED["dropping"]:
