@@ -20,22 +20,13 @@ import numpy as np
 import pytest
 
 import kmgpu
+from tests.common.test_dataset_sample_weights import _model as _weights_model
 from tests.helpers import rel_diff
 
 ROWS = 78  # batches of 7: 11 of them and one row; of 8: 9 and 6 rows (10 steps: no warning)
 REFUSES = keras.backend.backend() != "jax"
 
 
-def _weights_model():
-    keras.utils.set_random_seed(4)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(6, activation="tanh")(inputs)
-    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(h),
-                                 "b": keras.layers.Dense(1, name="b")(h)})
-    loss = lambda: keras.losses.MeanSquaredError(  # noqa: E731
-        reduction="mean_with_sample_weight")
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"a": loss(), "b": loss()})
-    return model
 
 
 def _weighted_batches(first_unweighted=False, size=7):
@@ -141,37 +132,25 @@ def _xy():
             rng.normal(size=(ROWS, 2)).astype("float32"))
 
 
-def test_own_loss_refused_on_the_replicas_split_of_the_first_batch():
-    """Batch 7 is split 2 + 2 + 2 + 1: the last replica's loss is 0, one device's is not."""
-    x, y = _xy()
+@pytest.mark.parametrize("rows,batch,match", [
+    # batch 7 is split 2 + 2 + 2 + 1: the last replica's loss is 0, one device's is not
+    (ROWS, 7, r"on a batch's 7 rows .* \[2, 2, 2, 1\]"),
+    # 77 rows in batches of 8: the full ones (2 + 2 + 2 + 2 per replica) pass, the last one
+    # of 5 does not (torch: 2 + 1 + 1 + 1; TensorFlow's tf.data split: 2 + 2 + 1 + 0)
+    (77, 8, r"on a batch's 5 rows"),
+], ids=["first-batch", "last-partial-batch"])
+def test_own_loss_refused_on_the_replicas_split_before_any_work(rows, batch, match):
+    x, y = (a[:rows] for a in _xy())
     model = _loss_model()
     if not REFUSES:
         reference = _loss_model()
-        reference.fit(x, y, batch_size=7, shuffle=False, verbose=0)
-        kmgpu.parallelize(model).fit(x, y, batch_size=7, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+        kmgpu.parallelize(model).fit(x, y, batch_size=batch, shuffle=False, verbose=0)
         assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
         return
     before = model.get_weights()
-    with pytest.raises(NotImplementedError, match=r"on a batch's 7 rows .* \[2, 2, 2, 1\]"):
-        kmgpu.parallelize(model).fit(x, y, batch_size=7, shuffle=False, verbose=0)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-    assert not model.optimizer.built
-
-
-def test_own_loss_refused_at_the_last_partial_batch_of_arrays_before_any_work():
-    """77 rows in batches of 8: the full ones (2 + 2 + 2 + 2 per replica) pass, the last
-    one of 5 does not (torch: 2 + 1 + 1 + 1; TensorFlow's tf.data split: 2 + 2 + 1 + 0)."""
-    x, y = (a[:77] for a in _xy())
-    model = _loss_model()
-    if not REFUSES:
-        reference = _loss_model()
-        reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-        kmgpu.parallelize(model).fit(x, y, batch_size=8, shuffle=False, verbose=0)
-        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-        return
-    before = model.get_weights()
-    with pytest.raises(NotImplementedError, match=r"on a batch's 5 rows"):
-        kmgpu.parallelize(model).fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    with pytest.raises(NotImplementedError, match=match):
+        kmgpu.parallelize(model).fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     assert not model.optimizer.built
 
