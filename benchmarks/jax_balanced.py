@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 MODELS = ("resnet50_small", "resnet50_small@128", "efficientnetb0", "transformer", "lstm",
-          "bert")
+          "bert", "gru")
 MEASURES = ("first", "steady", "validation", "evaluate", "predict")
 
 
@@ -70,6 +70,10 @@ def workload(name, quick):
             classes=base.classes if quick else 1000)
     elif name == "bert" or name.startswith("mlp_deep"):
         w = dataclasses.replace(workloads.get("transformer", quick), name=name)
+    elif name == "gru":  # issue 31's masked bidirectional GRU, batch 128
+        w = dataclasses.replace(workloads.get("transformer", quick), name=name,
+                                batch=16 if quick else 128, steps=2 if quick else 10,
+                                input_shape=(16 if quick else 128,))
         if name.startswith("mlp_deep"):
             w = dataclasses.replace(w, batch=64, steps=20, loss="mse", input_shape=(16,))
     else:
@@ -101,6 +105,13 @@ def build(w, quick):
                 h + L.Dense(d)(L.Dense(ffn, activation="gelu")(h)))
         out = L.Dense(2)(L.Dense(d, activation="tanh")(h[:, 0]))
         return keras.Model(tokens, out, name="bert")
+    if w.name == "gru":  # padded token sequences: Embedding(mask_zero) -> Bidirectional(GRU)
+        L = keras.layers
+        width = 16 if quick else 128
+        tokens = keras.Input(w.input_shape, dtype="int32")
+        h = L.Embedding(w.classes, width, mask_zero=True)(tokens)
+        h = L.Bidirectional(L.GRU(width))(h)
+        return keras.Model(tokens, L.Dense(2)(h), name="gru")
     if w.name.startswith("mlp_deep"):  # many small arrays, little arithmetic: host-bound
         depth = int(w.name[len("mlp_deep"):] or 60)  # mlp_deep20: 20 hidden layers
         layers = [keras.Input(w.input_shape)]
@@ -112,8 +123,13 @@ def build(w, quick):
 def data(w):
     import numpy as np
 
-    if w.name == "bert":
+    if w.name in ("bert", "gru"):
         x, _ = dataclasses.replace(w, name="transformer").data()
+        if w.name == "gru":  # zero padding after a length between a quarter and all of it
+            seq = x.shape[1]
+            lengths = np.random.default_rng(1).integers(seq // 4, seq + 1, size=len(x))
+            x = np.where(np.arange(seq)[None] < lengths[:, None], np.maximum(x, 1), 0)
+            x = x.astype("int32")
         return x, (x[:, 0] % 2).astype("int32")
     if w.name.startswith("mlp_deep"):
         rng = np.random.default_rng(0)
@@ -166,15 +182,43 @@ class Runner:
     def timed(self, method, *args, **kwargs):
         import warnings
 
-        import jax
-
         with self._env(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # kmgpu's few-steps note
             start = time.perf_counter()
-            out = getattr(self.target, method)(*args, **kwargs)
+            getattr(self.target, method)(*args, **kwargs)
             if method == "fit":
-                jax.block_until_ready([v.value for v in self.model.variables])
+                sync(self.model)
             return time.perf_counter() - start
+
+
+def sync(model):
+    """Wait for the device's work on ``model``'s variables (JAX and torch run ahead)."""
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.block_until_ready([v.value for v in model.variables])
+    elif keras.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def device_name():
+    """'<device kind> x<count>' of the backend this process runs."""
+    import keras
+
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+        return "cpu x1"
+    import jax
+
+    return f"{jax.devices()[0].device_kind} x{len(jax.devices())}"
 
 
 def run_model(name, variants, args, index):
@@ -194,13 +238,15 @@ def run_model(name, variants, args, index):
     for v in variants[k:] + variants[:k]:  # who compiles first rotates over the models
         r = runners[v]
         times[v]["first"].append(r.timed("fit", x, y, **fit))
-        if not r.shared:
+        if not r.shared and not args.fit_only:
             r.timed("evaluate", xv, yv, batch_size=w.batch, verbose=0)
             r.timed("predict", xv, batch_size=w.batch, verbose=0)
     for i in range(args.rounds):
         for v in (variants if i % 2 == 0 else variants[::-1]):
             r, t = runners[v], times[v]
             t["steady"].append(r.timed("fit", x, y, **fit))
+            if args.fit_only:
+                continue
             t["validation"].append(r.timed("fit", x, y, validation_data=(xv, yv), **fit))
             if not r.shared:  # the packed step changes fit only
                 t["evaluate"].append(r.timed("evaluate", xv, yv, batch_size=w.batch,
@@ -325,6 +371,9 @@ def main(argv=None):
     p.add_argument("--processes", type=int, default=0,
                    help="one process per run: P rounds of a process per variant (0: one "
                         "process for everything)")
+    p.add_argument("--fit-only", action="store_true",
+                   help="time the first and steady epochs only (no validation, evaluate, "
+                        "predict)")
     p.add_argument("--out", default="")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -346,11 +395,11 @@ def main(argv=None):
         import kmgpu
 
         kmgpu.simulate_devices(args.devices)
-    import jax
+    import keras
 
     start, results = time.perf_counter(), []
     warm_up()
-    print(f"# jax_balanced: {jax.devices()[0].device_kind} x{len(jax.devices())}, "
+    print(f"# jax_balanced ({keras.backend.backend()}): {device_name()}, "
           f"kmgpu on {args.devices} device(s), rounds {args.rounds}", flush=True)
     for i, name in enumerate(args.models.split(",")):
         if args.budget and time.perf_counter() - start > args.budget:
@@ -369,7 +418,7 @@ def main(argv=None):
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "jax_balanced.json"), "w") as f:
                 json.dump(dict(variants=variants, results=results,
-                               device=jax.devices()[0].device_kind), f, indent=1)
+                               device=device_name()), f, indent=1)
     print("\n" + table(results, variants))
     print(f"total {time.perf_counter() - start:.0f} s")
 

@@ -103,12 +103,12 @@ def float64(batch_norm):
 
 
 # -- one layer -------------------------------------------------------------------------------
-def one_layer(call, x, up, dtype):
+def one_layer(call, x, up, dtype, **kw):
     import keras
     import torch
 
     c = x.shape[-1]
-    layer = keras.layers.BatchNormalization(dtype=dtype)
+    layer = keras.layers.BatchNormalization(dtype=dtype, **kw)
     layer.build(x.shape)
     rng = np.random.default_rng(1)
     layer.set_weights([rng.uniform(0.5, 1.5, c) if w.name in ("gamma", "moving_variance")
@@ -118,10 +118,13 @@ def one_layer(call, x, up, dtype):
     if x.ndim == 4:
         xx = xx.detach().to(memory_format=torch.channels_last).requires_grad_(True)
     out = call(layer, xx, training=True)
+    affine = [v.value if v is not None else None for v in (layer.gamma, layer.beta)]
     grads = torch.autograd.grad((out * torch.as_tensor(up, dtype=out.dtype, device=dev)).sum(),
-                                [xx, layer.gamma.value, layer.beta.value])
-    return [t.detach().double().cpu().numpy() for t in (out, *grads, layer.moving_mean.value,
-                                                         layer.moving_variance.value)]
+                                [xx] + [v for v in affine if v is not None])
+    grads = list(grads[:1]) + [grads[1 + sum(a is not None for a in affine[:i])]
+                               if affine[i] is not None else None for i in range(2)]
+    return [t if t is None else t.detach().double().cpu().numpy()
+            for t in (out, *grads, layer.moving_mean.value, layer.moving_variance.value)]
 
 
 def part_layers(quick):
@@ -134,19 +137,22 @@ def part_layers(quick):
     shapes = [(8, 6, 6, 4), (256, 4)] if quick else [(64, 32, 32, 64), (4096, 256)]
     print("\n| input (channels last) | mean | variant | output | d inputs | d gamma | d beta |"
           " moving mean | moving variance |\n|---|---|---|---|---|---|---|---|---|---|")
-    for shape in shapes:
-        for offset in (0.0, 5.0, 100.0):
-            rng = np.random.default_rng(0)
-            x = rng.standard_normal(shape) * 2 + offset
-            up = rng.standard_normal(shape)
-            ref = one_layer(fast_layers.reference_call, x, up, "float64")
-            for name, kernel in VARIANTS.items():
-                fast_layers.CUDA_KERNEL = kernel or "native"
-                got = one_layer(keras_call if kernel is None else fused, x, up, "float32")
-                fast_layers.CUDA_KERNEL = "native"
-                d = [np.linalg.norm(g - r) / np.linalg.norm(r) for g, r in zip(got, ref)]
-                print(f"| {shape} | {offset:g} | {name} | " + " | ".join(f"{v:.1e}" for v in d)
-                      + " |", flush=True)
+    cases = [(shape, offset, {}) for shape in shapes for offset in (0.0, 5.0, 100.0)]
+    # one affine tensor without the other (InceptionV3: scale=False)
+    cases += [(shapes[0], 5.0, {"scale": False}), (shapes[0], 5.0, {"center": False})]
+    for shape, offset, kw in cases:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(shape) * 2 + offset
+        up = rng.standard_normal(shape)
+        ref = one_layer(fast_layers.reference_call, x, up, "float64", **kw)
+        for name, kernel in VARIANTS.items():
+            fast_layers.CUDA_KERNEL = kernel or "native"
+            got = one_layer(keras_call if kernel is None else fused, x, up, "float32", **kw)
+            fast_layers.CUDA_KERNEL = "native"
+            d = ["-" if r is None else f"{np.linalg.norm(g - r) / np.linalg.norm(r):.1e}"
+                 for g, r in zip(got, ref)]
+            label = f"{shape}" + "".join(f" {k}={v}" for k, v in kw.items())
+            print(f"| {label} | {offset:g} | {name} | " + " | ".join(d) + " |", flush=True)
 
 
 # -- training --------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ table (``--part bench``): plain Keras against kmgpu's default, order-balanced in
 
 set (``--part bench --set default``): the model set of torch_default.py (13
   keras.applications models at 128x128, batch 64, the bench's transformer and LSTM),
-  float32, the same four runs each at a small size (``--budget`` seconds: the models
-  left when it is spent are named in the JSON as not run).
+  float32 (``--only mixed_float16 mixed_bfloat16``: those rows), the same four runs each
+  at a small size (``--budget`` seconds: the models left when it is spent are named in
+  the JSON as not run).
 ranks (``--part ranks``, under torchrun): this process is one rank of a distributed job,
   so evaluate, predict and fit's validation run the rank's captured test and predict
   steps; numbers against plain Keras in the same process (TF32 off both sides).
@@ -497,7 +498,7 @@ def bench(quick, only):
         sizes["epochs"] = 2
         models = {k: (v[0], v[1]) for k, v in default_set(quick).items()}
         rows = {k: (v[2], v[3]) for k, v in default_set(quick).items()}
-        only = ["float32"]
+        only = only or ["float32"]  # --only mixed_float16 mixed_bfloat16: those rows
     else:
         rows = {}
         models = self_models(sizes, quick)

@@ -74,6 +74,8 @@ def _check(shape, steps=3, dtype="float32", input_dtype=torch.float32, **kw):
     ((16, 6), {}),                                   # dense features
     ((4, 7, 3), {"momentum": 0.9, "epsilon": 1e-5}),  # sequences
     ((8, 4, 4, 3), {"scale": False, "center": False}),
+    ((8, 4, 4, 3), {"scale": False}),                # InceptionV3's layers
+    ((8, 4, 4, 3), {"center": False}),
 ])
 def test_batch_norm_equals_keras(shape, kw):
     _check(shape, **kw)

@@ -106,7 +106,16 @@ def batch_norm_call(layer, inputs, training=None, mask=None, *, fallback):
 def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps):
     """torch's batch norm of ``x`` (channels on dimension 1), the kernel chosen for
     precision (see the module): on CUDA torch's own kernels, whatever the memory format;
-    elsewhere ``F.batch_norm`` on a copy that holds each channel's values together."""
+    elsewhere ``F.batch_norm`` on a copy that holds each channel's values together.
+
+    One affine tensor without the other (``scale=False``: InceptionV3's every layer; or
+    ``center=False``) is given both, the missing one as ones or zeros: on CUDA, torch
+    2.11's batch-norm backward then returns an empty gradient for the one it has
+    ("NativeBatchNormBackward0 returned an invalid gradient at index 2"). Multiplying by
+    one and adding zero change no value."""
+    if (weight is None) != (bias is None):
+        weight = torch.ones_like(bias) if weight is None else weight
+        bias = torch.zeros_like(weight) if bias is None else bias
     if x.device.type == "cuda" and CUDA_KERNEL == "native":
         return torch.native_batch_norm(x, weight, bias, running_mean, running_var, training,
                                        momentum, eps)[0]
