@@ -5,7 +5,8 @@ A script that prints Markdown tables, not a test.
         [--steps 5] [--no-jax] [--out FILE.md]
 
 Per model (ResNet-50 64x64 batch 256, EfficientNetB0 224 batch 64, a BERT-style encoder
-batch 64; ``--quick``: tiny stand-ins on a CPU), one process per backend:
+batch 64; ``--models transformer,gru``: backends_balanced.py's bench transformer and masked
+bidirectional GRU; ``--quick``: tiny stand-ins on a CPU), one process per backend:
 
 keras-torch   kmgpu's split step (``graphs.SplitStep``: stage A forward+loss+gradients into
               the flat buffers, stage B ``optimizer.apply`` + loss tracker), run EAGERLY under
@@ -76,7 +77,23 @@ def spec(name, quick):
     if name == "bert":
         return ("BERT-style encoder " + ("(tiny)" if quick else "4x256, seq 128"),
                 4 if quick else 64, (16 if quick else 128,), "int32", 2)
+    if name in SEQUENCE:  # jax_balanced.py's models (backends_balanced.py's table)
+        w, _ = sequence_workload(name, quick)
+        return (SEQUENCE[name] + (" (tiny)" if quick else ""), w.batch, w.input_shape, "int32",
+                w.classes)
     raise ValueError(name)
+
+
+# The sequence models of backends_balanced.py's table, built and fed by jax_balanced.py
+SEQUENCE = {"transformer": "the bench's transformer (GPT-style decoder, 4x512, seq 256)",
+            "gru": "bidirectional GRU 128 over Embedding(mask_zero=True), seq 128"}
+
+
+def sequence_workload(name, quick):
+    """(Workload, build function) from jax_balanced.py."""
+    from jax_balanced import workload
+
+    return workload(name, quick)
 
 
 def bert(quick):
@@ -116,6 +133,8 @@ def build(name, quick):
     if name == "efficientnetb0":
         return keras.applications.EfficientNetB0(weights=None, input_shape=shape,
                                                  classes=classes, classifier_activation=None)
+    if name in SEQUENCE:
+        return sequence_workload(name, quick)[1]()
     return bert(quick)
 
 
@@ -133,6 +152,11 @@ def batch_arrays(name, quick):
     import numpy as np
 
     _, batch, shape, dtype, classes = spec(name, quick)
+    if name in SEQUENCE:
+        from jax_balanced import data
+
+        x, y = data(sequence_workload(name, quick)[0])
+        return x[:batch], y[:batch]
     rng = np.random.default_rng(0)
     if dtype == "int32":
         x = rng.integers(0, 128 if quick else 8192, size=(batch, *shape)).astype("int32")
