@@ -21,8 +21,9 @@ compute them, with ``weight_decay`` and its exclusions (``exclude_from_weight_de
 ``clipnorm`` / ``clipvalue`` / ``global_clipnorm``, ``loss_scale_factor`` (the gradient
 unscaled first), ``use_ema`` (``ema_overwrite_frequency`` as a device-side select) and
 variable constraints. Not covered (Keras's own code stays): other optimizers and
-subclasses, ``LossScaleOptimizer`` (its dynamic loss scale skips steps by a host-side
-branch), ``gradient_accumulation_steps``, variables with ``overwrite_with_gradient``.
+subclasses, ``LossScaleOptimizer`` (its dynamic loss scale skips a step with ``ops.cond``:
+in the captured graph B that is kmgpu's device-side select, ``cond_keras_fixes``),
+``gradient_accumulation_steps``, variables with ``overwrite_with_gradient``.
 """
 
 import os
@@ -65,8 +66,8 @@ def supported(optimizer, variables=None):
     variables; else (False, why: Keras's own optimizer code keeps running)."""
     name = type(optimizer).__name__
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return False, ("LossScaleOptimizer: its dynamic loss scale skips a step after a "
-                       "host-side check of the gradients; Keras's own update runs")
+        return False, ("LossScaleOptimizer (mixed_float16): Keras's own update runs (the "
+                       "flat update does not cover its dynamic loss scale)")
     if kind(optimizer) is None:
         return False, (f"{name} is not one of Keras's {', '.join(COVERED)} (a subclass may "
                        "change the update); Keras's own update runs")
