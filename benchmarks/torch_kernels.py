@@ -2,7 +2,7 @@
 A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_kernels.py [--quick] [--models resnet50,...]
-        [--steps 5] [--no-jax] [--out FILE.md]
+        [--steps 5] [--no-jax] [--tf32] [--out FILE.md]
 
 Per model (ResNet-50 64x64 batch 256, EfficientNetB0 224 batch 64, a BERT-style encoder
 batch 64; ``--models transformer,gru``: backends_balanced.py's bench transformer and masked
@@ -308,7 +308,16 @@ def timed(fn, steps, gpu):
     return statistics.median(out)
 
 
-def keras_torch(name, quick, steps, gpu):
+def keras_torch(name, quick, steps, gpu, tf32=None):
+    """``tf32``: the float32 matmul policy of both steps (None: torch's global settings,
+    full float32 matmuls; True: TF32, kmgpu's default inside ``parallelize``)."""
+    from kmgpu.engines.torch import cuda_graphs
+
+    with cuda_graphs.matmul_precision(tf32):
+        return _keras_torch(name, quick, steps, gpu, tf32)
+
+
+def _keras_torch(name, quick, steps, gpu, tf32):
     import torch
 
     from kmgpu.engines.torch import graphs, keras_fixes
@@ -334,7 +343,7 @@ def keras_torch(name, quick, steps, gpu):
     res["eager"], _, _ = profile_torch(eager, steps, gpu)
     res["eager ms"] = timed(eager, steps, gpu)
     if gpu:
-        step = graphs.local_step(model)
+        step = graphs.local_step(model, tf32=tf32)
         for _ in range(graphs.WARMUP_STEPS + 2):
             step.train_step((x, y))
         res["captured"] = bool(step.graphs) and step.reason is None
@@ -634,6 +643,9 @@ def main():
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--tf32", action="store_true",
+                   help="torch's float32 matmuls in TF32 (kmgpu's default inside parallelize; "
+                        "JAX's default precision); without it full float32")
     p.add_argument("--jax-part", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--go", help=argparse.SUPPRESS)
     p.add_argument("--fixes", action="store_true",
@@ -689,7 +701,8 @@ def main():
         results[name] = {"desc": spec(name, a.quick)[0]}
         log(f"torch {name}")
         try:
-            results[name]["torch"] = keras_torch(name, a.quick, a.steps, gpu)
+            results[name]["torch"] = keras_torch(name, a.quick, a.steps, gpu,
+                                                 tf32=True if a.tf32 else None)
         except Exception as e:
             results[name]["torch"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             log(results[name]["torch"]["error"])
