@@ -166,10 +166,14 @@ def test_a_failed_capture_of_any_step_runs_eagerly_and_leaves_torch_clean(monkey
     assert rel_diff(plain_dropout_fit(), plain_dropout_fit()) == 0.0
 
 
-def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkeypatch, capsys):
+@pytest.mark.parametrize("accumulate", [2, None], ids=["accumulation", "flat"])
+def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkeypatch, capsys,
+                                                                          accumulate):
     """A LossScaleOptimizer (what mixed_float16 compiles), gradient_accumulation_steps and
     confusion-matrix metrics in graph B, captured under a fake that refuses host reads as
-    CUDA-graph capture does: no eager fallback, Keras's weights and history."""
+    CUDA-graph capture does: no eager fallback, Keras's weights and history. With
+    gradient_accumulation_steps Keras's own update runs (its conds as device selects);
+    without, kmgpu's flat update (the loss scale's skip as one select per buffer)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -180,7 +184,8 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
         m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(1, activation="sigmoid")])
         opt = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.Adam(gradient_accumulation_steps=2), dynamic_growth_steps=3)
+            keras.optimizers.Adam(gradient_accumulation_steps=accumulate),
+            dynamic_growth_steps=3)
         m.compile(optimizer=opt, loss="binary_crossentropy",
                   metrics=[keras.metrics.AUC(), keras.metrics.Precision(thresholds=[0.3, 0.6]),
                            keras.metrics.Recall(), keras.metrics.F1Score(threshold=0.5),
@@ -209,8 +214,11 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
         parallel = kmgpu.parallelize(model, gpus=1)
     history = parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     assert "eagerly" not in capsys.readouterr().out and calls == ["a", "b"]
+    flat = "kmgpu's flat Adam update" in parallel._engine._step.split.optimizer_path
+    assert flat is (accumulate is None)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert float(model.optimizer.dynamic_scale.numpy()) == float(ref.optimizer.dynamic_scale.numpy())
+    assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy())
     assert len(ref_history) == len(history) == 7
     for (k, a), b in zip(ref_history.items(), history.values()):  # names: auc vs auc_1
         np.testing.assert_allclose(a, b, rtol=TOL, err_msg=k)

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from kmgpu.engines.torch import cuda_graphs, flat_optim, graphs, keras_fixes
+from kmgpu.engines.torch import cuda_graphs, flat_layout, graphs, keras_fixes
 
 #: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
 WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
@@ -49,7 +49,7 @@ class CapturedEval:
         self.failures = {}
         self.pools = []
         self._side = None
-        self._moved = flat_optim.generation
+        self._moved = flat_layout.generation
 
     def test_step(self, data):
         return self._run("test", data)
@@ -82,9 +82,9 @@ class CapturedEval:
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
                 cuda_graphs.matmul_precision(self.tf32), \
                 keras_fixes.fused_batchnorm(self.device):
-            if self._moved != flat_optim.generation:  # the weights moved: graphs stale
+            if self._moved != flat_layout.generation:  # the weights moved: graphs stale
                 self.graphs.clear()
-                self._moved = flat_optim.generation
+                self._moved = flat_layout.generation
             rows = self._rows() if kind == "test" and self._rows is not None else (0, 0)
             sig = (kind, graphs._signature(batch, *rows))
             self.streak[kind] = self.streak.get(kind, 0) + 1 if sig == self.last.get(kind) else 1

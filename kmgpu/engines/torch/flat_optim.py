@@ -20,16 +20,21 @@ Covered (``supported``): SGD (momentum, Nesterov), Adam (amsgrad), AdamW, RMSpro
 compute them, with ``weight_decay`` and its exclusions (``exclude_from_weight_decay``),
 ``clipnorm`` / ``clipvalue`` / ``global_clipnorm``, ``loss_scale_factor`` (the gradient
 unscaled first), ``use_ema`` (``ema_overwrite_frequency`` as a device-side select) and
-variable constraints. Not covered (Keras's own code stays): other optimizers and
-subclasses, ``LossScaleOptimizer`` (its dynamic loss scale skips a step with ``ops.cond``:
-in the captured graph B that is kmgpu's device-side select, ``cond_keras_fixes``),
-``gradient_accumulation_steps``, variables with ``overwrite_with_gradient``.
+variable constraints, and under a ``LossScaleOptimizer`` (``mixed_float16``) as Keras's:
+the gradient unscaled, the step kept only where every gradient is finite (one select per
+flat buffer on the device, no host branch: Keras's ``ops.cond`` selected each state
+tensor, a kernel per tensor, ``cond_keras_fixes``), the scale doubled after
+``dynamic_growth_steps`` finite steps and halved after one that is not. Not covered
+(Keras's own code stays): other optimizers and subclasses, ``gradient_accumulation_steps``,
+variables with ``overwrite_with_gradient``.
 """
 
 import os
 
 import keras
 import torch
+
+from kmgpu.engines.torch.flat_layout import ALIGN_BYTES, Group, offsets  # noqa: F401
 
 COVERED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Adamax")
 #: (slot, the Keras optimizer's attribute holding one variable per trainable variable, when)
@@ -61,13 +66,20 @@ def kind(optimizer):
     return _KINDS.get(type(optimizer))
 
 
+def scaler(optimizer):
+    """(the LossScaleOptimizer of ``mixed_float16`` or None, the optimizer it wraps)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, optimizer.inner_optimizer
+    return None, optimizer
+
+
 def supported(optimizer, variables=None):
     """(True, None) when ``FlatOptimizer`` reproduces ``optimizer.apply`` for these
     variables; else (False, why: Keras's own optimizer code keeps running)."""
+    if type(optimizer) is keras.optimizers.LossScaleOptimizer:  # Keras's own, not a subclass
+        ok, why = supported(optimizer.inner_optimizer, variables)
+        return ok, None if ok else f"LossScaleOptimizer's inner {why}"
     name = type(optimizer).__name__
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return False, ("LossScaleOptimizer (mixed_float16): Keras's own update runs (the "
-                       "flat update does not cover its dynamic loss scale)")
     if kind(optimizer) is None:
         return False, (f"{name} is not one of Keras's {', '.join(COVERED)} (a subclass may "
                        "change the update); Keras's own update runs")
@@ -106,70 +118,6 @@ def optimizer_words(model):
     return "kmgpu's flat update, one buffer per dtype" if ok else why
 
 
-#: each tensor starts this many bytes into its flat buffer (padding between them stays
-#: 0): the CUDA allocator gives every tensor 512-byte alignment and some kernels (cuDNN,
-#: depthwise convolutions, vectorised loads) fault on views that lack it
-ALIGN_BYTES = 256
-
-
-def offsets(tensors, multiple=1):
-    """(each tensor's offset in its flat buffer, the buffer's length), in elements; the
-    length is a multiple of ``multiple`` aligned pieces (``zero``: one per rank)."""
-    step = max(1, ALIGN_BYTES // tensors[0].element_size())
-    out, n = [], 0
-    for t in tensors:
-        out.append(n)
-        n += -(-t.numel() // step) * step
-    whole = step * multiple
-    return out, -(-n // whole) * whole
-
-
-#: how many times ``flatten`` moved tensors into a new buffer: a CUDA graph recorded
-#: before reads their old memory (``eval_steps`` drops its graphs when this changes)
-generation = 0
-
-
-def flatten(tensors, multiple=1):
-    """Make ``tensors`` (torch Parameters of one dtype and device) views of one new
-    zero-padded buffer holding their values, each at an ``ALIGN_BYTES`` offset
-    (``param.data = view``: the Parameter objects, hence Keras's variables and autograd,
-    stay the same). Returns the buffer."""
-    global generation
-    generation += 1
-    where, n = offsets(tensors, multiple)
-    flat = torch.zeros(n, dtype=tensors[0].dtype, device=tensors[0].device)
-    with torch.no_grad():
-        for t, o in zip(tensors, where):
-            view = flat[o:o + t.numel()].view(t.shape)
-            view.copy_(t)
-            t.data = view
-    return flat
-
-
-class _Group:
-    """The variables of one dtype: their flat buffer, their slots' flat buffers."""
-
-    def __init__(self, variables, slots, decayed, multiple=1):
-        self.variables = variables
-        self.offsets, self.numel = offsets([v.value for v in variables], multiple)
-        self.params = flatten([v.value for v in variables], multiple)
-        self.views = [v.value for v in variables]
-        self.slots = {name: flatten([s.value for s in svars], multiple)
-                      for name, svars in slots.items()}
-        # weight decay: None (no decay), True (every variable), or the views it applies to
-        self.decayed = (None if not any(decayed) else True if all(decayed)
-                        else [w for w, d in zip(self.views, decayed) if d])
-        self.constrained = [(v, w) for v, w in zip(variables, self.views)
-                            if v.constraint is not None]
-        # each variable's span (its elements and the padding after): clipnorm's expansion
-        spans = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.numel])]
-        self.spans = torch.tensor(spans, device=self.params.device)
-
-    def split(self, flat):
-        return [flat[o:o + v.value.numel()].view(v.value.shape)
-                for v, o in zip(self.variables, self.offsets)]
-
-
 class FlatOptimizer:
     """``optimizer.apply(grads, variables)`` as flat-buffer ops (see the module)."""
 
@@ -177,11 +125,12 @@ class FlatOptimizer:
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
-        self.optimizer, self.kind = optimizer, kind(optimizer)
         variables = list(variables)
         if not optimizer.built:  # as Keras's apply builds it (the slots' paths)
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
+        self.scaler, optimizer = scaler(optimizer)
+        self.optimizer, self.kind = optimizer, kind(optimizer)
         missing = [v.path for v in variables
                    if id(v) not in optimizer._trainable_variables_indices]
         if missing:
@@ -199,7 +148,7 @@ class FlatOptimizer:
                      for name, attr, _ in wanted}
             decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
                        for v in vs]
-            self.groups.append(_Group(vs, slots, decayed, multiple))
+            self.groups.append(Group(vs, slots, decayed, multiple))
         self.variables = [v for g in self.groups for v in g.variables]
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
         self.device = variables[0].value.device
@@ -252,11 +201,30 @@ class FlatOptimizer:
     @torch.no_grad()
     def step(self, flat_grads):
         """One ``optimizer.apply``: ``flat_grads`` are per dtype (the order of
-        ``params``); they are not modified. Then ``iterations`` += 1."""
+        ``params``); they are not modified. Then ``iterations`` += 1 (under a
+        LossScaleOptimizer: where every gradient is finite)."""
         if torch.is_tensor(flat_grads):
             flat_grads = [flat_grads]
+        if self.scaler is None:
+            return self._step(list(flat_grads))
+        lso = self.scaler
+        scale = lso.dynamic_scale.value
+        finite = torch.stack([torch.isfinite(g).all() for g in flat_grads]).all()
+        state = ([g.params for g in self.groups]
+                 + [s for g in self.groups for s in g.slots.values()] + [self.iterations])
+        if self.kind == "Nadam":
+            state.append(self.optimizer._u_product.value)
+        before = [t.clone() for t in state]
+        self._step([g / scale for g in flat_grads])
+        for t, old in zip(state, before):
+            t.copy_(torch.where(finite, t, old))
+        counter = lso.step_counter.value
+        grow = counter == lso.dynamic_growth_steps - 1
+        scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
+        counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+
+    def _step(self, grads):
         opt = self.optimizer
-        grads = list(flat_grads)
         if opt.loss_scale_factor is not None:
             grads = [g / opt.loss_scale_factor for g in grads]
         grads = self._clip(grads)

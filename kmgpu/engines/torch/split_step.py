@@ -207,6 +207,8 @@ class SplitStep:
                 self._flat_grads = [by_dtype[g.params.dtype][:g.numel]
                                     for g in self.flat.groups]
                 why = f"kmgpu's flat {self.flat.kind} update over one buffer per dtype"
+                if self.flat.scaler is not None:
+                    why += " (LossScaleOptimizer: a non-finite step skipped by one select)"
             self.optimizer_path = why
         return self.flat
 

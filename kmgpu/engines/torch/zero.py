@@ -39,11 +39,7 @@ import torch.distributed as dist
 from kmgpu.engines.torch import flat_optim
 
 
-def _scaler(optimizer):
-    """(the LossScaleOptimizer of ``mixed_float16`` or None, the optimizer it wraps)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer, optimizer.inner_optimizer
-    return None, optimizer
+_scaler = flat_optim.scaler
 
 
 def check(optimizer):
