@@ -118,16 +118,97 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
 
 def checked(kwargs, guard, method):
     """``kwargs`` with a ``tf.data`` dataset ``x`` (and fit's ``validation_data``) read
-    through ``guard`` (a ``batch_checks.Guard``), batch by batch (``checked_dataset``)."""
+    through ``guard`` (a ``batch_checks.Guard``), batch by batch (``checked_dataset``);
+    so is a torch ``DataLoader``, as the ``tf.data`` pipeline Keras makes of it
+    (``keras_fixes.loader_dataset``), and, where they are not fed per replica (several
+    workers: ``kmgpu launch``), a generator or PyDataset on its way into Keras's own
+    adapter (``_checked_python``). All with ``tf.distribute``'s split of a batch.
+
+    Raises:
+        NotImplementedError: a PyDataset read by other processes (``use_multiprocessing``)
+            there, before any work: its batches cannot be checked.
+    """
     import tensorflow as tf
 
     kw = dict(kwargs)
+    steps = {"x": "steps_per_epoch" if method == "fit" else "steps",
+             "validation_data": "validation_steps"}
     for key, what in (("x", "the training data" if method == "fit" else "the data"),
                       ("validation_data", "the validation data")):
         value = kw.get(key)
         if isinstance(value, tf.data.Dataset):
             kw[key] = checked_dataset(value, guard, what)
+        elif is_torch_loader(value) and kw.get("class_weight") is None:
+            # Keras's own pipeline of it; known steps and repeated passes in fit, as
+            # Keras reads the loader (one pass an epoch, reshuffled by the loader)
+            dataset = checked_dataset(common.loader_dataset(value), guard, what)
+            if kw.get(steps[key]) is None and _has_length(value):
+                kw[steps[key]] = len(value)
+                if method == "fit":
+                    dataset = dataset.repeat()
+            kw[key] = dataset
+        elif is_python_data(value):
+            kw[key] = _checked_python(value, guard, what)
     return kw
+
+
+def is_torch_loader(x):
+    """True for a torch ``DataLoader`` (Keras's own test: a class of that name in
+    ``torch.utils.data``)."""
+    return any(c.__name__ == "DataLoader" and "torch.utils.data" in c.__module__
+               for c in type(x).__mro__)
+
+
+def _has_length(loader):
+    try:
+        return len(loader) > 0
+    except TypeError:  # an iterable dataset without a length
+        return False
+
+
+def _checked_python(source, guard, what):
+    """A generator or PyDataset of the same kind whose every batch passes ``guard``
+    (``tf.distribute``'s split) as Keras's adapter reads it."""
+    import keras
+
+    if inspect.isgenerator(source):
+        def read():
+            for index, batch in enumerate(source):
+                guard(batch, f"batch {index} read from the generator ({what})", "ceil")
+                yield batch
+
+        return read()
+    if source.use_multiprocessing:
+        raise NotImplementedError(
+            f"kmgpu: {what} is a PyDataset read by other processes (use_multiprocessing="
+            "True) under several TensorFlow workers, where kmgpu checks every batch of this "
+            "model's data (its own losses, or per-output sample weights) as it is read: "
+            "it cannot check batches made in other processes. Pass use_multiprocessing="
+            "False (workers=N still read in parallel, in threads), or a tf.data dataset.")
+
+    class Checked(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=source.workers, max_queue_size=source.max_queue_size)
+
+        def __len__(self):
+            return len(source)
+
+        @property
+        def num_batches(self):
+            return source.num_batches
+
+        def __getitem__(self, index):
+            batch = source[index]
+            guard(batch, f"batch {index} of {what}", "ceil")
+            return batch
+
+        def on_epoch_begin(self):
+            source.on_epoch_begin()
+
+        def on_epoch_end(self):
+            source.on_epoch_end()
+
+    return Checked()
 
 
 def checked_dataset(dataset, guard, what):
