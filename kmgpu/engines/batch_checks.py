@@ -2,11 +2,10 @@
 
 ``check_weighable`` checks a call's arrays whole and a dataset's first batch
 before any work. A dataset's later batches reach kmgpu's own code one by one (torch: each
-rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator or
-PyDataset, and a ``tf.data`` dataset mapped through ``tensorflow.data.checked``, as is the
-pipeline Keras makes of a torch DataLoader, and a generator or PyDataset Keras's adapters
-read under several workers), and each gets the same check there (``Guard``), on the host,
-before its step runs (a stateful RNN model too: ``loss_rows.probe``):
+rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator, a
+PyDataset or a torch DataLoader, one worker or several, and a ``tf.data`` dataset mapped
+through ``tensorflow.data.checked``), and each gets the same check there (``Guard``), on
+the host, before its step runs (a stateful RNN model too: ``loss_rows.probe``):
 
 - under "mean_with_sample_weight", its per-output sample weights are one set for every
   output (each replica's share of the loss is weighed by one set of weight sums);
@@ -141,7 +140,7 @@ class Guard:
 
         self.model, self.replicas, self.weights, self.probe = model, replicas, weights, probe
         self.error = None
-        self._lock = threading.Lock()  # a PyDataset's workers read batches in threads
+        self._lock = threading.Lock()  # one check at a time, whichever thread reads data
 
     def known_rows(self, rule="even"):
         """The row counts whose split by ``rule`` was probed already (none to probe)."""

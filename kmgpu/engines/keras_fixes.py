@@ -41,10 +41,6 @@ PATCHES = [
      "rescaled in replica_loss so that the replicas add up to one device's"),
     ("keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetAdapter._get_iterator",
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
-    ("keras.src.trainers.data_adapters.torch_data_loader_adapter", "TorchDataLoaderAdapter",
-     "loader_dataset: on TensorFlow Keras reads a torch DataLoader through this adapter's "
-     "tf.data pipeline, out of kmgpu's reach; kmgpu takes that same pipeline to check "
-     "each batch on its way (batch_checks)"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "class weights of a generator fed per replica (TensorFlow)"),
 ] + state_keras_fixes.PATCHES  # what a replica carries beside config and weights
@@ -376,12 +372,3 @@ def py_dataset_pass(dataset, shuffle=False, class_weight=None):
         yield from adapter._get_iterator()
     finally:
         adapter.on_epoch_end()
-
-
-def loader_dataset(loader):
-    """A torch ``DataLoader`` as Keras's TensorFlow trainer reads it: its own adapter's
-    ``tf.data`` pipeline (the same batches; the loader iterated anew each pass)."""
-    from keras.src.trainers.data_adapters.torch_data_loader_adapter import (
-        TorchDataLoaderAdapter)
-
-    return TorchDataLoaderAdapter(loader).get_tf_dataset()

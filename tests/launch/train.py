@@ -58,6 +58,8 @@ def main():
         "pred_err": float(np.max(np.abs(pred - ref.predict(x, batch_size=16, verbose=0)))),
         "checkpoint_writes": writes,
     }
+    if keras.backend.backend() == "tensorflow":
+        result["sources"] = python_sources()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if os.environ.get("KMGPU_TEST_KILL"):  # keep training until a process is killed
@@ -66,6 +68,37 @@ def main():
         while True:
             parallel.fit(x, y, batch_size=16, epochs=1, verbose=0)
     parallel.close()
+
+
+def python_sources():
+    """TensorFlow: a generator, a PyDataset and a torch DataLoader (batches of 8 of 78
+    rows, 1 epoch; a model with own sum and mean losses) against one process: the relative
+    weight difference of each; and the message of a generator's fit of a loss that is 0
+    on one row, whose last batch of 3 rows splits 2 + 1 (refused at batch 9)."""
+    import torch
+
+    from tests.common.test_every_batch import _Listed, _loss_model, _sum_mean_model, _xy
+
+    x, y = _xy()
+    batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, 78, 8)]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)), batch_size=8)
+    reference = _sum_mean_model()
+    reference.fit((b for b in batches), epochs=1, verbose=0)
+    found = {}
+    for kind, data in (("generator", (b for b in batches)), ("pydataset", _Listed(batches)),
+                       ("dataloader", loader)):
+        model = _sum_mean_model()
+        kmgpu.parallelize(model).fit(data, epochs=1, shuffle=False, verbose=0)
+        found[kind] = rel_diff(reference.get_weights(), model.get_weights())
+    try:
+        kmgpu.parallelize(_loss_model()).fit(
+            ((x[s:min(s + 8, 75)], y[s:min(s + 8, 75)]) for s in range(0, 75, 8)),
+            epochs=1, verbose=0)
+        found["refused"] = ""
+    except NotImplementedError as e:
+        found["refused"] = str(e)
+    return found
 
 
 if __name__ == "__main__":
