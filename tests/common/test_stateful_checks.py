@@ -2,7 +2,8 @@
 ``engines/loss_rows``): its own losses (``add_loss``) are probed on the replicas' split
 of its fixed batch (each replica's state rows with its rows), and its per-output sample
 weights are checked batch by batch. TensorFlow and torch weigh by the probed rule or
-refuse; JAX computes every loss on the global batch and equals one device.
+refuse; JAX computes every loss on the global batch and equals one device (the refusal
+tests exist on TensorFlow and torch only).
 
 Stateful LSTM, fixed batch of 8, 4 devices (2 rows each); one device is kmgpu with
 ``gpus=1`` (plain Keras's torch fit crashes on stateful LSTMs, its JAX fit drops the
@@ -99,15 +100,9 @@ def test_own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
         keras.ops.convert_to_numpy(models.state_variables(one)[0].value), atol=1e-5)
 
 
-def test_own_loss_no_rule_fits_is_refused_before_any_work():
+def _own_loss_no_rule_fits_is_refused_before_any_work():
     x, y = _xy()
     model = _model(SquaredBatchMean)
-    if not REFUSES:
-        reference = _model(SquaredBatchMean)
-        _fit(reference, 1, x, y)
-        _fit(model, 4, x, y)
-        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-        return
     before = model.get_weights()
     states = [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(model)]
     with pytest.raises(NotImplementedError, match=r"on a batch's 8 rows .* \[2, 2, 2, 2\]"):
@@ -130,7 +125,7 @@ class _Batches(keras.utils.PyDataset):
         return self.batches[i]
 
 
-def test_later_batch_with_differing_output_weights_stops_there():
+def _later_batch_with_differing_output_weights_stops_there():
     """Per-output sample weights: one set in batches 0 and 1, different from batch 2 on."""
     x, y = _xy()
     rng = np.random.default_rng(2)
@@ -142,11 +137,6 @@ def test_later_batch_with_differing_output_weights_stops_there():
         batches.append((x[rows], {"a": y[rows], "b": -y[rows]},
                         {"a": wa[rows], "b": (wa if k < 2 else wb)[rows]}))
     reference, model = _model(outputs=2), _model(outputs=2)
-    if not REFUSES:
-        _fit(reference, 1, _Batches(batches), None, epochs=1)
-        _fit(model, 4, _Batches(batches), None, epochs=1)
-        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-        return
     with pytest.raises(NotImplementedError, match=r"batch 2 .*per-output sample weights"):
         _fit(model, 4, _Batches(batches), None, epochs=1)
     _fit(reference, 1, _Batches(batches[:2]), None, epochs=1)
@@ -154,3 +144,12 @@ def test_later_batch_with_differing_output_weights_stops_there():
     extra = (0, 1) if keras.backend.backend() == "tensorflow" else (0,)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) - 2 in extra
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+# JAX computes every loss on the global batch: nothing to refuse there (its equality with
+# one device for stateful models: the sum test above and tests/common/test_stateful)
+if REFUSES:
+    test_own_loss_no_rule_fits_is_refused_before_any_work = \
+        _own_loss_no_rule_fits_is_refused_before_any_work
+    test_later_batch_with_differing_output_weights_stops_there = \
+        _later_batch_with_differing_output_weights_stops_there
