@@ -95,18 +95,15 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
 
         def passes():
             yield stream
-    elif is_loader(source):  # a pass per epoch (the loader reshuffles), as Keras reads it
-        def loader_passes():
-            for _ in itertools.count() if repeat else range(1):
-                yield (common.standardize_batch(_numpy(b), class_weight) for b in source)
-
-        later = loader_passes()
-        opened = next(later)
-        first = next(opened)
-        started = itertools.chain([itertools.chain([first], opened)], later)
+    elif is_loader(source):
+        # as Keras's adapter reads it: a first iterator for the signature, then one per
+        # pass (the loader reshuffles); the same draws of torch's random state, so a
+        # shuffled training loader gives plain Keras's batches
+        first = common.standardize_batch(_numpy(next(iter(source))), class_weight)
 
         def passes():
-            yield from started
+            for _ in itertools.count() if repeat else range(1):
+                yield (common.standardize_batch(_numpy(b), class_weight) for b in source)
     else:
         first = common.standardize_batch(source[0], class_weight)
 
