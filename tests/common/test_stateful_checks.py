@@ -2,8 +2,8 @@
 ``engines/loss_rows``): its own losses (``add_loss``) are probed on the replicas' split
 of its fixed batch (each replica's state rows with its rows), and its per-output sample
 weights are checked batch by batch. TensorFlow and torch weigh by the probed rule or
-refuse; JAX computes every loss on the global batch and equals one device (the refusal
-tests exist on TensorFlow and torch only).
+refuse. JAX computes every loss on the global batch and runs no such check: these tests
+exist on TensorFlow and torch only.
 
 Stateful LSTM, fixed batch of 8, 4 devices (2 rows each); one device is kmgpu with
 ``gpus=1`` (plain Keras's torch fit crashes on stateful LSTMs, its JAX fit drops the
@@ -87,7 +87,7 @@ def sum_fits():
     return one, four, h1, h4, start
 
 
-def test_own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
+def _own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
     """Each replica computes 0.05 sum(h²) on its 2 rows: weighed by share (as before
     stateful models were probed) the term counts a quarter; probed, it counts whole."""
     one, four, h1, h4, start = sum_fits
@@ -146,9 +146,11 @@ def _later_batch_with_differing_output_weights_stops_there():
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-# JAX computes every loss on the global batch: nothing to refuse there (its equality with
-# one device for stateful models: the sum test above and tests/common/test_stateful)
+# JAX computes every loss on the global batch and runs none of these checks (its stateful
+# models equal one device: tests/common/test_stateful); these tests exist on TF and torch
 if REFUSES:
+    test_own_sum_over_rows_is_weighed_whole_as_on_one_device = \
+        _own_sum_over_rows_is_weighed_whole_as_on_one_device
     test_own_loss_no_rule_fits_is_refused_before_any_work = \
         _own_loss_no_rule_fits_is_refused_before_any_work
     test_later_batch_with_differing_output_weights_stops_there = \
