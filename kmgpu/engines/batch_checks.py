@@ -2,9 +2,10 @@
 
 ``check_weighable`` checks a call's arrays whole and a dataset's first batch
 before any work. A dataset's later batches reach kmgpu's own code one by one (torch: each
-rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator or
-PyDataset, and a ``tf.data`` dataset mapped through ``tensorflow.data.checked``), and each gets
-the same check there (``Guard``), on the host, before its step runs:
+rank's ``data.DatasetSource``; TensorFlow: the per-replica feed of a generator, a
+PyDataset or a torch DataLoader, one worker or several, and a ``tf.data`` dataset mapped
+through ``tensorflow.data.checked``), and each gets the same check there (``Guard``), on
+the host, before its step runs (a stateful RNN model too: ``loss_rows.probe``):
 
 - under "mean_with_sample_weight", its per-output sample weights are one set for every
   output (each replica's share of the loss is weighed by one set of weight sums);
@@ -135,8 +136,11 @@ class Guard:
     raised (a data pipeline may hand it on as its own error type, and read on)."""
 
     def __init__(self, model, replicas, weights, probe):
+        import threading
+
         self.model, self.replicas, self.weights, self.probe = model, replicas, weights, probe
         self.error = None
+        self._lock = threading.Lock()  # one check at a time, whichever thread reads data
 
     def known_rows(self, rule="even"):
         """The row counts whose split by ``rule`` was probed already (none to probe)."""
@@ -155,6 +159,10 @@ class Guard:
 
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         x, _, sw = keras.utils.unpack_x_y_sample_weight(batch)
+        with self._lock:
+            self._check(x, sw, where, rule)
+
+    def _check(self, x, sw, where, rule):
         try:
             if self.weights and differing(sw):
                 raise NotImplementedError(f"kmgpu: {WEIGHTS_TEXT}")

@@ -25,13 +25,18 @@ A batch that only one replica gets rows of needs no rule (it is that replica's l
 Only models with a layer written outside Keras are probed: Keras's own layers add only
 activity regularizers, which Keras divides by the batch size (a mean). JAX computes
 every loss on the global batch (one jit over the sharded batch) and needs no rule.
-Limits: a loss whose form depends on the data's values rather than its rows (a branch
-on a batch statistic) may pass the probe on the batches it sees; a model that cannot
-run on fewer rows (a fixed batch size: stateful RNNs) is not probed (its own losses
-weigh by share).
+A stateful RNN model is probed alike: each pass runs from the matching rows of its
+states (the replicas own contiguous state rows), its own states left as they were.
+Limits: the probe sees only the batches it runs on, with the weights of that moment. A
+loss whose form depends on the data's values rather than its row count (a branch on a
+batch statistic) is refused when a probed batch takes the branch differently on the
+whole batch and on a part; on a later batch of a probed split it is weighed by the rule
+probed before, unseen (README: "Not covered").
 """
 
 import weakref
+
+from kmgpu.engines import state_keras_fixes
 
 SHARE, WHOLE = "share", "whole"
 
@@ -61,12 +66,9 @@ def load(replica, found):
 
 def needs_probe(model):
     """True when a layer of ``model`` (or the model) is written outside Keras: only such
-    code may call ``add_loss`` in other ways than Keras's activity regularizers. Not for
-    a stateful RNN model: its fixed batch runs on no part, and a pass would move its
-    states."""
-    layers = list(model._flatten_layers(include_self=True))
-    return (any(not type(layer).__module__.startswith("keras.") for layer in layers)
-            and not any(getattr(layer, "stateful", False) for layer in layers))
+    code may call ``add_loss`` in other ways than Keras's activity regularizers."""
+    return any(not type(layer).__module__.startswith("keras.")
+               for layer in model._flatten_layers(include_self=True))
 
 
 def split_sizes(n, replicas, rule="even"):
@@ -157,7 +159,8 @@ def probe(model, x, replicas=2, rule="even"):
         {training: (rule per loss) or a text naming the loss no rule fits}, for
         training=True and False; None when there is nothing to probe (unbuilt, fewer
         than 2 replicas with rows: one replica's loss is the batch's) or the model
-        cannot run on fewer rows (a fixed batch size).
+        cannot run on fewer rows. A stateful RNN runs each part from those rows of its
+        states (``state_keras_fixes.StateRows``), which are left as they were.
     """
     import keras
     import numpy as np
@@ -170,19 +173,21 @@ def probe(model, x, replicas=2, rule="even"):
     parts = [x] + [keras.tree.map_structure(lambda a, s=slice(lo, hi): a[s], x)
                    for lo, hi in zip(bounds[:-1], bounds[1:])]
     saved = [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.variables]
+    spans = [(0, n)] + [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
     found = {}
     try:
-        with _torch_rng():
+        with _torch_rng(), state_keras_fixes.StateRows(model, n) as states:
             for training in (True, False):
                 values = []
-                for part in parts:
+                for part, span in zip(parts, spans):
+                    states.use(*span)  # a stateful RNN: this part's rows of the states
                     model(part, training=training)
                     values.append([float(np.sum(keras.ops.convert_to_numpy(loss)))
                                    for loss in model.losses])
                     for v, a in zip(model.variables, saved):
                         v.assign(a)
                 found[training] = _classify(values, n, sizes)
-    except Exception:  # cannot run on these rows (a fixed batch size): not probed
+    except Exception:  # cannot run on these rows: not probed
         for v, a in zip(model.variables, saved):
             v.assign(a)
         return None

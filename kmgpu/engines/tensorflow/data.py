@@ -1,4 +1,4 @@
-"""Python generators and ``keras.utils.PyDataset`` fed to MirroredStrategy per replica.
+"""Python generators, ``keras.utils.PyDataset`` and torch ``DataLoader`` fed per replica.
 
 tf.distribute splits a ``tf.data`` batch over the replicas by rewriting the
 pipeline's batch op; a generator's pipeline (``Dataset.from_generator``, Keras's
@@ -11,7 +11,11 @@ Here the generator is read once, as whole global batches in order; each batch is
 cut into N contiguous row blocks (sizes differ by at most one) and
 ``distribute_datasets_from_function`` hands block r of every batch to replica r.
 So every replica gets its rows of each global batch, every sample is read exactly
-once, and predict's outputs (replica blocks concatenated) stay in order.
+once, and predict's outputs (replica blocks concatenated) stay in order. Under several
+workers (``kmgpu launch``) every worker reads the same stream and feeds its own replicas'
+blocks: Keras's adapters there shard whole batches over the workers, so each trained
+on batches of its own (measured, 2 workers, 1 epoch: 0.70-0.96 relative weight
+difference from one device for a generator, a PyDataset and a DataLoader).
 """
 
 import inspect
@@ -21,10 +25,17 @@ from kmgpu.engines import keras_fixes as common
 
 
 def is_python_data(x):
-    """True for a Python generator or a ``keras.utils.PyDataset``."""
+    """True for a Python generator, a ``keras.utils.PyDataset`` or a torch ``DataLoader``."""
     import keras
 
-    return inspect.isgenerator(x) or isinstance(x, keras.utils.PyDataset)
+    return inspect.isgenerator(x) or isinstance(x, keras.utils.PyDataset) or is_loader(x)
+
+
+def is_loader(x):
+    """True for a torch ``DataLoader`` (Keras's own test: a class of that name in
+    ``torch.utils.data``)."""
+    return any(c.__name__ == "DataLoader" and "torch.utils.data" in c.__module__
+               for c in type(x).__mro__)
 
 
 def feed(strategy, kwargs, method, shuffle=False, guard=None):
@@ -58,10 +69,18 @@ def feed(strategy, kwargs, method, shuffle=False, guard=None):
 
 
 def _length(source):
-    """Batches in one pass of a PyDataset (None: a generator, or endless). Given as
-    Keras's steps, so that fit keeps one iterator for all epochs (this feed repeats
-    the passes) and evaluate/predict stop without an "ran out of data" warning."""
-    return None if inspect.isgenerator(source) else source.num_batches
+    """Batches in one pass of a PyDataset or a DataLoader (None: a generator, or
+    endless). Given as Keras's steps, so that fit keeps one iterator for all epochs
+    (this feed repeats the passes) and evaluate/predict stop without an "ran out of
+    data" warning."""
+    if inspect.isgenerator(source):
+        return None
+    if is_loader(source):
+        try:
+            return len(source) or None
+        except TypeError:  # an iterable dataset without a length
+            return None
+    return source.num_batches
 
 
 def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, what=""):
@@ -76,6 +95,15 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
 
         def passes():
             yield stream
+    elif is_loader(source):
+        # as Keras's adapter reads it: a first iterator for the signature, then one per
+        # pass (the loader reshuffles); the same draws of torch's random state, so a
+        # shuffled training loader gives plain Keras's batches
+        first = common.standardize_batch(_numpy(next(iter(source))), class_weight)
+
+        def passes():
+            for _ in itertools.count() if repeat else range(1):
+                yield (common.standardize_batch(_numpy(b), class_weight) for b in source)
     else:
         first = common.standardize_batch(source[0], class_weight)
 
@@ -96,24 +124,43 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
         lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), first)
     replicas = strategy.num_replicas_in_sync
 
-    def blocks(*batch):
-        batch = batch if len(batch) > 1 else batch[0]
-        rows = tf.shape(keras.tree.flatten(batch)[0])[0]
-        sizes = rows // replicas + tf.cast(tf.range(replicas) < rows % replicas, tf.int32)
-        starts = tf.cumsum(sizes, exclusive=True)
+    def blocks(low, local):
+        """Blocks ``low`` .. ``low + local - 1`` of each global batch."""
+        def cut(*batch):
+            batch = batch if len(batch) > 1 else batch[0]
+            rows = tf.shape(keras.tree.flatten(batch)[0])[0]
+            sizes = rows // replicas + tf.cast(tf.range(replicas) < rows % replicas, tf.int32)
+            starts = tf.cumsum(sizes, exclusive=True)
 
-        def block(r):
-            return keras.tree.map_structure(lambda t: t[starts[r]:starts[r] + sizes[r]],
-                                            batch)
+            def block(r):
+                return keras.tree.map_structure(
+                    lambda t: t[starts[r]:starts[r] + sizes[r]], batch)
 
-        return tf.data.Dataset.range(replicas).map(lambda r: block(tf.cast(r, tf.int32)))
+            return tf.data.Dataset.range(low, low + local).map(
+                lambda r: block(tf.cast(r, tf.int32)))
+
+        return cut
 
     def dataset_fn(context):
+        # several workers (kmgpu launch): every one reads the whole stream, and worker w's
+        # pipeline gives its local replicas their blocks (replicas numbered worker by worker)
+        local = replicas // context.num_input_pipelines
         pipeline = tf.data.Dataset.from_generator(lambda: (tuple(b) for b in batches()),
                                                   output_signature=tuple(signature))
-        return pipeline.flat_map(blocks).prefetch(replicas)
+        return pipeline.flat_map(blocks(context.input_pipeline_id * local, local)).prefetch(
+            local)
 
     return strategy.distribute_datasets_from_function(dataset_fn), first
+
+
+def _numpy(batch):
+    """A DataLoader's batch (torch tensors) as NumPy arrays."""
+    import keras
+    import numpy as np
+
+    return keras.tree.map_structure(
+        lambda a: a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a),
+        tuple(batch) if isinstance(batch, list) else batch)
 
 
 def checked(kwargs, guard, method):

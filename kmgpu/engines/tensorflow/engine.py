@@ -94,19 +94,23 @@ class TensorFlowEngine(InProcessEngine):
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         if template.compiled and self.num_replicas > 1:  # refused before any work
             # kmgpu splits a batch it feeds evenly; tf.distribute a tf.data batch by ceil
-            fed = method in ON_BATCH or (self._single_worker()
-                                         and data.is_python_data(kwargs.get("x")))
+            fed = method in ON_BATCH or data.is_python_data(kwargs.get("x"))
             kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas,
                                                   "even" if fed else "ceil")
         self._feed["first"] = None
         guard = None if method in ON_BATCH else batch_checks.guard(
             template, method, self.num_replicas)
         try:
-            return self._run(method, template, kwargs, lr_scale, guard)
+            result = self._run(method, template, kwargs, lr_scale, guard)
         except Exception:
             if guard is not None and guard.error is not None:
                 raise guard.error from None  # tf.data hands it on as its own error type
             raise
+        if guard is not None and guard.error is not None:
+            # several workers: the distributed iterator ends the epoch at the refused
+            # batch as if the data ran out (Keras warns "ran out of data")
+            raise guard.error
+        return result
 
     def _run(self, method, template, kwargs, lr_scale, guard):
         if method in ON_BATCH:
@@ -115,7 +119,7 @@ class TensorFlowEngine(InProcessEngine):
             finally:
                 if method == "train_on_batch" and self._single_worker() and self.replica:
                     self._average_moving_statistics(self.replica, template)
-        if self._single_worker():
+        if self.num_replicas > 1:  # one worker or several (kmgpu launch)
             kwargs, self._feed["first"] = data.feed(self.strategy, kwargs, method,
                                                     shuffle=method == "fit"
                                                     and kwargs.get("shuffle", True),

@@ -323,7 +323,7 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None, replica_fixe
         if not needs_batch:
             data_batch = None
         elif data_batch is None and feed and feed.get("first") is not None:
-            data_batch = feed["first"]
+            data_batch = _replica_rows(self.distribute_strategy, feed["first"])
         elif data_batch is None and iterator is not None:
             data_batch = _first_batch(self.distribute_strategy, iterator)
         with self.distribute_strategy.scope():
@@ -346,18 +346,24 @@ def _first_batch(strategy, iterator):
                             tf_dataset_adapter.TFDatasetAdapter)):
         dataset = adapter.get_tf_dataset()
         if isinstance(dataset, tf.data.Dataset):
-            batch = next(iter(dataset.take(1)))
-            # the first replica's rows, as tf.distribute would hand them: a stateful
-            # RNN is built for its replica's batch size
-            rows = tf.nest.flatten(batch)[0].shape[0]
-            if rows is None:
-                return batch
-            first = -(-rows // strategy.num_replicas_in_sync)
-            return tf.nest.map_structure(
-                lambda t: t[:first] if getattr(t, "shape", None) is not None
-                and t.shape.rank else t, batch)
+            return _replica_rows(strategy, next(iter(dataset.take(1))))
     for _, _, it in iterator:
         return strategy.experimental_local_results(next(it))[0]
+
+
+def _replica_rows(strategy, batch):
+    """The first replica's rows of a global ``batch``, as tf.distribute (ceil) and
+    kmgpu's own feed (even) both hand them: a stateful RNN is built for its replica's
+    batch size."""
+    import tensorflow as tf
+
+    rows = tf.nest.flatten(batch)[0].shape[0]
+    if rows is None:
+        return batch
+    first = -(-rows // strategy.num_replicas_in_sync)
+    return tf.nest.map_structure(
+        lambda t: t[:first] if getattr(t, "shape", None) is not None and len(t.shape)
+        else t, batch)
 
 
 def accumulate_across_replicas(optimizer):

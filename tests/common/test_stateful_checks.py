@@ -1,0 +1,157 @@
+"""A stateful RNN model gets the checks a stateless one gets (``engines/batch_checks``,
+``engines/loss_rows``): its own losses (``add_loss``) are probed on the replicas' split
+of its fixed batch (each replica's state rows with its rows), and its per-output sample
+weights are checked batch by batch. TensorFlow and torch weigh by the probed rule or
+refuse. JAX computes every loss on the global batch and runs no such check: these tests
+exist on TensorFlow and torch only.
+
+Stateful LSTM, fixed batch of 8, 4 devices (2 rows each); one device is kmgpu with
+``gpus=1`` (plain Keras's torch fit crashes on stateful LSTMs, its JAX fit drops the
+states).
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kmgpu
+from kmgpu import models
+from tests.helpers import one_device, rel_diff
+
+B, STEPS, FEATURES, BATCHES = 8, 3, 2, 4
+REFUSES = keras.backend.backend() != "jax"
+
+
+class SumOverRows(keras.layers.Layer):
+    """Adds a sum over rows: each replica's value counts whole."""
+
+    def call(self, x):
+        self.add_loss(0.05 * keras.ops.sum(keras.ops.square(x)))
+        return x
+
+
+class SquaredBatchMean(keras.layers.Layer):
+    """Adds the square of the batch's mean: neither a mean nor a sum over rows."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.square(keras.ops.mean(x)))
+        return x
+
+
+def _model(own=None, outputs=1):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input(batch_shape=(B, STEPS, FEATURES))
+    h = keras.layers.LSTM(5, stateful=True)(inputs)
+    h = keras.layers.Dense(3, activation="tanh")(h)
+    if own is not None:
+        h = own()(h)
+    if outputs == 1:
+        model = keras.Model(inputs, keras.layers.Dense(1)(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(h),
+                                 "b": keras.layers.Dense(1, name="b")(h)})
+    loss = lambda: keras.losses.MeanSquaredError(  # noqa: E731
+        reduction="mean_with_sample_weight")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"a": loss(), "b": loss()})
+    return model
+
+
+def _xy():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(B * BATCHES, STEPS, FEATURES)).astype("float32")
+    return x, np.tanh(x.sum(axis=(1, 2)))[:, None].astype("float32")
+
+
+def _fit(model, gpus, x, y, epochs=2, **kwargs):
+    if gpus == 1:
+        with one_device():
+            parallel = kmgpu.parallelize(model, gpus=1)
+    else:
+        parallel = kmgpu.parallelize(model, gpus=gpus)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"kmgpu: only \d+ step")
+        return parallel.fit(x, y, batch_size=B, epochs=epochs, shuffle=False,
+                            verbose=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sum_fits():
+    """The sum-over-rows model fitted on 1 and on 4 devices (2 epochs, 4 batches each)."""
+    x, y = _xy()
+    one, four = _model(SumOverRows), _model(SumOverRows)
+    start = four.get_weights()
+    h1, h4 = _fit(one, 1, x, y), _fit(four, 4, x, y)
+    return one, four, h1, h4, start
+
+
+def _own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
+    """Each replica computes 0.05 sum(h²) on its 2 rows: weighed by share (as before
+    stateful models were probed) the term counts a quarter; probed, it counts whole."""
+    one, four, h1, h4, start = sum_fits
+    assert rel_diff(start, one.get_weights()) > 1e-2  # it trained
+    assert rel_diff(one.get_weights(), four.get_weights()) < 1e-5
+    np.testing.assert_allclose(h4.history["loss"], h1.history["loss"], rtol=1e-5)
+    # the state rows came back too, replica by replica
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(models.state_variables(four)[0].value),
+        keras.ops.convert_to_numpy(models.state_variables(one)[0].value), atol=1e-5)
+
+
+def _own_loss_no_rule_fits_is_refused_before_any_work():
+    x, y = _xy()
+    model = _model(SquaredBatchMean)
+    before = model.get_weights()
+    states = [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(model)]
+    with pytest.raises(NotImplementedError, match=r"on a batch's 8 rows .* \[2, 2, 2, 2\]"):
+        _fit(model, 4, x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert all(np.array_equal(a, keras.ops.convert_to_numpy(v.value))
+               for a, v in zip(states, models.state_variables(model)))
+    assert not model.optimizer.built
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def _later_batch_with_differing_output_weights_stops_there():
+    """Per-output sample weights: one set in batches 0 and 1, different from batch 2 on."""
+    x, y = _xy()
+    rng = np.random.default_rng(2)
+    wa = rng.uniform(0.1, 2.0, len(x)).astype("float32")
+    wb = np.where(np.arange(len(x)) % 3 == 0, 0.0, 1.0).astype("float32")
+    batches = []
+    for k in range(BATCHES):
+        rows = slice(k * B, (k + 1) * B)
+        batches.append((x[rows], {"a": y[rows], "b": -y[rows]},
+                        {"a": wa[rows], "b": (wa if k < 2 else wb)[rows]}))
+    reference, model = _model(outputs=2), _model(outputs=2)
+    with pytest.raises(NotImplementedError, match=r"batch 2 .*per-output sample weights"):
+        _fit(model, 4, _Batches(batches), None, epochs=1)
+    _fit(reference, 1, _Batches(batches[:2]), None, epochs=1)
+    # Keras's TensorFlow trainer counts the step whose data failed (plain Keras too)
+    extra = (0, 1) if keras.backend.backend() == "tensorflow" else (0,)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) - 2 in extra
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+# JAX computes every loss on the global batch and runs none of these checks (its stateful
+# models equal one device: tests/common/test_stateful); these tests exist on TF and torch
+if REFUSES:
+    test_own_sum_over_rows_is_weighed_whole_as_on_one_device = \
+        _own_sum_over_rows_is_weighed_whole_as_on_one_device
+    test_own_loss_no_rule_fits_is_refused_before_any_work = \
+        _own_loss_no_rule_fits_is_refused_before_any_work
+    test_later_batch_with_differing_output_weights_stops_there = \
+        _later_batch_with_differing_output_weights_stops_there
