@@ -38,8 +38,8 @@ def untuned_iterators():
     ... doubling up to 60 s), and destroying a multi-device iterator waits out those
     sleeps (TensorFlow 2.21; a plain ``iter(dataset)`` does not): a drop waited 0.2-20
     s, and a process hung 5-90 s at exit for one fit's iterators (test processes 40-360
-    s). Untuned, an ``AUTOTUNE`` map runs as many calls at once as there are cores, and
-    an ``AUTOTUNE`` prefetch still grows its buffer (its own tuner).
+    s). Untuned, an ``AUTOTUNE`` map runs min(16, cores) calls at once, and an
+    ``AUTOTUNE`` prefetch still grows its buffer (its own tuner).
     """
     import tensorflow as tf
     from tensorflow.python.data.ops import multi_device_iterator_ops as ops
@@ -71,8 +71,9 @@ RELEASE_THREAD = "kmgpu-iterator-release"  # each drop's thread, by name
 
 def _drop(kept):
     """Drop the iterators of one call (on a thread of its own). TensorFlow's teardown of
-    a MultiDeviceIterator now and then waits 0.2-20 s, idle (no CPU, the GIL released):
-    the thread takes that wait off the user's next call."""
+    a MultiDeviceIterator waited 0.2-20 s now and then, idle (no CPU, the GIL released),
+    before ``untuned_iterators``: the thread keeps any such wait off the user's next
+    call."""
     kept.clear()
 
 
