@@ -1,4 +1,4 @@
-"""TensorFlow: the distributed iterators a call leaves parked (keras_fixes.park_iterators)
+"""TensorFlow: the distributed iterators a call leaves parked (iterator_keras_fixes.park_iterators)
 are dropped at the next call on a thread of their own, and that call does not wait for
 the drop. TensorFlow's teardown of a MultiDeviceIterator now and then waits 0.2-20 s
 (idle); done inside the next call, it stalled that call. Here the drop is held until
@@ -17,7 +17,7 @@ HOLD_S = 30.0
 
 
 def test_the_next_call_does_not_wait_for_the_last_calls_iterators(monkeypatch):
-    from kmgpu.engines.tensorflow import keras_fixes
+    from kmgpu.engines.tensorflow import iterator_keras_fixes as keras_fixes
 
     gate, dropped, drops = threading.Event(), threading.Event(), []
     real_drop = keras_fixes._drop

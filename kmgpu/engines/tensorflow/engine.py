@@ -59,7 +59,7 @@ class TensorFlowEngine(InProcessEngine):
     @contextlib.contextmanager
     def call_context(self, method):
         with keras_fixes.reduce_fix(self.strategy), keras_fixes.all_reduce_without_walk(), \
-                keras_fixes.park_iterators():
+                keras_fixes.park_iterators(), keras_fixes.untuned_iterators():
             yield
 
     def replica_batch(self, global_batch):

@@ -6,7 +6,9 @@ Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
 
 import contextlib
 
-from kmgpu.engines.tensorflow import step_keras_fixes
+from kmgpu.engines.tensorflow import iterator_keras_fixes, step_keras_fixes
+from kmgpu.engines.tensorflow.iterator_keras_fixes import (  # noqa: F401 (the engine's names)
+    park_iterators, untuned_iterators)
 from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engine's names)
     exact_custom_steps, keeps_keras_step, metrics_logs, synced_logs, test_step, train_step,
     weigh_output_losses)
@@ -14,7 +16,8 @@ from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engin
 KERAS = "3.15.1"
 
 #: (module, attribute (dotted within the module), why): this module's, then
-#: ``step_keras_fixes``'s (the train and test steps)
+#: ``step_keras_fixes``'s (the train and test steps) and ``iterator_keras_fixes``'s (the
+#: distributed iterators' lives)
 PATCHES = [
     ("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
      "replaced during multi-worker calls: it reduces scalar metrics with axis=0, which "
@@ -28,15 +31,6 @@ PATCHES = [
      "crashed the process (SIGSEGV in EpochIterator.reset)"),
     ("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter",
      "same: its get_tf_dataset() is the undistributed data"),
-    ("keras.src.backend.tensorflow.trainer", "TFEpochIterator._get_iterator",
-     "wrapped during kmgpu's calls (park_iterators): Keras drops a distributed iterator "
-     "while its per-device prefetch may still be fetching (a repeating dataset at the end "
-     "of fit, a validation iterator at each reset); tf.data's MultiDeviceIterator then "
-     "crashes the process now and then (SIGSEGV, 1 in ~150 one-epoch fits on 4 CPU "
-     "devices under load); kmgpu keeps each one until the next call, when it is idle, "
-     "and drops it then on a thread of its own: the drop waits, idle, 0.2-20 s now and "
-     "then (TensorFlow's teardown of the MultiDeviceIterator; 51 of 150 drops over "
-     "0.2 s on a loaded 2-core machine), which the user's next call no longer waits for"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter",
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
@@ -69,7 +63,7 @@ PATCHES = [
     ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
      "made a direct call in cross-replica context while accumulate_across_replicas runs "
      "the optimizer's apply there (it would ask a missing replica context to merge)"),
-] + step_keras_fixes.PATCHES
+] + step_keras_fixes.PATCHES + iterator_keras_fixes.PATCHES
 
 
 @contextlib.contextmanager
@@ -165,94 +159,6 @@ def all_reduce_without_walk():
     finally:
         custom_gradient._graph_mode_decorator = decorate
         custom_gradient._get_dependent_variables = dependent
-
-
-_PARKED = {"depth": 0, "kept": [], "dropping": []}
-RELEASE_AT_EXIT_S = 60.0  # at exit, the longest wait for drops still under way
-RELEASE_THREAD = "kmgpu-iterator-release"  # each drop's thread, by name
-
-
-def _drop(kept):
-    """Drop the iterators of one call (on a thread of its own). TensorFlow's teardown of
-    a MultiDeviceIterator now and then waits 0.2-20 s, idle (no CPU, the GIL released):
-    the thread takes that wait off the user's next call."""
-    kept.clear()
-
-
-def _release(kept):
-    """Drop one call's parked iterators on a daemon thread of its own. One thread per
-    drop, not one queue: the waits are idle, and a queue made each drop wait for the
-    ones before it (17 of 60 done at the end of a stress loop, the rest still alive)."""
-    import threading
-
-    if not kept:
-        return
-    thread = threading.Thread(target=_drop, args=(kept,), name=RELEASE_THREAD, daemon=True)
-    thread.start()
-    _PARKED["dropping"] = [t for t in _PARKED["dropping"] if t.is_alive()] + [thread]
-
-
-def _release_parked():
-    """At exit, while TensorFlow is still whole (atexit runs before module teardown):
-    the last call's iterators, and the drops still under way."""
-    import gc
-    import time
-
-    gc.collect()  # iterators in reference cycles (a fault's traceback and its frames)
-    _PARKED["kept"].clear()
-    end = time.monotonic() + RELEASE_AT_EXIT_S
-    for thread in _PARKED["dropping"]:
-        thread.join(max(0.0, end - time.monotonic()))
-
-
-@contextlib.contextmanager
-def park_iterators():
-    """Within the block, every distributed iterator Keras makes from a
-    ``TFEpochIterator`` is kept alive past the call that made it, and released at the
-    start of the user's next kmgpu call (on a thread of its own, see ``_drop``), when
-    its prefetch has long finished. Keras drops them at once (at the end of ``fit``,
-    at each ``reset``), often while the per-device prefetch is still fetching the next
-    batch, and destroying a
-    ``MultiDeviceIterator`` then sometimes segfaults (TensorFlow 2.21). Kept one call
-    only: live iterators' prefetch threads slow the next call down (a test file of
-    one-epoch fits took 28 s instead of 18 s when two calls' iterators lived on; 20 s
-    against 20 s with one).
-    """
-    import atexit
-
-    from keras.src.backend.tensorflow import trainer
-
-    parked = _PARKED
-    if not parked.get("atexit"):
-        parked["atexit"] = atexit.register(_release_parked)
-    if parked["depth"] == 0:  # a call of the user's (fit's validation is inside one)
-        kept, parked["kept"] = parked["kept"], []
-        _release(kept)  # on a thread of its own: its teardown may wait (see _drop)
-        del kept
-    parked["depth"] += 1
-    original = trainer.TFEpochIterator._get_iterator
-
-    def _get_iterator(self):
-        return _Parked(original(self), parked["kept"])
-
-    trainer.TFEpochIterator._get_iterator = _get_iterator
-    try:
-        yield
-    finally:
-        trainer.TFEpochIterator._get_iterator = original
-        parked["depth"] -= 1
-
-
-class _Parked:
-    """A distributed dataset whose iterators are kept in ``keep``."""
-
-    def __init__(self, dataset, keep):
-        self.dataset, self.keep = dataset, keep
-
-    def __iter__(self):
-        iterator = iter(self.dataset)
-        self.keep.append(iterator)
-        return iterator
 
 
 def repeating_datasets(kwargs):
