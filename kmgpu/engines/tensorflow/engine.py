@@ -136,6 +136,14 @@ class TensorFlowEngine(InProcessEngine):
             if method == "fit" and self._single_worker() and self.replica is not None:
                 self._average_moving_statistics(self.replica, template)
 
+    def copy_back(self, pairs):
+        """The replica's trained state into the template, TF variable to TF variable (the
+        replica's first copy: the replicas of a MirroredVariable are equal). Through NumPy,
+        each value was copied twice more on the host: 0.29 s of a 1.4 s one-step ``fit``
+        of a 34M-parameter MLP with Adam (``benchmarks/per_call.py``, issue 30)."""
+        for r, t in pairs:
+            t.assign(r.value)
+
     def same_values(self, pairs):
         """TF variables are mutable (a graph assigns them without Python seeing it): the
         template is compared with the replica's first copy, bit for bit, on the device
