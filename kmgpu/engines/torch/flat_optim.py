@@ -102,6 +102,28 @@ def supported(optimizer, variables=None):
     return True, None
 
 
+def loss_scaled_step(lso, inner, checked, state, update):
+    """``update(scale)`` (the inner optimizer's step on the gradients divided by
+    ``scale``) as Keras's LossScaleOptimizer applies it, with no host branch: the step
+    kept only where every tensor of ``checked`` (the scaled gradients) is finite, by one
+    select per tensor of ``state`` (the parameters and slots it writes; the iteration
+    count and Nadam's ``u_product`` are added here); the scale doubled after
+    ``dynamic_growth_steps`` finite steps, halved after one that is not."""
+    scale = lso.dynamic_scale.value
+    finite = torch.stack([torch.isfinite(g).all() for g in checked]).all()
+    state = list(state) + [inner.iterations.value]
+    if kind(inner) == "Nadam":
+        state.append(inner._u_product.value)
+    before = [t.clone() for t in state]
+    update(scale)
+    for t, old in zip(state, before):
+        t.copy_(torch.where(finite, t, old))
+    counter = lso.step_counter.value
+    grow = counter == lso.dynamic_growth_steps - 1
+    scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
+    counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+
+
 def enabled():
     """False when ``KMGPU_TORCH_FLAT_OPTIMIZER=0`` asks for Keras's own update (to measure)."""
     return os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") != "0"
@@ -207,21 +229,10 @@ class FlatOptimizer:
             flat_grads = [flat_grads]
         if self.scaler is None:
             return self._step(list(flat_grads))
-        lso = self.scaler
-        scale = lso.dynamic_scale.value
-        finite = torch.stack([torch.isfinite(g).all() for g in flat_grads]).all()
         state = ([g.params for g in self.groups]
-                 + [s for g in self.groups for s in g.slots.values()] + [self.iterations])
-        if self.kind == "Nadam":
-            state.append(self.optimizer._u_product.value)
-        before = [t.clone() for t in state]
-        self._step([g / scale for g in flat_grads])
-        for t, old in zip(state, before):
-            t.copy_(torch.where(finite, t, old))
-        counter = lso.step_counter.value
-        grow = counter == lso.dynamic_growth_steps - 1
-        scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
-        counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+                 + [s for g in self.groups for s in g.slots.values()])
+        loss_scaled_step(self.scaler, self.optimizer, flat_grads, state,
+                         lambda scale: self._step([g / scale for g in flat_grads]))
 
     def _step(self, grads):
         opt = self.optimizer

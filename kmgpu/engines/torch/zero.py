@@ -166,23 +166,13 @@ class Shards:
         doubled after ``dynamic_growth_steps`` finite steps, halved after one that is not."""
         if self.scaler is None:
             return self._update(self.grad_pieces, self.grad_flats)
-        scaler, flat = self.scaler, self.flat
-        scale = scaler.dynamic_scale.value
-        finite = torch.stack([torch.isfinite(f).all() for f in self.grad_flats]).all()
+        flat = self.flat
         pieces = [g.params[lo:hi] for g, (lo, hi) in zip(flat.groups, self.parts)]
-        state = (pieces + [s for slots in self.slots for s in slots.values()]
-                 + [flat.iterations])
-        if flat.kind == "Nadam":
-            state.append(self.optimizer._u_product.value)
-        before = [t.clone() for t in state]
-        self._update([g / scale for g in self.grad_pieces],
-                     [f / scale for f in self.grad_flats])
-        for t, old in zip(state, before):
-            t.copy_(torch.where(finite, t, old))
-        counter = scaler.step_counter.value
-        grow = counter == scaler.dynamic_growth_steps - 1
-        scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
-        counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+        state = pieces + [s for slots in self.slots for s in slots.values()]
+        flat_optim.loss_scaled_step(
+            self.scaler, self.optimizer, self.grad_flats, state,
+            lambda scale: self._update([g / scale for g in self.grad_pieces],
+                                       [f / scale for f in self.grad_flats]))
 
     def _update(self, grad_pieces, grad_flats):
         flat, opt = self.flat, self.optimizer
