@@ -157,3 +157,17 @@ def command_lines(pids):
         except OSError:
             out[pid] = "?"
     return out
+
+
+def listed_batches(batches):
+    """A ``keras.utils.PyDataset`` that serves ``batches`` (a list of (x, y[, w])) in order."""
+    import keras
+
+    class Listed(keras.utils.PyDataset):
+        def __len__(self):
+            return len(batches)
+
+        def __getitem__(self, i):
+            return batches[i]
+
+    return Listed()

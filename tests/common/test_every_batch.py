@@ -21,7 +21,7 @@ import pytest
 
 import kmgpu
 from tests.common.test_dataset_sample_weights import _model as _weights_model
-from tests.helpers import rel_diff
+from tests.helpers import listed_batches, rel_diff
 
 ROWS = 78  # batches of 7: 11 of them and one row; of 8: 9 and 6 rows (10 steps: no warning)
 REFUSES = keras.backend.backend() != "jax"
@@ -50,23 +50,11 @@ def _weighted_batches(first_unweighted=False, size=7):
     return out
 
 
-class _Listed(keras.utils.PyDataset):
-    def __init__(self, batches):
-        super().__init__()
-        self.batches = batches
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        return self.batches[i]
-
-
 def _data(kind, batches):
     if kind == "generator":
         return (b for b in batches)
     if kind == "pydataset":
-        return _Listed(batches)
+        return listed_batches(batches)
     import tensorflow as tf
 
     return tf.data.Dataset.from_generator(

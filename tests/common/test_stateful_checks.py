@@ -18,7 +18,7 @@ import pytest
 
 import kmgpu
 from kmgpu import models
-from tests.helpers import one_device, rel_diff
+from tests.helpers import listed_batches, one_device, rel_diff
 
 B, STEPS, FEATURES, BATCHES = 8, 3, 2, 4
 REFUSES = keras.backend.backend() != "jax"
@@ -113,18 +113,6 @@ def _own_loss_no_rule_fits_is_refused_before_any_work():
     assert not model.optimizer.built
 
 
-class _Batches(keras.utils.PyDataset):
-    def __init__(self, batches):
-        super().__init__()
-        self.batches = batches
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __getitem__(self, i):
-        return self.batches[i]
-
-
 def _later_batch_with_differing_output_weights_stops_there():
     """Per-output sample weights: one set in batches 0 and 1, different from batch 2 on."""
     x, y = _xy()
@@ -138,8 +126,8 @@ def _later_batch_with_differing_output_weights_stops_there():
                         {"a": wa[rows], "b": (wa if k < 2 else wb)[rows]}))
     reference, model = _model(outputs=2), _model(outputs=2)
     with pytest.raises(NotImplementedError, match=r"batch 2 .*per-output sample weights"):
-        _fit(model, 4, _Batches(batches), None, epochs=1)
-    _fit(reference, 1, _Batches(batches[:2]), None, epochs=1)
+        _fit(model, 4, listed_batches(batches), None, epochs=1)
+    _fit(reference, 1, listed_batches(batches[:2]), None, epochs=1)
     # Keras's TensorFlow trainer counts the step whose data failed (plain Keras too)
     extra = (0, 1) if keras.backend.backend() == "tensorflow" else (0,)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) - 2 in extra
