@@ -83,7 +83,7 @@ def memory_torch(width, depth):
     """torch: bytes per parameter per rank from the layout of ``zero.Shards``."""
     import keras
 
-    from kmgpu.engines.torch import flat_optim, zero
+    from kmgpu.engines.torch import flat_layout, zero
 
     model = _model(width, depth)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
@@ -99,8 +99,8 @@ def memory_torch(width, depth):
         per, whole, _ = zero.state_bytes(model, n)
         for shard in ((False,) if n == 1 else (False, True)):
             # the gradient buffer: padded to N aligned pieces when sharded
-            grads = flat_optim.offsets([v.value for v in model.trainable_variables],
-                                       n if shard else 1)[1] * 4
+            grads = flat_layout.offsets([v.value for v in model.trainable_variables],
+                                        n if shard else 1)[1] * 4
             o = (per if shard else whole) / params
             b = w + grads / params + o
             print(f"| {n} | {'yes' if shard else ('no' if n > 1 else '-')} | {w:.3f} | "

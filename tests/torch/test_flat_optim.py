@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from kmgpu.engines.torch import flat_optim
+from kmgpu.engines.torch import flat_layout, flat_optim
 
 TOL = 1e-6
 SHAPES = {"dense/kernel": (3, 4), "dense/bias": (4,), "norm/gamma": (2, 3, 2), "norm/beta": (5,)}
@@ -124,7 +124,7 @@ def test_constraints_and_variables_are_views():
     flat = flat_optim.FlatOptimizer.from_keras(mine, flat_vars)
     # every variable and slot is a view of one flat buffer per dtype
     (params,) = flat.params
-    span = flat_optim.ALIGN_BYTES // 4  # every variable at an aligned offset
+    span = flat_layout.ALIGN_BYTES // 4  # every variable at an aligned offset
     assert params.numel() == sum(-(-int(np.prod(s)) // span) * span for s in SHAPES.values())
     offsets = [v.value.data_ptr() - params.data_ptr() for v in flat_vars]
     assert offsets == [0, span * 4, 2 * span * 4, 3 * span * 4]

@@ -145,7 +145,7 @@ def test_each_rank_holds_one_nth_of_the_state():
     unsharded flat update."""
     import torch
 
-    from kmgpu.engines.torch import flat_optim, zero
+    from kmgpu.engines.torch import flat_layout, flat_optim, zero
 
     world = 4
     grads = [torch.as_tensor(np.random.default_rng(i).standard_normal(tuple(v.shape)),
@@ -163,7 +163,7 @@ def test_each_rank_holds_one_nth_of_the_state():
         per, whole = shards.state_bytes()
         group = shards.flat.groups[0]
         assert per == whole // world == 2 * group.numel // world * 4
-        padded = flat_optim.offsets([v.value for v in model.trainable_weights], world)[1]
+        padded = flat_layout.offsets([v.value for v in model.trainable_weights], world)[1]
         assert group.numel == padded and whole == 2 * padded * 4  # 256-byte alignment
         flats = [torch.zeros(group.numel)]
         for view, g in zip(shards.flat.grad_views(flats), grads):

@@ -34,7 +34,7 @@ import os
 import keras
 import torch
 
-from kmgpu.engines.torch.flat_layout import ALIGN_BYTES, Group, offsets  # noqa: F401
+from kmgpu.engines.torch.flat_layout import Group
 
 COVERED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Adamax")
 #: (slot, the Keras optimizer's attribute holding one variable per trainable variable, when)

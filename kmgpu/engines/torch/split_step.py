@@ -7,13 +7,13 @@ import contextlib
 import keras
 import torch
 
-from kmgpu.engines.torch import cond_keras_fixes, flat_optim, keras_fixes, zero
+from kmgpu.engines.torch import cond_keras_fixes, flat_layout, flat_optim, keras_fixes, zero
 
 
 class FlatBuffers:
     """Tensors laid out in one flat buffer per dtype (dtypes in order of first
-    appearance); ``views[i]`` has tensor i's shape and starts ``flat_optim.ALIGN_BYTES``
-    into its buffer, zero padding between, as ``flat_optim`` lays out the variables: the
+    appearance); ``views[i]`` has tensor i's shape and starts ``flat_layout.ALIGN_BYTES``
+    into its buffer, zero padding between, as ``flat_layout`` lays out the variables: the
     first tensors of a dtype (the trainable variables) are then the flat optimizer's
     gradient buffer of that dtype, with no copy."""
 
@@ -23,7 +23,7 @@ class FlatBuffers:
             by_dtype.setdefault(t.dtype, []).append(i)
         self.flats, self.views = [], [None] * len(tensors)
         for dtype, members in by_dtype.items():
-            where, n = flat_optim.offsets([tensors[i] for i in members], multiple)
+            where, n = flat_layout.offsets([tensors[i] for i in members], multiple)
             flat = torch.zeros(n, dtype=dtype, device=device)
             self.flats.append(flat)
             for i, o in zip(members, where):

@@ -36,17 +36,14 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch import flat_optim
-
-
-_scaler = flat_optim.scaler
+from kmgpu.engines.torch import flat_layout, flat_optim
 
 
 def check(optimizer):
     """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded."""
     if optimizer is None:
         return
-    ok, why = flat_optim.supported(_scaler(optimizer)[1])
+    ok, why = flat_optim.supported(flat_optim.scaler(optimizer)[1])
     if not ok:
         name = type(optimizer).__name__
         raise ValueError(
@@ -78,7 +75,7 @@ class Shards:
     def __init__(self, optimizer, trainable, rank, world):
         check(optimizer)
         self.rank, self.world = rank, world
-        self.scaler, optimizer = _scaler(optimizer)
+        self.scaler, optimizer = flat_optim.scaler(optimizer)
         if self.scaler is not None and not self.scaler.built:  # as Keras's apply builds it
             with keras.name_scope(self.scaler.name, caller=self.scaler):
                 self.scaler.build(trainable)
@@ -309,7 +306,7 @@ def state_bytes(template, world):
     opt = getattr(template, "optimizer", None)
     if opt is None or not opt.built:
         return None
-    inner = _scaler(opt)[1]
+    inner = flat_optim.scaler(opt)[1]
     if not flat_optim.supported(inner, template.trainable_weights)[0]:
         return None
     state = models.optimizer_state(opt)
@@ -322,7 +319,7 @@ def state_bytes(template, world):
         slots.append(flat_optim.EMA)
     sliced = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
     kept = whole - sliced * len(slots)
-    per = kept + len(slots) * sum(flat_optim.offsets(ts, world)[1] // world * ts[0].element_size()
+    per = kept + len(slots) * sum(flat_layout.offsets(ts, world)[1] // world * ts[0].element_size()
                                   for ts in by_dtype.values())
     return per, whole, kept
 
