@@ -1,28 +1,33 @@
-"""Keras's ``cond`` as a device select while kmgpu's torch step applies the optimizer
-(graph B: LossScaleOptimizer, gradient accumulation, EMA). Split from graph_keras_fixes
-by role; ``keras_fixes.PATCHES`` includes this table.
+"""Keras's ``cond`` as a device select while kmgpu's torch step runs: the optimizer in
+graph B (LossScaleOptimizer, gradient accumulation, EMA) and whatever else branches on a
+tensor in a train, test or predict step (the hinge losses and metrics' label check).
+Split from graph_keras_fixes by role; ``keras_fixes.PATCHES`` includes this table.
 """
 
 #: (module, attribute (dotted within the module), why)
 PATCHES = [
     ("keras.src.backend.torch.core", "cond",
-     "swapped while kmgpu's step applies the optimizer (device_conditions): Keras 3.15.1's "
-     "torch cond is a Python if on a tensor, a host read CUDA-graph capture refuses; "
-     "LossScaleOptimizer (mixed_float16: its finite-gradient check and loss-scale update), "
-     "gradient_accumulation_steps and EMA overwrites branch with it, so graph B could not "
-     "be captured; the swap runs both branches from the same optimizer state and keeps "
-     "the taken one with torch.where: the same values, no host read (upstream: no issue "
-     "known to kmgpu)"),
+     "swapped while kmgpu's step runs (step_conditions; device_conditions around the "
+     "optimizer): Keras 3.15.1's torch cond is a Python if on a tensor, a host read "
+     "CUDA-graph capture refuses; LossScaleOptimizer (mixed_float16: its finite-gradient "
+     "check and loss-scale update), gradient_accumulation_steps and EMA overwrites branch "
+     "with it, and so do the Hinge/SquaredHinge/CategoricalHinge losses and metrics (their "
+     "0/1-label check), so those steps could not be captured; the swap runs both branches "
+     "from the same state and keeps the taken one with torch.where: the same values, no "
+     "host read (upstream: no issue known to kmgpu)"),
 ]
 
 _COND = {"state": None, "original": None, "depth": 0}
 
 
 def _device_cond(pred, true_fn, false_fn):
-    """Keras's ``cond`` inside ``device_conditions``: both branches run from the same
-    state, the taken one's writes are kept (``torch.where``), nothing read on the host.
-    Only the state tensors a branch writes are copied and selected (``_Writes``): the
-    LossScaleOptimizer's inner cond touches two scalars, not the whole optimizer state."""
+    """Keras's ``cond`` inside ``device_conditions`` / ``step_conditions``: both branches
+    run from the same state, the taken one's writes are kept (``torch.where``), nothing
+    read on the host. Only the state tensors a branch writes are copied and selected
+    (``_Writes``): the LossScaleOptimizer's inner cond touches two scalars, not the whole
+    optimizer state. The branches run in the caller's grad mode (a loss's cond is
+    differentiated through the select); a branch that raises (say, a shape only the other
+    branch's data has) leaves the state as it was and Keras's own cond decides."""
     import keras
     import torch
 
@@ -30,16 +35,27 @@ def _device_cond(pred, true_fn, false_fn):
     if state is None or not torch.is_tensor(pred) or pred.numel() != 1 or \
             pred.device.type == "meta":
         return _COND["original"](pred, true_fn, false_fn)
+    if callable(state):
+        state = _COND["state"] = list(state())
     taken = pred.reshape(()).to(torch.bool)
     values = [v.value for v in state]
-    with torch.no_grad():
+    true_writes = false_writes = None
+    try:
         with _Writes(values) as true_writes:
             out_true = true_fn()
         keys = sorted(true_writes.before)
-        after_true = dict(zip(keys, _copies([values[k] for k in keys])))
-        _copy_into([values[k] for k in keys], [true_writes.before[k] for k in keys])
+        with torch.no_grad():
+            after_true = dict(zip(keys, _copies([values[k] for k in keys])))
+            _copy_into([values[k] for k in keys], [true_writes.before[k] for k in keys])
         with _Writes(values) as false_writes:
             out_false = false_fn()
+    except Exception:
+        with torch.no_grad():
+            for writes in (false_writes, true_writes):  # undo, latest first
+                for k, before in (writes.before.items() if writes is not None else ()):
+                    values[k].copy_(before)
+        return _COND["original"](pred, true_fn, false_fn)
+    with torch.no_grad():
         for k in sorted(set(keys) | set(false_writes.before)):
             a = after_true[k] if k in after_true else false_writes.before[k]
             values[k].copy_(torch.where(taken, a, values[k]))
@@ -101,17 +117,23 @@ def _copy_into(dst, src):
 
 
 class _Conditions:
-    """The context of ``device_conditions`` (re-entrant; the outer block's state wins)."""
+    """The context of ``device_conditions`` / ``step_conditions`` (re-entrant; the
+    innermost block's state is the one a cond selects, the outer one's comes back as it
+    ends). ``variables``: a list, or a callable that makes it at the first cond (a step
+    without one pays nothing)."""
 
     def __init__(self, variables):
         self.variables = variables
+        self.outer = None
 
     def __enter__(self):
         from keras.src.backend.torch import core
 
         if _COND["depth"] == 0:
-            _COND["original"], _COND["state"] = core.cond, list(self.variables)
+            _COND["original"] = core.cond
             core.cond = _device_cond
+        self.outer = _COND["state"]
+        _COND["state"] = self.variables if callable(self.variables) else list(self.variables)
         _COND["depth"] += 1
         return self
 
@@ -119,6 +141,7 @@ class _Conditions:
         from keras.src.backend.torch import core
 
         _COND["depth"] -= 1
+        _COND["state"], self.outer = self.outer, None
         if _COND["depth"] == 0:
             core.cond, _COND["original"], _COND["state"] = _COND["original"], None, None
         return False
@@ -144,3 +167,25 @@ def device_conditions(optimizer, trainable):
     kept, so a LossScaleOptimizer's finite check, ``gradient_accumulation_steps`` and
     EMA overwrites need no host read and graph B captures whole. Exact (a select)."""
     return _Conditions(optimizer_state(optimizer, trainable))
+
+
+def step_state(model):
+    """Every variable a step of ``model`` may write: the model's, its metrics' and its
+    optimizer's (once built)."""
+    seen, out = set(), []
+    groups = [model.variables] + [m.variables for m in model.metrics]
+    if model.optimizer is not None and model.optimizer.built:
+        groups.append(optimizer_state(model.optimizer, []))
+    for group in groups:
+        for v in group:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def step_conditions(model):
+    """Within the block (a kmgpu train, test or predict step), Keras's torch ``cond``
+    selects on the device as in ``device_conditions``, its state every variable of
+    ``step_state(model)``, listed at the first cond of the block."""
+    return _Conditions(lambda: step_state(model))

@@ -19,6 +19,11 @@ PATCHES = [
     ("keras.src.backend.torch.core", "scatter",
      "swapped likewise: Keras adds row by row in Python (confusion_matrix: MeanIoU and the "
      "IoU metrics); kmgpu's is one index_put_ with accumulate: the same sums"),
+    ("keras.src.backend.torch.numpy", "max",
+     "swapped likewise: with initial= Keras 3.15.1 fills torch.full(shape, initial) from "
+     "the initial value it has just made a tensor, a host read (PrecisionAtRecall, "
+     "RecallAtPrecision, SensitivityAtSpecificity, SpecificityAtSensitivity in result()); "
+     "kmgpu's takes torch.maximum with that tensor, as Keras's min does: the same values"),
     ("keras.src.backend.torch.core", "convert_to_tensor",
      "its code is swapped while a captured train step runs (graphs.py, "
      "compile(jit_compile=True)): Keras 3.15.1 makes a python scalar or a constant list "
@@ -303,15 +308,26 @@ def _random_functions():
 
 
 def _metric_functions():
-    """Keras's torch ``segment_sum``'s helper and ``scatter`` (the confusion-matrix
-    metrics: AUC, Precision/Recall at thresholds, MeanIoU ...), the same sums as device
-    ops without a host read."""
+    """Keras's torch ``segment_sum``'s helper, ``scatter`` (the confusion-matrix
+    metrics: AUC, Precision/Recall at thresholds, MeanIoU ...) and ``max`` with
+    ``initial`` (the metrics at a fixed recall, precision, sensitivity or specificity),
+    the same values as device ops without a host read."""
     import torch
     from keras.src.backend.torch import core
     from keras.src.backend.torch import math as keras_math
+    from keras.src.backend.torch import numpy as keras_numpy
 
     segment = keras_math._segment_reduction_fn
     scatter = core.scatter
+    keras_max = keras_numpy.max
+
+    def max_(x, axis=None, keepdims=False, initial=None):
+        x = core.convert_to_tensor(x)
+        if initial is None or 0 in x.shape or core.get_device() == "meta":
+            return keras_max(x, axis=axis, keepdims=keepdims, initial=initial)
+        result = keras_max(x, axis=axis, keepdims=keepdims)
+        initial = core.convert_to_tensor(initial, dtype=result.dtype)
+        return torch.maximum(result, initial)
 
     def segment_reduction(data, segment_ids, reduction_method, num_segments):
         if num_segments is None or core.get_device() == "meta":
@@ -341,7 +357,7 @@ def _metric_functions():
         return zeros.index_put_(tuple(indices.T), values, accumulate=True)
 
     return [(keras_math, "_segment_reduction_fn", segment, segment_reduction),
-            (core, "scatter", scatter, scatter_)]
+            (core, "scatter", scatter, scatter_), (keras_numpy, "max", keras_max, max_)]
 
 
 def _swap_random(use):

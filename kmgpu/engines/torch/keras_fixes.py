@@ -16,6 +16,7 @@ makes them again without torch.compile).
 """
 
 from kmgpu.engines.torch import cond_keras_fixes, graph_keras_fixes
+from kmgpu.engines.torch.cond_keras_fixes import step_conditions  # noqa: F401
 from kmgpu.engines.torch.graph_keras_fixes import (  # noqa: F401 (used as keras_fixes.*)
     device_random, device_scalars, fused_batchnorm, set_jit_compile, wants_captured_step)
 
