@@ -228,7 +228,7 @@ def compare(backends, args):
                 runs[which].append(r)
         for which, rs in runs.items():
             if not rs:
-                lines.append(f"| {backend} | {which} | error | | | | | |")
+                lines.append(f"| {backend} | {which} | error | | | | | | |")
                 continue
             k = [r["kmgpu"]["ratio"] for r in rs]
             p = [r["plain"]["ratio"] for r in rs]
