@@ -10,7 +10,9 @@ The workload: a 34M-parameter MLP (4096 -> 4096 -> 4096 -> 16), one step per epo
 one. One process per backend (KERAS_BACKEND is fixed per process); in each, after one
 warm-up call of each kind, the rounds alternate plain and kmgpu, and within a round
 the order of the 10-epoch fit and the ten 1-epoch fits alternates too; the ratio is
-median(ten 1-epoch fits) / median(one 10-epoch fit) over the rounds.
+median(ten 1-epoch fits) / median(one 10-epoch fit) over the rounds. Beside it, the same
+ratio of the process's CPU time (all threads), which other jobs on a shared machine move
+less than wall time.
 
     python benchmarks/per_call.py                       # tensorflow, jax, torch
     python benchmarks/per_call.py --backends torch --rounds 3 --rows 64
@@ -76,11 +78,17 @@ def measure(rows, rounds, profile=None):
     fitters["kmgpu"] = parallel
     params = plain.count_params()
 
-    def fit(which, epochs):
-        start = time.perf_counter()
+    cpu = {w: {"one": [], "ten": []} for w in fitters}  # this process's CPU time, beside
+
+    def fit(which, epochs, kind=None):
+        start, start_cpu = time.perf_counter(), time.process_time()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # kmgpu's note about one step per epoch
             fitters[which].fit(x, y, batch_size=rows, epochs=epochs, shuffle=False, verbose=0)
+        if kind == "ten":
+            cpu[which]["ten"].append(time.process_time() - start_cpu)
+        elif kind == "one":
+            cpu[which]["one"][-1] += time.process_time() - start_cpu
         return time.perf_counter() - start
 
     for which in fitters:  # warm-up: compile, start workers, first copies
@@ -103,14 +111,17 @@ def measure(rows, rounds, profile=None):
             order = ("ten", "one") if r % 2 == 0 else ("one", "ten")
             for kind in order:
                 if kind == "ten":
-                    times[which]["ten"].append(fit(which, CALLS))
+                    times[which]["ten"].append(fit(which, CALLS, kind))
                 else:
-                    times[which]["one"].append(sum(fit(which, 1) for _ in range(CALLS)))
+                    cpu[which]["one"].append(0.0)
+                    times[which]["one"].append(sum(fit(which, 1, kind) for _ in range(CALLS)))
     out = {"params": params, "rows": rows, "rounds": rounds,
            "kmgpu_from": os.path.dirname(os.path.dirname(os.path.abspath(kmgpu.__file__)))}
     for which, t in times.items():
         one, ten = float(np.median(t["one"])), float(np.median(t["ten"]))
-        out[which] = {"ratio": one / ten, "one_s": one, "ten_s": ten}
+        out[which] = {"ratio": one / ten, "one_s": one, "ten_s": ten,
+                      "cpu_ratio": float(np.median(cpu[which]["one"]))
+                      / float(np.median(cpu[which]["ten"]))}
     parallel.close()
     return out
 
@@ -179,17 +190,18 @@ def run_backend(backend, args, code=ROOT):
 def table(results):
     lines = ["| backend | kmgpu: 10 x fit(epochs=1) / fit(epochs=10) | plain Keras: the same "
              "| target: kmgpu <= 1.1 x max(1, plain) | met? | kmgpu 10 x 1 epoch, s "
-             "| kmgpu 10 epochs, s |",
-             "|---|---|---|---|---|---|---|"]
+             "| kmgpu 10 epochs, s | CPU-time ratios: kmgpu, plain |",
+             "|---|---|---|---|---|---|---|---|"]
     for backend, r in results.items():
         if "error" in r:
-            lines.append(f"| {backend} | error | | | | | |")
+            lines.append(f"| {backend} | error | | | | | | |")
             continue
         k, p = r["kmgpu"], r["plain"]
         target = 1.1 * max(1.0, p["ratio"])
         met = "met" if k["ratio"] <= target else "**missed**"
         lines.append(f"| {backend} | {k['ratio']:.2f}x | {p['ratio']:.2f}x | <= {target:.2f}x "
-                     f"| {met} | {k['one_s']:.2f} | {k['ten_s']:.2f} |")
+                     f"| {met} | {k['one_s']:.2f} | {k['ten_s']:.2f} "
+                     f"| {_cpu([r], 'kmgpu')}, {_cpu([r], 'plain')} |")
     return "\n".join(lines)
 
 
@@ -199,7 +211,8 @@ def compare(backends, args):
 
     lines = ["| backend | code | kmgpu ratio: median [per process] | plain ratio: median "
              "[per process] | target: kmgpu <= 1.1 x max(1, plain) | met? "
-             "| kmgpu 10 x 1 epoch, s | kmgpu 10 epochs, s |", "|---|---|---|---|---|---|---|---|"]
+             "| kmgpu 10 x 1 epoch, s | kmgpu 10 epochs, s | CPU-time ratios: kmgpu, plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for backend in backends:
         runs = {"before": [], "after": []}
         for which in ("before", "after", "before", "after"):
@@ -215,7 +228,7 @@ def compare(backends, args):
                 runs[which].append(r)
         for which, rs in runs.items():
             if not rs:
-                lines.append(f"| {backend} | {which} | error | | | | | |")
+                lines.append(f"| {backend} | {which} | error | | | | | | |")
                 continue
             k = [r["kmgpu"]["ratio"] for r in rs]
             p = [r["plain"]["ratio"] for r in rs]
@@ -227,8 +240,17 @@ def compare(backends, args):
                 f"| {backend} | {which} | {statistics.median(k):.3f}x "
                 f"[{', '.join(f'{a:.3f}' for a in k)}] | {statistics.median(p):.3f}x "
                 f"[{', '.join(f'{a:.3f}' for a in p)}] | <= {target:.2f}x | {met} "
-                f"| {one:.2f} | {ten:.2f} |")
+                f"| {one:.2f} | {ten:.2f} | {_cpu(rs, 'kmgpu')}, {_cpu(rs, 'plain')} |")
     return "\n".join(lines)
+
+
+def _cpu(runs, which):
+    """The median CPU-time ratio over ``runs`` (this process's CPU seconds, all threads:
+    less moved than wall time by other jobs on a shared machine)."""
+    import statistics
+
+    ratios = [r[which]["cpu_ratio"] for r in runs if "cpu_ratio" in r[which]]
+    return f"{statistics.median(ratios):.3f}x" if ratios else "-"
 
 
 def main(argv=None):

@@ -23,7 +23,7 @@ import types
 
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
-from kmgpu.engines.tensorflow import data, keras_fixes
+from kmgpu.engines.tensorflow import data, kept_input, keras_fixes
 
 
 class TensorFlowEngine(InProcessEngine):
@@ -52,6 +52,8 @@ class TensorFlowEngine(InProcessEngine):
             # NCCL serves GPUs; logical CPU devices need a plain reduction.
             ops = tf.distribute.ReductionToOneDevice() if kind == "CPU" else None
             self.strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
+        # fit's training arrays, kept across calls (one worker, several replicas)
+        self._kept = kept_input.KeptInput(self.strategy) if self._single_worker() else None
 
     def scope(self):
         return self.strategy.scope()
@@ -126,15 +128,34 @@ class TensorFlowEngine(InProcessEngine):
                                                     guard=guard)
         if guard is not None:  # every batch of a tf.data dataset passes the guard too
             kwargs = data.checked(kwargs, guard, method)
+        kept = None
         if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
             # several steps per execution would run past an epoch's end into the next one
-            kwargs = keras_fixes.repeating_datasets(kwargs)
+            import keras
+
+            kept = self._kept if not keras.config.max_steps_per_epoch() else None
+            kwargs = keras_fixes.repeating_datasets(kwargs, kept)
+        if method == "fit" and self._kept is not None:
+            if self._kept.holds(kwargs.get("x")):
+                self._feed["first"] = self._kept.first  # built from it: Keras reads no batch
+            else:  # other training data: the kept input's copy of the arrays goes
+                kept = None
+                self._kept.drop()
+        whole_passes = False
         try:
-            return super().run(method, template, kwargs, lr_scale)
+            result = super().run(method, template, kwargs, lr_scale)
+            whole_passes = not getattr(self.replica, "stop_training", False)
+            return result
         finally:
+            if kept is not None:
+                kept.finished(whole_passes)
             self._feed["first"] = None
             if method == "fit" and self._single_worker() and self.replica is not None:
                 self._average_moving_statistics(self.replica, template)
+
+    def close(self):
+        if self._kept is not None:
+            self._kept.drop()
 
     def copy_back(self, pairs):
         """The replica's trained state into the template, TF variable to TF variable (the

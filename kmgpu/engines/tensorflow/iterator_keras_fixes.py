@@ -1,7 +1,8 @@
 """Keras and TensorFlow internals that govern the lives of the distributed iterators
 Keras makes during kmgpu's calls: kept until the next call and dropped on a thread of
-their own (``park_iterators``), and made without tf.data's autotuning, whose threads
-each destruction waited for (``untuned_iterators``). Part of the TensorFlow engine's
+their own (``park_iterators``), or handed over by the dataset's owner when fit's training
+arrays are kept across calls (``own``, ``kept_input``), and made without tf.data's
+autotuning, whose threads each destruction waited for (``untuned_iterators``). Part of the TensorFlow engine's
 ``keras_fixes`` (its ``PATCHES`` table includes this module's).
 """
 
@@ -65,6 +66,7 @@ def untuned_iterators():
 
 
 _PARKED = {"depth": 0, "kept": [], "dropping": []}
+_OWNED = {}  # id(distributed dataset) -> weak reference to its kept_input.KeptInput
 RELEASE_AT_EXIT_S = 60.0  # at exit, the longest wait for drops still under way
 RELEASE_THREAD = "kmgpu-iterator-release"  # each drop's thread, by name
 
@@ -96,6 +98,10 @@ def _release_parked():
     import gc
     import time
 
+    for ref in list(_OWNED.values()):  # the training inputs kept across calls
+        owner = ref()
+        if owner is not None:
+            owner.drop()
     gc.collect()  # iterators in reference cycles (a fault's traceback and its frames)
     _PARKED["kept"].clear()
     end = time.monotonic() + RELEASE_AT_EXIT_S
@@ -141,13 +147,41 @@ def park_iterators():
         parked["depth"] -= 1
 
 
+def park(iterators):
+    """Hand ``iterators`` (a list, emptied) to the drop at the start of the next call, as
+    the iterators Keras reads are (``park_iterators``)."""
+    _PARKED["kept"].extend(iterators)
+    iterators.clear()
+
+
+def own(dataset, owner):
+    """``dataset``'s iterators come from ``owner.iterator()`` (a ``kept_input.KeptInput``,
+    which keeps one across calls) instead of a new one per call."""
+    import weakref
+
+    _OWNED[id(dataset)] = weakref.ref(owner)
+
+
+def disown(dataset):
+    _OWNED.pop(id(dataset), None)
+
+
+def _owner(dataset):
+    ref = _OWNED.get(id(dataset))
+    owner = ref() if ref is not None else None
+    return owner if owner is not None and owner.holds(dataset) else None
+
+
 class _Parked:
-    """A distributed dataset whose iterators are kept in ``keep``."""
+    """A distributed dataset whose iterators are kept in ``keep`` (or by its owner)."""
 
     def __init__(self, dataset, keep):
         self.dataset, self.keep = dataset, keep
 
     def __iter__(self):
+        owner = _owner(self.dataset)
+        if owner is not None:  # kept across calls: not parked
+            return owner.iterator()
         iterator = iter(self.dataset)
         self.keep.append(iterator)
         return iterator

@@ -161,7 +161,7 @@ def all_reduce_without_walk():
         custom_gradient._get_dependent_variables = dependent
 
 
-def repeating_datasets(kwargs):
+def repeating_datasets(kwargs, kept=None):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
     For arrays Keras makes a new distributed iterator every epoch, which costs
@@ -172,6 +172,8 @@ def repeating_datasets(kwargs):
     is Keras's own (``ArrayDataAdapter``): the same batches, the same per-epoch
     shuffling, class weights and partial last batch; each epoch reads exactly
     one pass. Validation arrays get the same treatment with ``validation_steps``.
+    With ``kept`` (a ``kept_input.KeptInput``), the training pipeline, distributed, and
+    its iterator are those of an earlier call where that changes no batch.
     """
     from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -187,12 +189,20 @@ def repeating_datasets(kwargs):
         (x, y, weights), kw["validation_data"] = array_slicing.train_validation_split(
             (x, y, weights), validation_split=kw["validation_split"])
     kw["validation_split"] = 0.0
-    batch_size = kw.get("batch_size") or 32
-    train = array_data_adapter.ArrayDataAdapter(
-        x, y, sample_weight=weights, batch_size=batch_size,
-        shuffle=kw.get("shuffle", True), class_weight=kw.get("class_weight"))
-    kw.update(x=train.get_tf_dataset().repeat(), y=None, sample_weight=None, shuffle=False,
-              class_weight=None, batch_size=None, steps_per_epoch=train.num_batches)
+    batch_size, shuffle, class_weight = (kw.get("batch_size") or 32, kw.get("shuffle", True),
+                                         kw.get("class_weight"))
+
+    def build(x, y, weights):
+        train = array_data_adapter.ArrayDataAdapter(
+            x, y, sample_weight=weights, batch_size=batch_size, shuffle=shuffle,
+            class_weight=class_weight)
+        return train.get_tf_dataset().repeat(), train.num_batches
+
+    made = None if kept is None else kept.dataset(
+        (x, y, weights), shuffle, (batch_size, None if class_weight is None else dict(class_weight)), build)
+    dataset, steps = made or build(x, y, weights)
+    kw.update(x=dataset, y=None, sample_weight=None, shuffle=False, class_weight=None,
+              batch_size=None, steps_per_epoch=steps)
     validation = kw.get("validation_data")
     if validation is not None and kw.get("validation_steps") is None:
         vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)

@@ -1,0 +1,134 @@
+"""fit's training arrays kept across calls: one distributed dataset and its live iterator.
+
+Each ``fit`` on arrays used to build its ``tf.data`` pipeline again, distribute it, and
+have tf.distribute make a ``MultiDeviceIterator`` for it, tracing that iterator's
+per-device functions again: ~0.45 s of a 1.5 s one-step ``fit`` of the 34M-parameter MLP
+on 4 CPU devices (``benchmarks/per_call.py``, issue 30), where plain Keras on one device
+makes a plain iterator. A loop of ``fit(epochs=1)`` calls paid it every call, one
+``fit(epochs=10)`` once. Here the pipeline and its iterator live on to the next call
+when that call's batches are provably those a fresh pipeline would give:
+
+- the arrays hold the same bits, shapes and dtypes as the tensors the pipeline was built
+  from (compared at every call, on the host: an array changed in place, or another one,
+  builds a new pipeline);
+- the same batch size and class weights, and ``shuffle=False``: a shuffled pass draws its
+  permutation from the pipeline's random state, so a continued iterator draws the next
+  one where a fresh pipeline (plain Keras, each call) draws the first one again under a
+  global seed;
+- every earlier call read whole passes from the iterator (returned normally, no
+  ``stop_training``, no ``keras.config.max_steps_per_epoch``), so its next element is
+  the first batch of a pass. A call that raised or stopped early drops the iterator; the
+  next call starts a new one from the kept dataset, at the start of a pass.
+
+The pipeline holds one copy of the arrays (as plain Keras's does during a call) until
+another ``fit`` brings other data, the engine closes, or the process exits; dropped
+iterators go through ``iterator_keras_fixes.park`` (destroyed at the next call, idle).
+"""
+
+import weakref
+
+from kmgpu.engines.tensorflow import iterator_keras_fixes
+
+#: bytes compared at a time (bounds the temporary memory of the comparison)
+CHUNK_BYTES = 1 << 24
+
+
+class KeptInput:
+    """The training input of one engine's fits (single worker, arrays, one step per
+    execution), kept across calls where that changes no batch."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._slot = []  # the live iterator, if any (parked when this object goes)
+        weakref.finalize(self, iterator_keras_fixes.park, self._slot)
+        self._clear()
+
+    def _clear(self):
+        self._dataset = self._signature = self._tensors = self._settings = None
+        self.first = None  # the first global batch, for the replica's symbolic build
+        self._used = False
+
+    def holds(self, dataset):
+        """Whether ``dataset`` is the distributed dataset kept here."""
+        return dataset is not None and dataset is self._dataset
+
+    def dataset(self, arrays, shuffle, settings, build):
+        """The distributed dataset of these training arrays: the kept one when they hold
+        its bits under the same settings, else a new one (the old one dropped).
+
+        Args:
+            arrays: (x, y, sample_weight), each a structure of arrays or None.
+            shuffle: fit's ``shuffle``; anything but False is never kept.
+            settings: what else decides the batches (batch size, class weights),
+                compared with ``==``.
+            build: (x, y, sample_weight) as TensorFlow tensors -> (a repeating
+                ``tf.data`` dataset of global batches, batches per pass).
+
+        Returns:
+            (distributed dataset, batches per pass), or None when these arrays are not
+            kept (shuffled, or not all NumPy arrays of numbers): build as before.
+        """
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        leaves = [a for a in keras.tree.flatten(arrays) if a is not None]
+        if shuffle is not False or not leaves or not all(
+                isinstance(a, np.ndarray) and a.dtype.kind in "biufc" and a.ndim
+                for a in leaves):
+            self.drop()
+            return None
+        signature = keras.tree.map_structure(
+            lambda a: None if a is None else (a.shape, a.dtype.str), arrays)
+        if self._dataset is not None and self._settings == settings \
+                and self._signature == signature \
+                and all(_same_bits(a, np.asarray(t)) for a, t in zip(leaves, self._tensors)):
+            return self._dataset, self._steps
+        self.drop()
+        tensors = keras.tree.map_structure(
+            lambda a: None if a is None else tf.convert_to_tensor(a), arrays)
+        repeated, steps = build(*tensors)
+        self.first = next(iter(repeated.take(1)))
+        self._dataset = self.strategy.experimental_distribute_dataset(repeated)
+        self._tensors = [t for t in keras.tree.flatten(tensors) if t is not None]
+        self._signature, self._settings, self._steps = signature, settings, steps
+        iterator_keras_fixes.own(self._dataset, self)
+        return self._dataset, self._steps
+
+    def iterator(self):
+        """The kept iterator, or a new one (at the start of a pass) when none is kept:
+        what Keras's fit reads this call (``iterator_keras_fixes`` hands it over)."""
+        if not self._slot:
+            self._slot.append(iter(self._dataset))
+        self._used = True
+        return self._slot[0]
+
+    def finished(self, whole_passes):
+        """After each call: the iterator this call read stays only if the call read
+        whole passes (else it is parked and dropped at the next call)."""
+        if self._used and not whole_passes:
+            iterator_keras_fixes.park(self._slot)
+        self._used = False
+
+    def drop(self):
+        """Forget the kept input (its iterator parked, dropped at the next call)."""
+        iterator_keras_fixes.park(self._slot)
+        if self._dataset is not None:
+            iterator_keras_fixes.disown(self._dataset)
+        self._clear()
+
+
+def _same_bits(array, kept):
+    """Whether ``array`` holds exactly the bits of ``kept`` (same shape and dtype), read
+    in blocks of rows."""
+    import numpy as np
+
+    if array.shape != kept.shape or array.dtype != kept.dtype:
+        return False
+    rows = max(1, CHUNK_BYTES // max(1, array[:1].nbytes))
+    for start in range(0, len(array), rows):
+        a = np.ascontiguousarray(array[start:start + rows]).view(np.uint8)
+        b = np.ascontiguousarray(kept[start:start + rows]).view(np.uint8)
+        if not np.array_equal(a, b):
+            return False
+    return True

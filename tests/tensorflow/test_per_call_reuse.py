@@ -1,0 +1,136 @@
+"""TensorFlow: fit's training arrays kept across calls (``kept_input``, issue 30). A loop
+of ``fit`` calls on the same arrays reads one distributed iterator instead of making one
+per call; each call must still train on exactly the batches plain Keras trains on, on one
+device, with the same calls: the same rows in the same order, a fresh pass per call.
+
+Each test makes every call twice, kmgpu on 4 devices and plain Keras on one, and compares
+the weights after each call. 46 rows in batches of 4: 12 steps per pass, the last one of
+2 rows (fewer than the devices): an iterator read from the wrong place gives other batches.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kmgpu
+from tests.helpers import data, mlp, rel_diff
+
+ROWS, BATCH, TOL = 46, 4, 1e-5
+
+
+def _pair(seed=3, optimizer="adam"):
+    """(plain Keras model on one device, kmgpu's ParallelModel on 4 of the same
+    initial weights), compiled alike."""
+    reference = mlp(seed)
+    reference.compile(optimizer=optimizer, loss="mse")
+    parallel = kmgpu.parallelize(mlp(seed), gpus=4)
+    parallel.compile(optimizer=optimizer, loss="mse")
+    return reference, parallel
+
+
+def _both(reference, parallel, *args, **kwargs):
+    """The same fit on both; the kmgpu model's weights must equal plain Keras's after."""
+    kwargs.setdefault("verbose", 0)
+    plain = reference.fit(*args, **kwargs)
+    ours = parallel.fit(*args, **kwargs)
+    assert rel_diff(reference.get_weights(), parallel.model.get_weights()) <= TOL
+    np.testing.assert_allclose(ours.history["loss"], plain.history["loss"], rtol=1e-5)
+    return ours
+
+
+def _live(parallel):
+    """The distributed iterator kmgpu keeps for the next fit (None: none kept)."""
+    slot = parallel._engine._kept._slot
+    return slot[0] if slot else None
+
+
+def test_repeated_fits_read_one_iterator_and_equal_plain_keras():
+    """Three fit(epochs=1) calls, then a fit(epochs=2) with validation arrays, on
+    unchanged training arrays: the weights and losses equal plain Keras's after each
+    call, and all four calls read the one iterator the first call made."""
+    x, y = data("mlp", ROWS)
+    vx, vy = data("mlp", 10, seed=1)
+    reference, parallel = _pair()
+    iterators = []
+    for epochs in (1, 1, 1, 2):
+        history = _both(reference, parallel, x, y, batch_size=BATCH, epochs=epochs,
+                        shuffle=False, validation_data=(vx, vy) if epochs == 2 else None)
+        iterators.append(_live(parallel))
+    np.testing.assert_allclose(history.history["val_loss"],
+                               reference.history.history["val_loss"], rtol=1e-5)
+    assert iterators[0] is not None and all(it is iterators[0] for it in iterators)
+
+
+def test_a_changed_input_is_not_reused():
+    """x changed in place, a new y of equal values, other class weights, another batch
+    size: each call trains on what it is given (equal to plain Keras), and only the call
+    whose arrays and settings equal the last call's keeps its iterator. (Class weights
+    in every call: one input signature, one trace.)"""
+    x, y = data("mlp", ROWS)
+    labels = (y > np.median(y)).astype("float32")  # class weights weigh rows by label
+    reference, parallel = _pair(seed=4)
+
+    def fit(y, weights, batch=BATCH):
+        _both(reference, parallel, x, y, batch_size=batch, shuffle=False,
+              class_weight=weights)
+        return _live(parallel)
+
+    first = fit(labels, {0: 1.0, 1: 3.0})
+    x[5, 2] += 1.0  # in place: the same object, other values
+    second = fit(labels, {0: 1.0, 1: 3.0})
+    assert first is not None and second is not first
+    assert fit(labels.copy(), {0: 1.0, 1: 3.0}) is second  # equal values: kept
+    third = fit(labels, {0: 1.0, 1: 0.5})
+    assert third is not second
+    assert fit(labels, {0: 1.0, 1: 0.5}, BATCH + 1) is not third
+
+
+def test_shuffled_fits_keep_plain_keras_order():
+    """shuffle=True under a global seed: plain Keras's new pipeline per call draws its
+    first permutation again at every call; an iterator kept across calls would draw the
+    next permutation instead. kmgpu keeps none for shuffled data and gives plain Keras's
+    weights after each call."""
+    x, y = data("mlp", ROWS)
+    reference, parallel = _pair(seed=5, optimizer="sgd")
+    for _ in range(3):
+        keras.utils.set_random_seed(11)
+        reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=True, verbose=0)
+        keras.utils.set_random_seed(11)
+        parallel.fit(x, y, batch_size=BATCH, epochs=1, shuffle=True, verbose=0)
+        assert rel_diff(reference.get_weights(), parallel.model.get_weights()) <= TOL
+        assert _live(parallel) is None
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Ends the fit after ``steps`` batches: by ``stop_training``, or by raising."""
+
+    def __init__(self, steps, raises=False):
+        super().__init__()
+        self.steps, self.raises = steps, raises
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.steps:
+            if self.raises:
+                raise RuntimeError("stop here")
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["stop_training", "raised"])
+def test_a_call_that_stopped_mid_pass_leaves_the_next_at_a_pass_start(raises):
+    """A fit stopped after 5 of 12 batches (a callback's stop_training, or an error):
+    the next fit starts at the first batch of a pass, as plain Keras's new iterator does
+    (a kept iterator would go on from batch 6)."""
+    x, y = data("mlp", ROWS)
+    reference, parallel = _pair(seed=6, optimizer="sgd")
+    _both(reference, parallel, x, y, batch_size=BATCH, shuffle=False)
+    kept = _live(parallel)
+    for model in (reference, parallel):
+        try:
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                      callbacks=[_StopAfter(5, raises)])
+        except RuntimeError:
+            assert raises
+    assert rel_diff(reference.get_weights(), parallel.model.get_weights()) <= TOL
+    assert _live(parallel) is None
+    _both(reference, parallel, x, y, batch_size=BATCH, shuffle=False)
+    assert _live(parallel) not in (None, kept)
