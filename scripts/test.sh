@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (if needed) and run the test suite, one process per
 # Keras backend and part: tests/unit, tests/common and tests/<backend> run under
-# KERAS_BACKEND=<backend>. Each backend's files are cut into three parts (KMGPU_TEST_PARTS) of about equal
+# KERAS_BACKEND=<backend>. Each backend's files are cut into parts of about equal
 # measured time (scripts/test_plan.py, scripts/test_times.txt; a new file counts 30 s
-# until measured), and two lanes take the parts heaviest first as they get free, so
-# both cores stay busy to the end. `kmgpu bench --quick` runs once per suite, for every
+# until measured), as many per backend as end the lanes soonest (KMGPU_TEST_PARTS=N: N
+# each), and two lanes take the parts heaviest first as they get free, so both cores stay
+# busy to the end. `kmgpu bench --quick` runs once per suite, for every
 # backend, in one session (KMGPU_BENCH_SMOKE). Each line of progress (one per finished
 # test file, tests/conftest.py --file-progress) is printed as it comes, prefixed with
 # its backend and part; the summary comes last.
@@ -68,7 +69,7 @@ export -f job
 
 start=$SECONDS
 status=0
-python scripts/test_plan.py --parts "${KMGPU_TEST_PARTS:-3}" "${backends[@]}" > "$logs/jobs" || exit 1
+python scripts/test_plan.py --parts "${KMGPU_TEST_PARTS:-0}" --lanes "$lanes" "${backends[@]}" > "$logs/jobs" || exit 1
 xargs -a "$logs/jobs" -d '\n' -P "$lanes" -I{} bash -c 'job "$1"' _ {} || status=1
 echo "=== summary ($((SECONDS - start)) s)"
 passed=0 failed=0 skipped=0

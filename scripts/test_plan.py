@@ -4,20 +4,30 @@ part of a backend's files, the parts balanced by the seconds each file took last
 The files of a backend are tests/unit, tests/common and tests/<backend> (test_*.py, found
 here, so a new file is in the next run); a file's weight is its line in
 scripts/test_times.txt (measured: ``bash scripts/test.sh --save-times``), or DEFAULT_S
-for a file not measured yet. Each backend's files are cut into ``--parts`` parts of
-about equal weight (longest first, each to the lightest part); the jobs are printed
-heaviest first, one a line: ``<backend> <part> <seconds> <file> ...``. The lanes take
-them in that order as they get free, so the longest go first and the short ones fill in.
+for a file not measured yet. Each backend's files are cut into parts of about equal
+weight (longest first, each to the lightest part); the jobs are printed heaviest first,
+one a line: ``<backend> <part> <seconds> <file> ...``. The lanes take them in that order
+as they get free, so the longest go first and the short ones fill in.
+
+How many parts: ``--parts N`` for every backend, or (the default) for each backend the
+count that makes the ``--lanes`` end soonest, the lanes' run played out with each job's
+weight plus START_S, and of ends within NEAR of the soonest the plan whose heaviest job is
+lightest (a job that runs long then delays the end least). Three equal parts per backend on two lanes gave one lane five jobs and the other four: the
+measured lanes ended 742 and 830 s, a part's length apart.
 """
 
 import argparse
 import glob
+import heapq
+import itertools
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMES = os.path.join(ROOT, "scripts", "test_times.txt")
 DEFAULT_S = 30.0  # a file not measured yet
-START_S = 8.0  # a pytest process's own start (imports, simulated devices), per job
+START_S = 12.0  # a pytest process's own start and end (imports, collection, exit), per job
+MAX_PARTS = 4  # per backend, when the count is chosen
+NEAR = 0.02  # ends this close to the soonest count as equal
 
 
 def files(backend):
@@ -50,14 +60,39 @@ def split(weights, parts):
     return [(total, sorted(names)) for total, names in bins if names]
 
 
-def plan(backends, parts, known=None):
-    known = times() if known is None else known
+def jobs_of(backends, parts, known):
+    """The jobs for ``parts`` = {backend: count}, heaviest first."""
     jobs = []
     for backend in backends:
         weights = {f: known.get((backend, f), DEFAULT_S) for f in files(backend)}
-        for i, (total, names) in enumerate(split(weights, parts)):
+        for i, (total, names) in enumerate(split(weights, parts[backend])):
             jobs.append((total + START_S, backend, i + 1, names))
     return sorted(jobs, key=lambda j: -j[0])
+
+
+def lanes_end(jobs, lanes):
+    """When the last of ``lanes`` lanes ends, each taking the next job (in order) as it
+    gets free (xargs -P in scripts/test.sh)."""
+    ends = [0.0] * max(1, lanes)
+    for seconds, *_ in jobs:
+        heapq.heapreplace(ends, ends[0] + seconds)
+    return max(ends)
+
+
+def plan(backends, parts=None, known=None, lanes=2):
+    """The jobs: ``parts`` per backend, or (None) the counts that end the lanes soonest."""
+    known = times() if known is None else known
+    if parts:
+        return jobs_of(backends, dict.fromkeys(backends, parts), known)
+    plans = []
+    for counts in itertools.product(range(1, MAX_PARTS + 1), repeat=len(backends)):
+        jobs = jobs_of(backends, dict(zip(backends, counts)), known)
+        plans.append((lanes_end(jobs, lanes), jobs[0][0], len(jobs), jobs))  # end, heaviest
+    soonest = min(p[0] for p in plans)
+    # of the plans within NEAR of the soonest end, the one with the lightest heaviest job:
+    # a job that runs longer than measured then delays the end the least
+    near = [p for p in plans if p[0] <= soonest * (1 + NEAR)]
+    return min(near, key=lambda p: (p[1], p[0], p[2]))[3]
 
 
 def save(logs, backends, path=TIMES):
@@ -85,13 +120,15 @@ def save(logs, backends, path=TIMES):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("backends", nargs="+")
-    p.add_argument("--parts", type=int, default=2, help="jobs per backend")
+    p.add_argument("--parts", type=int, default=0,
+                   help="jobs per backend (default: the counts that end the lanes soonest)")
+    p.add_argument("--lanes", type=int, default=2, help="jobs at once (scripts/test.sh)")
     p.add_argument("--save", metavar="LOGS", help="write test_times.txt from these logs")
     args = p.parse_args(argv)
     if args.save:
         save(args.save, args.backends)
         return 0
-    for seconds, backend, part, names in plan(args.backends, args.parts):
+    for seconds, backend, part, names in plan(args.backends, args.parts, lanes=args.lanes):
         print(backend, part, f"{seconds:.0f}", " ".join(names))
     return 0
 

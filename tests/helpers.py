@@ -19,6 +19,19 @@ def rel_diff(a_weights, b_weights):
     return worst
 
 
+def without_tensorflow():
+    """For a JAX or torch process the tests start (launch ranks, torchrun, a parent to
+    kill): ``import tensorflow`` raises ImportError, which Keras takes as "not installed".
+    Nothing there uses TensorFlow, but ``keras.utils.set_random_seed`` (mlp() and the
+    other models here) imports it where installed, only to seed it: 5-6 s of CPU per
+    process on a 2-core machine. Call it before anything seeds."""
+    import os
+    import sys
+
+    if os.environ.get("KERAS_BACKEND") in ("jax", "torch"):
+        sys.modules.setdefault("tensorflow", None)
+
+
 def few_steps():
     """``pytest.warns`` for the warning kmgpu gives on purpose when a fit has fewer than 10
     steps per epoch (the first fit of a ParallelModel; tests train tiny data)."""

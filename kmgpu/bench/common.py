@@ -15,6 +15,18 @@ def global_batch(workload, n, policy):
     return workload.batch * n if policy == "per_replica" else workload.batch
 
 
+def without_tensorflow():
+    """In a JAX or torch process of the bench (a worker, a DDP rank): ``import tensorflow``
+    raises ImportError, which Keras takes as "not installed". No run of theirs uses it, but
+    ``keras.utils.set_random_seed`` (every workload's model) imports it where it is
+    installed, only to seed it: 5-6 s of a 2-core CPU per process, and its thread pools."""
+    import os
+    import sys
+
+    if os.environ.get("KERAS_BACKEND") in ("jax", "torch"):
+        sys.modules.setdefault("tensorflow", None)
+
+
 def has_gpu():
     """A real GPU runs this process's work (not simulated devices): NVML sees one, or the
     backend already imported here does (when nvidia-ml-py is missing)."""

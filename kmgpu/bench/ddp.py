@@ -48,6 +48,10 @@ def _process(rank, world, target, args, cuda, port):
     import torch
     import torch.distributed as dist
 
+    from kmgpu.bench import common
+
+    common.without_tensorflow()
+
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     if cuda:

@@ -163,14 +163,15 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)
+    from kmgpu.bench import common
+
+    common.without_tensorflow()
     if spec.get("simulate"):
         import kmgpu
 
         kmgpu.simulate_devices(int(spec["simulate"]))
     if spec.get("jax_cache") and os.environ.get("KERAS_BACKEND") == "jax":
         _share_compiled_code(spec["jax_cache"])
-    from kmgpu.bench import common
-
     common.SIMULATED[0] = int(spec.get("simulate") or 0)
     import warnings
 
