@@ -17,18 +17,7 @@ import pytest
 
 import kmgpu
 
-# TensorFlow: the tests' traced functions are tiny; without Grappler's optimization of
-# each one they take less of the suite's time (KMGPU_TEST_FULL_OPT=1 keeps it on). Both
-# sides of every parity check run so. Alternated on a busy machine: TF test_user_scripts
-# 38-40 s of CPU against 47-51 s. (JAX with XLA's fast-compile flags, as `kmgpu bench
-# --quick` uses, saved as much but moved test_copy_back's parity to 1.7e-5: not used.)
-FAST_COMPILE = os.environ.get("KMGPU_TEST_FULL_OPT", "0") != "1"
 kmgpu.simulate_devices(int(os.environ.get("KMGPU_TEST_DEVICES", "4")))
-
-if FAST_COMPILE and os.environ.get("KERAS_BACKEND") == "tensorflow":
-    import tensorflow as tf
-
-    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
 
 SLOW_TEST_S = 45.0  # a test this long gets a line of its own
 
