@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.torch.test_whole_run import _fake_capture
+from tests.torch.test_whole_run import _strict_fake_capture
 
 TOL = 1e-5
 
@@ -98,29 +98,10 @@ def test_metrics_and_hinge_losses_are_captured_and_equal_kerass(monkeypatch, cap
                                                                  loss):
     """10 steps of 4 rows: 2 eager warm-up steps, the capture, 7 replays; the binary
     metrics under the hinge loss (its label ``cond`` in graph A, differentiated)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kmgpu.engines.torch import graphs
-
     build, x, y = _case(kind, loss)
     ref = _run(build(), x, y)
     model = build()
-    calls = _fake_capture(monkeypatch, [model])
-    fake = graphs.capture
-
-    class NoHostReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._local_scalar_dense.default,
-                        torch.ops.aten.lift_fresh.default):
-                raise RuntimeError("operation not permitted when stream is capturing")
-            return func(*args, **(kwargs or {}))
-
-    def strict(fn, pool=None):
-        with NoHostReads():
-            return fake(fn, pool)
-
-    monkeypatch.setattr(graphs, "capture", strict)
+    calls = _strict_fake_capture(monkeypatch, [model])
     with pytest.warns(UserWarning, match="kmgpu: one device"):
         parallel = kmgpu.parallelize(model, gpus=1)
     history, results, pred = _run(parallel, x, y)

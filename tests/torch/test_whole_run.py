@@ -79,6 +79,33 @@ def _kind(fn):
     return "eval"
 
 
+def _strict_fake_capture(monkeypatch, model_box):
+    """``_fake_capture`` whose recording refuses what CUDA-graph capture refuses: a read
+    of a device value on the host (``.item()``, a Python ``if`` on a tensor) and a tensor
+    made from host data (``torch.tensor(list)``)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kmgpu.engines.torch import graphs
+
+    calls = _fake_capture(monkeypatch, model_box)
+    fake = graphs.capture
+    refused = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in refused:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return func(*args, **(kwargs or {}))
+
+    def strict(fn, pool=None):
+        with NoHostReads():
+            return fake(fn, pool)
+
+    monkeypatch.setattr(graphs, "capture", strict)
+    return calls
+
+
 X, Y = data("mlp", 97)
 XV, YV = data("mlp", 43, seed=1)
 
@@ -174,10 +201,6 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
     CUDA-graph capture does: no eager fallback, Keras's weights and history. With
     gradient_accumulation_steps Keras's own update runs (its conds as device selects);
     without, kmgpu's flat update (the loss scale's skip as one select per buffer)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kmgpu.engines.torch import graphs
 
     def build():
         keras.utils.set_random_seed(4)
@@ -196,20 +219,7 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
     ref = build()
     ref_history = ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     model = build()
-    calls = _fake_capture(monkeypatch, [model])
-    fake = graphs.capture
-
-    class NoHostReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            return func(*args, **(kwargs or {}))
-
-    def strict(fn, pool=None):
-        with NoHostReads():
-            return fake(fn, pool)
-
-    monkeypatch.setattr(graphs, "capture", strict)
+    calls = _strict_fake_capture(monkeypatch, [model])
     with pytest.warns(UserWarning, match="kmgpu: one device"):
         parallel = kmgpu.parallelize(model, gpus=1)
     history = parallel.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
