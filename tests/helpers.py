@@ -2,6 +2,10 @@
 
 import numpy as np
 
+# for the JAX and torch processes the tests start (launch ranks, torchrun, a parent to
+# kill): the bench's workers need the same, so one function serves both
+from kmgpu.bench.common import without_tensorflow  # noqa: F401
+
 
 def rel_diff(a_weights, b_weights):
     """Largest relative difference between two weight lists: per tensor max|a-b| / max|a|.
@@ -17,19 +21,6 @@ def rel_diff(a_weights, b_weights):
         assert a.shape == b.shape
         worst = max(worst, float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-3)))
     return worst
-
-
-def without_tensorflow():
-    """For a JAX or torch process the tests start (launch ranks, torchrun, a parent to
-    kill): ``import tensorflow`` raises ImportError, which Keras takes as "not installed".
-    Nothing there uses TensorFlow, but ``keras.utils.set_random_seed`` (mlp() and the
-    other models here) imports it where installed, only to seed it: 5-6 s of CPU per
-    process on a 2-core machine. Call it before anything seeds."""
-    import os
-    import sys
-
-    if os.environ.get("KERAS_BACKEND") in ("jax", "torch"):
-        sys.modules.setdefault("tensorflow", None)
 
 
 def few_steps():
