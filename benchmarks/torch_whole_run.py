@@ -5,7 +5,8 @@ checks (``--part check``): every fallback kmgpu has, forced on CUDA, each follow
   and a plain Keras model with Dropout fit in the same process; mixed_float16 (the
   original failure); parity with plain Keras (TF32 off both sides): fit with
   validation_data / validation_split / validation_freq, evaluate, predict (last partial
-  batch), mixed_float16 + gradient accumulation + AUC.
+  batch), mixed_float16 + gradient accumulation + AUC; every Keras metric class, captured
+  and equal to plain Keras.
 table (``--part bench``): plain Keras against kmgpu's default, order-balanced in one
   process (plain, kmgpu, plain, kmgpu; the figure is the better of each side's two):
   fit without and with validation (samples/s, median epoch after the first), evaluate
@@ -275,6 +276,46 @@ def mixed_parity():
     log(OUT["checks"]["mixed_float16 + accumulation + AUC"])
 
 
+def every_metric():
+    """Every class keras.metrics exports (tests/torch/metric_cases.py, by kind; the binary
+    ones under the hinge loss): fit, evaluate, predict under kmgpu's default against plain
+    Keras (TF32 off both sides), nothing printed (graph B and the test step captured)."""
+    import keras
+    import torch
+
+    import kmgpu
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.torch.metric_cases import KINDS, _case
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def flat(values):  # metrics' results: scalars, or arrays (F1Score: one per class)
+        return [np.ravel(np.asarray(v, np.float64)) for v in values]
+
+    def run(runner, x, y):
+        h = runner.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+        return (list(h.values()), runner.evaluate(x, y, batch_size=4, verbose=0),
+                runner.predict(x, batch_size=4, verbose=0))
+
+    for kind, loss in [("binary", "hinge"), ("onehot", None), ("sparse", None),
+                       ("regression", None)]:
+        build, x, y = _case(kind, loss)
+        ref = run(build(), x, y)
+        model = build()
+        parallel = kmgpu.parallelize(model, gpus=1, tf32=False)
+        got, printed = quiet(lambda: run(parallel, x, y))
+        OUT["checks"]["every metric: " + kind] = res = {
+            "metrics": len(KINDS[kind]), "printed": printed,
+            "graph_b": getattr(parallel._engine._step, "capture_update", None),
+            "history": rel_diff(flat(ref[0]), flat(got[0])),
+            "evaluate": rel_diff(flat(ref[1]), flat(got[1])),
+            "predict": rel_diff([ref[2]], [got[2]]), "rows": [len(ref[2]), len(got[2])]}
+        parallel.close()
+        log("every metric", kind, res)
+    OUT["checks"]["every metric: binary"]["plain_dropout_fit_after"] = plain_dropout_fit()
+
+
 def ranks_check(quick):
     """One rank of a torchrun job (kmgpu's in-process launcher): fit with validation,
     evaluate, predict through the rank's steps, against plain Keras (TF32 off)."""
@@ -338,7 +379,8 @@ def checks(quick):
             ("mixed_float16 MLP (issue 28's case)", lambda: one_fallback(
                 "mixed_float16 MLP", lambda: host_read_model("none"), "mixed_float16")),
             ("replays fail", lambda: replay_failure(lambda: host_read_model("none"))),
-            ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity)]:
+            ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity),
+            ("every metric", every_metric)]:
         if ARGS.checks and not any(c in name for c in ARGS.checks):
             continue
         try:
