@@ -13,7 +13,10 @@ owns rows r*B/N ... (r+1)*B/N - 1. The template holds the states between calls,
 like the weights; engines copy them into their replicas' rows and back.
 """
 
+import contextlib
 import json
+import random
+import sys
 
 import keras
 
@@ -99,6 +102,30 @@ def load_carried(replica, carried, compiled=False):
         keras_fixes.load_own_state(replica, layers)
         if len(carried) > 2:  # how the model's own losses add up over replicas
             loss_rows.load(replica, carried[2])
+
+
+@contextlib.contextmanager
+def host_random_kept():
+    """Making a replica draws nothing a seeded script would see.
+
+    Keras seeds every ``SeedGenerator`` made without a seed (each initializer's, a
+    Dropout's) from Python's ``random``, so cloning a model advances it, and building
+    one may draw NumPy's or torch's generators. Plain Keras makes no model inside
+    ``fit``: a seeded script's next draws there (a ``PyDataset``'s shuffled batch order,
+    the user's own ``random`` / NumPy / torch calls) would come out otherwise. The
+    replica's weights are copied from the template, so its draws are of no use."""
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    saved = (random.getstate(), np.random.get_state(),
+             torch.get_rng_state() if torch is not None else None)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        if saved[2] is not None:
+            torch.set_rng_state(saved[2])
 
 
 def clone(template):

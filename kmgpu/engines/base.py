@@ -172,7 +172,7 @@ class InProcessEngine(Engine):
         key = (models.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             self.replica, self._built_from = None, None
-            with self.scope():
+            with self.scope(), models.host_random_kept():
                 fixed = models.fixed_batch(template)
                 replica = (models.clone(template) if fixed is None
                            else models.clone_at(template, self.replica_batch(fixed)))

@@ -11,6 +11,7 @@ same numbers for the same seed.
 
 import keras
 import numpy as np
+import torch
 import pytest
 
 import kmgpu
@@ -101,7 +102,7 @@ def test_default_on_a_gpu_is_the_captured_step_on_one_device_and_on_two(monkeypa
         model = mlp()
         model.compile(optimizer="adam", loss="mse", metrics=["mae"], run_eagerly=True)
         parallel = _one(model)
-        np.random.seed(7)
+        torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
         parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         assert len(calls) == 2 and "Keras's eager step" in parallel.describe()
 
@@ -196,7 +197,7 @@ def _noisy_fit(gpus, batch=8, steps=10, record=None):
     callbacks = [] if record is None else [keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda b, logs: record.append(
             model.get_layer("record").seen.numpy().copy()))]
-    np.random.seed(7)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
     parallel.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
                  callbacks=callbacks)
     return model, parallel

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import keras
 import numpy as np
+import torch
 
 import kmgpu
 from tests.helpers import conv_bn, data, few_steps, mlp, one_device, rel_diff
@@ -31,7 +32,7 @@ def _fit(build, make_opt, x, gpus):
     with one_device() if gpus == 1 else nullcontext():
         runner = model if gpus is None else kmgpu.parallelize(model, gpus=gpus)
     runner.compile(optimizer=make_opt(), loss="mse", jit_compile=gpus is not None)
-    np.random.seed(7)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
     y = x[1]
     with few_steps() if gpus is not None else nullcontext():
         runner.fit(x[0], y, batch_size=20, epochs=2, shuffle=False, verbose=0)

@@ -10,6 +10,7 @@ two ranks get a stand-in row). The fits are shared by the tests (module fixture)
 
 import keras
 import numpy as np
+import torch
 import pytest
 
 import kmgpu
@@ -51,7 +52,7 @@ def _fit(make_opt, dtype, gpus=None, shard=True, epochs=2):
     runner = model if gpus is None else kmgpu.parallelize(model, gpus=gpus,
                                                           shard_optimizer=shard)
     runner.compile(optimizer=make_opt(), loss="mse", metrics=["mae"])
-    np.random.seed(7)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
     history = runner.fit(X, Y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history, runner
 

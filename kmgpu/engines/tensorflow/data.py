@@ -52,7 +52,13 @@ def feed(strategy, kwargs, method, shuffle=False, guard=None):
     if is_python_data(kw.get("x")):
         x = kw["x"]
         class_weight = kw.pop("class_weight", None) if method == "fit" else None
-        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, method == "fit",
+        # fit reads pass after pass; as many as the epochs when a pass is the epoch, so
+        # that no pass is begun past the last (a shuffled one draws Python's or torch's
+        # random state when it begins, which plain Keras does not draw)
+        repeat = method == "fit"
+        if repeat and kw.get(steps) is None and _length(x) is not None:
+            repeat = max(int(kw.get("epochs", 1)) - int(kw.get("initial_epoch") or 0), 1)
+        kw["x"], first = _distributed(strategy, x, shuffle, class_weight, repeat,
                                       guard, "the training data" if method == "fit"
                                       else "the data")
         kw.update({key: None for key in ("y", "sample_weight") if key in kw})
@@ -102,13 +108,13 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
         first = common.standardize_batch(_numpy(next(iter(source))), class_weight)
 
         def passes():
-            for _ in itertools.count() if repeat else range(1):
+            for _ in _passes(repeat):
                 yield (common.standardize_batch(_numpy(b), class_weight) for b in source)
     else:
         first = common.standardize_batch(source[0], class_weight)
 
         def passes():  # fit: pass after pass; evaluate / predict: one pass
-            for _ in itertools.count() if repeat else range(1):
+            for _ in _passes(repeat):
                 yield common.py_dataset_pass(source, shuffle, class_weight)
 
     def batches():
@@ -151,6 +157,13 @@ def _distributed(strategy, source, shuffle, class_weight, repeat, guard=None, wh
             local)
 
     return strategy.distribute_datasets_from_function(dataset_fn), first
+
+
+def _passes(repeat):
+    """``repeat``: True (endless), False (one pass) or a number of passes."""
+    if repeat is True:
+        return itertools.count()
+    return range(1 if repeat is False else repeat)
 
 
 def _numpy(batch):

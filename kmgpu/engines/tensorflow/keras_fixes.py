@@ -35,6 +35,10 @@ PATCHES = [
      "fit on arrays fed as one repeating tf.data pipeline: Keras makes a new distributed "
      "iterator every epoch for arrays (~0.4 s per epoch under MirroredStrategy)"),
     ("keras.src.trainers.data_adapters.array_data_adapter", "can_convert_arrays", "same"),
+    ("tensorflow.python.eager.context", "global_seed",
+     "read by first_pass_order: under a global seed Keras's array pipeline reads the same "
+     "shuffled permutation every epoch (a new iterator restarts its stateful shuffle), "
+     "which the repeating pipeline would not"),
     ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split", "same"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "unpack_x_y_sample_weight",
      "same, and the weighted train_step"),
@@ -161,6 +165,34 @@ def all_reduce_without_walk():
         custom_gradient._get_dependent_variables = dependent
 
 
+def first_pass_order(arrays, batch_size, shuffle):
+    """Under a global seed, the rows of every epoch of Keras's own shuffled fit; else None.
+
+    Keras 3.15.1 shuffles arrays inside its ``tf.data`` pipeline (``tf.random.shuffle``
+    in a dataset function, or per batch for ``shuffle="batch"``) and reads a new
+    iterator of that pipeline each epoch. A stateful random op in a dataset function
+    starts again with each iterator, so under ``keras.utils.set_random_seed`` every epoch
+    (and every ``fit`` call) reads the same permutation. The one repeating pipeline of
+    ``repeating_datasets`` would go on drawing new ones: its first epoch only would be
+    one device's. So the pass is read here from Keras's own pipeline over the row
+    indices, and the arrays are fed in that order, unshuffled. Without a global seed
+    each epoch draws anew on both sides, and nothing changes. NumPy arrays only (they
+    are copied in that order); other array types keep Keras's pipeline.
+    """
+    import keras
+    import numpy as np
+    from keras.src.trainers.data_adapters import array_data_adapter
+    from tensorflow.python.eager import context
+
+    leaves = [a for a in keras.tree.flatten(arrays) if a is not None]
+    if (not shuffle or context.global_seed() is None or not leaves
+            or not all(isinstance(a, np.ndarray) for a in leaves)):
+        return None
+    indices = array_data_adapter.ArrayDataAdapter(
+        np.arange(len(leaves[0])), batch_size=batch_size, shuffle=shuffle)
+    return np.concatenate([np.asarray(b).reshape(-1) for b in indices.get_tf_dataset()])
+
+
 def repeating_datasets(kwargs, kept=None):
     """fit() on arrays, fed as repeating ``tf.data`` pipelines with known steps.
 
@@ -175,6 +207,7 @@ def repeating_datasets(kwargs, kept=None):
     With ``kept`` (a ``kept_input.KeptInput``), the training pipeline, distributed, and
     its iterator are those of an earlier call where that changes no batch.
     """
+    import keras
     from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
     from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -193,9 +226,13 @@ def repeating_datasets(kwargs, kept=None):
                                          kw.get("class_weight"))
 
     def build(x, y, weights):
+        order = first_pass_order((x, y, weights), batch_size, shuffle)
+        if order is not None:  # every epoch reads that pass, as on one device
+            x, y, weights = keras.tree.map_structure(
+                lambda a: None if a is None else a[order], (x, y, weights), none_is_leaf=True)
         train = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=weights, batch_size=batch_size, shuffle=shuffle,
-            class_weight=class_weight)
+            x, y, sample_weight=weights, batch_size=batch_size,
+            shuffle=shuffle if order is None else False, class_weight=class_weight)
         return train.get_tf_dataset().repeat(), train.num_batches
 
     made = None if kept is None else kept.dataset(

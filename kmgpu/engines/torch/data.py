@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from kmgpu.checks import is_dataset
-from kmgpu.engines.torch import feeds, transport
+from kmgpu.engines.torch import feeds, shuffle, transport
 
 #: the call arguments that hold data
 DATA_KEYS = ("x", "y", "sample_weight", "validation_data")
@@ -345,8 +345,7 @@ def device_feed(kwargs, device):
     out = {k: v for k, v in kwargs.items() if k not in ("y", "sample_weight")}
     batch_size = out.pop("batch_size", None) or 32
     out["validation_batch_size"] = out.get("validation_batch_size") or batch_size
-    out["x"] = RankSlices(source, batch_size, 0, 1, shuffle=out.get("shuffle", True),
-                          seed=int(np.random.randint(0, 2**31 - 1)))
+    out["x"] = RankSlices(source, batch_size, 0, 1, shuffle=out.get("shuffle", True))
     out["shuffle"] = False
     return out
 
@@ -379,15 +378,16 @@ class RankSlices(keras.utils.PyDataset):
         batch_size: the global batch (ignored by a DatasetSource).
         rank: this rank.
         world: the number of ranks.
-        shuffle: False, True, or "batch"; the permutation is the same on every rank.
-        seed: the shuffling seed (the same on every rank).
+        shuffle: False, True, or "batch": Keras's order (``shuffle.order``), drawn from
+            this process's random states (the driver's, sent with the call: the same
+            on every rank).
     """
 
-    def __init__(self, source, batch_size, rank, world, shuffle=False, seed=0):
+    def __init__(self, source, batch_size, rank, world, shuffle=False):
         super().__init__()
         self.source, self.batch_size = source, batch_size
         self.rank, self.world = rank, world
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle = shuffle
         self.current = (0, 0)
         self._passes = 0
         self._order = None
@@ -406,17 +406,13 @@ class RankSlices(keras.utils.PyDataset):
             self.source.dataset.on_epoch_end()
 
     def _new_order(self):
-        # The same permutation on every rank: the seed is shared, not per rank.
-        rng = np.random.default_rng([self.seed, self._passes])
-        if isinstance(self.source, DatasetSource) or self.shuffle == "batch":
-            if isinstance(self.source, DatasetSource):
-                return rng.permutation(self._len)
-            blocks = rng.permutation(self._len)
-            return np.concatenate([
-                np.arange(b * self.batch_size, min(self.source.n, (b + 1) * self.batch_size))
-                for b in blocks
-            ])
-        return rng.permutation(self.source.n)
+        # Keras's own draws (``shuffle.order``); every rank starts the call from the
+        # driver's random states, so the permutation is the same on every rank.
+        if isinstance(self.source, DatasetSource):
+            return shuffle.order(None, None, self.shuffle, batches=self._len)
+        if self.shuffle == "batch":
+            return shuffle.order(self.source.n, self.batch_size, "batch")
+        return shuffle.order(self.source.n, self.batch_size, True)
 
     def steps_rows(self, s):
         """(lo, hi) within the global batch ``s`` for this rank, and its size."""

@@ -13,14 +13,14 @@ get the template's state, rank 0 relays the user's callbacks' hooks to a
 result come back to the user's model.
 """
 
-import numpy as np
 
 from kmgpu import models
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
-from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, graphs,
-                                 keras_fixes, launchers, relay, replicas, timing, zero)
+from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, feeds, graphs,
+                                 keras_fixes, launchers, relay, replicas, shuffle, timing,
+                                 zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -76,7 +76,7 @@ class TorchEngine(Engine):
                         key=(replicas.replica_key(template, self.options.sync_batchnorm,
                                                   lr_scale) + (tf32,), self.options.shard_optimizer),
                         tf32=tf32,
-                        kwargs=kwargs, seed=int(np.random.randint(0, 2**31 - 1)),
+                        kwargs=kwargs, rng=shuffle.state(),
                         sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
                         rnn_states=replicas.states_of(template), reset_states=resets,
@@ -87,6 +87,9 @@ class TorchEngine(Engine):
                 if method == "fit":
                     launcher.load_state(template)  # the last consistent state
                 raise
+            if answers[0].rng is not None and not any(  # else the driver drew them, reading
+                    feeds.reads_itself(kwargs.get(k)) for k in ("x", "validation_data")):
+                shuffle.set_state(answers[0].rng)  # where plain Keras's draws leave them
             replicas.states_back(template, [a.states for a in answers])
             out = self._finish(method, template, [a.result for a in answers], driver)
             self.rank_rows = [a.rows for a in answers]

@@ -24,7 +24,7 @@ import os
 import sys
 
 from kmgpu import models
-from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, transport
+from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, shuffle, transport
 from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.pool import WorkerPool, start_method
 from kmgpu.engines.torch.strategy import ON_BATCH, DDPStrategy
@@ -331,14 +331,15 @@ class InProcessLauncher(Launcher):
 
     def _replica_for(self, call, template):
         if self.replica is None or call.key != self._built_key:
-            fixed = models.fixed_batch(template)
-            replica = (models.clone(template) if fixed is None
-                       else models.clone_at(template, fixed // self.strategy.world))
-            if template.compiled:
-                models.compile_like(replica, template, call.lr_scale)
-            self.strategy.tf32 = call.tf32
-            self.strategy.shard_optimizer = call.shard_optimizer
-            self.replica, self._built_key = self.strategy.prepare(replica), call.key
+            with models.host_random_kept():
+                fixed = models.fixed_batch(template)
+                replica = (models.clone(template) if fixed is None
+                           else models.clone_at(template, fixed // self.strategy.world))
+                if template.compiled:
+                    models.compile_like(replica, template, call.lr_scale)
+                self.strategy.tf32 = call.tf32
+                self.strategy.shard_optimizer = call.shard_optimizer
+                self.replica, self._built_key = self.strategy.prepare(replica), call.key
         return self.replica
 
     def launch(self, call, template, driver, clock):
@@ -347,10 +348,11 @@ class InProcessLauncher(Launcher):
         synced = self._synced
         state_in = not (synced is not None and synced[0] is replica
                         and replicas.unchanged(template, synced[1]))
-        # the others learn which hooks rank 0's callbacks take, its shuffling seed and
-        # whether its template's state must reach the replicas (rank 0's decides)
-        hooks, seed, state_in = collectives.broadcast_object((call.hooks, call.seed,
-                                                              state_in))
+        # the others learn which hooks rank 0's callbacks take, its random states (the
+        # same order everywhere) and whether its template's state must reach the
+        # replicas (rank 0's decides)
+        hooks, rng, state_in = collectives.broadcast_object((call.hooks, call.rng, state_in))
+        shuffle.set_state(rng)
         if state_in:
             self.push_state(template)
             s.broadcast_state(replica)
@@ -361,7 +363,7 @@ class InProcessLauncher(Launcher):
         kwargs = data.local(call.kwargs, call.method, template)
         self._live = True
         before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
-        result = s.run(replica, call.method, kwargs, seed=seed, hooks=hooks,
+        result = s.run(replica, call.method, kwargs, hooks=hooks,
                        relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
                        fit_callbacks=[feeds.NextPass(kwargs.get("x"))])
         rows = [[]] * s.world

@@ -68,7 +68,8 @@ class Call:
         key: what the rank's cached replica must match (``replicas.replica_key``).
         kwargs: Keras's keyword arguments, global batch sizes, without callbacks
             (the pool replaces arrays by ``transport.Leaf`` files).
-        seed: the shuffling seed (the same on every rank).
+        rng: the driver's host random states (``shuffle.state``): every rank starts
+            the call from them, so it shuffles as plain Keras would.
         sync_batchnorm: BatchNormalization moments over the global batch.
         lr_scale: (factor, warmup_steps) for a LearningRateSchedule.
         hooks: the hooks the user's callbacks implement (relayed to the driver).
@@ -89,7 +90,7 @@ class Call:
     method: str
     key: Any
     kwargs: dict
-    seed: int
+    rng: Any
     sync_batchnorm: bool
     lr_scale: tuple
     hooks: tuple
@@ -216,12 +217,14 @@ class RankResult:
         rows: the ``*_on_batch`` methods: the real rows of the batch this rank ran.
         touched: a call that does not train changed this rank's replica state (a
             custom step assigned a variable): the template's goes in next time.
+        rng: rank 0's host random states at the end (``shuffle.state``), for the driver.
     """
 
     result: Any = None
     states: list = field(default_factory=list)
     rows: Optional[int] = None
     touched: bool = False
+    rng: Any = None
 
 
 @dataclass(frozen=True)

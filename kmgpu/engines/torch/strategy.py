@@ -185,7 +185,7 @@ class DDPStrategy(RankSteps):
         return evaluate_
 
     # -- one call -----------------------------------------------------------------------
-    def run(self, replica, method, kwargs, *, seed=0, hooks=(), relay=None, snapshot=None,
+    def run(self, replica, method, kwargs, *, hooks=(), relay=None, snapshot=None,
             reload=None, reset_states=False, fit_callbacks=()):
         """Run ``replica.<method>`` on this rank's share of the data.
 
@@ -194,7 +194,6 @@ class DDPStrategy(RankSteps):
             method: "fit", "evaluate" or "predict".
             kwargs: Keras's keyword arguments with full (global) data and batch sizes,
                 without ``callbacks`` (those run where ``relay`` sends the hooks).
-            seed: the shuffling seed, the same on every rank.
             hooks: the hooks the user's callbacks implement (the same on every rank).
             relay: on rank 0, ``relay(Event) -> Reply`` runs them.
             snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
@@ -239,7 +238,7 @@ class DDPStrategy(RankSteps):
         guard = batch_checks.guard(replica, method, self.world)  # each batch of a dataset
         try:
             if method == "fit":
-                return self._fit(replica, kwargs, verbose, callbacks, seed, guard)
+                return self._fit(replica, kwargs, verbose, callbacks, guard)
             if method == "evaluate":
                 slices = data.RankSlices(
                     data.source_of(kwargs.pop("x"), kwargs.pop("y", None),
@@ -299,7 +298,7 @@ class DDPStrategy(RankSteps):
                                                  self.rank, steps)
         return Predictions(where, keras.tree.map_structure(lambda a: np.asarray(a)[keep], out))
 
-    def _fit(self, replica, kwargs, verbose, callbacks, seed, guard=None):
+    def _fit(self, replica, kwargs, verbose, callbacks, guard=None):
         x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
         batch_size = kwargs.pop("batch_size")
         validation_data = kwargs.pop("validation_data", None)
@@ -314,7 +313,7 @@ class DDPStrategy(RankSteps):
                 (x, y, sw), validation_split)
         train = data.RankSlices(
             data.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),
-            batch_size, self.rank, self.world, shuffle=shuffle, seed=seed)
+            batch_size, self.rank, self.world, shuffle=shuffle)
         val = None
         if validation_data is not None:
             if data.is_dataset(validation_data):

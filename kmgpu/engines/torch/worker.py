@@ -244,7 +244,7 @@ class Worker:
             return None if self.replica is None else self.replica.get_weights()
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
-        from kmgpu.engines.torch import data, feeds, replicas
+        from kmgpu.engines.torch import data, feeds, replicas, shuffle
 
         call, s = msg, self.strategy
         clock = timing.Clock("worker", self.rank == 0)
@@ -267,7 +267,8 @@ class Worker:
         snapshot = None
         if call.method == "fit" and self.rank == 0:
             snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
-        result = s.run(replica, call.method, kwargs, seed=call.seed, hooks=call.hooks,
+        shuffle.set_state(call.rng)  # the driver's: the same order on every rank
+        result = s.run(replica, call.method, kwargs, hooks=call.hooks,
                        relay=self.relay, snapshot=snapshot,
                        reload=reload if snapshot is not None else None,
                        reset_states=call.reset_states,
@@ -282,7 +283,8 @@ class Worker:
         # this rank's stateful RNN rows go back to the user's model, like the weights
         rows = s.last_rows if call.method.endswith("_on_batch") else None
         touched = before is not None and not replicas.unchanged(replica, before)
-        return RankResult(result, s.state_rows(replica), rows, touched)
+        return RankResult(result, s.state_rows(replica), rows, touched,
+                          shuffle.state() if self.rank == 0 else None)
 
 
 class _Snapshots:
