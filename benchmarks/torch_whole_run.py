@@ -6,7 +6,7 @@ checks (``--part check``): every fallback kmgpu has, forced on CUDA, each follow
   original failure); parity with plain Keras (TF32 off both sides): fit with
   validation_data / validation_split / validation_freq, evaluate, predict (last partial
   batch), mixed_float16 + gradient accumulation + AUC; every Keras metric class, captured
-  and equal to plain Keras.
+  and equal to plain Keras; a shuffled fit under a global seed in plain Keras's order.
 table (``--part bench``): plain Keras against kmgpu's default, order-balanced in one
   process (plain, kmgpu, plain, kmgpu; the figure is the better of each side's two):
   fit without and with validation (samples/s, median epoch after the first), evaluate
@@ -316,6 +316,48 @@ def every_metric():
     OUT["checks"]["every metric: binary"]["plain_dropout_fit_after"] = plain_dropout_fit()
 
 
+def shuffled():
+    """fit(shuffle=True / "batch") under a global seed on the one-device captured path (rows
+    kept on the GPU): plain Keras's order (engines/torch/shuffle.py), TF32 off both sides;
+    the generators left where plain Keras leaves them."""
+    import random
+
+    import keras
+    import torch
+
+    import kmgpu
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(1000, 16)).astype("float32")
+    y = x[:, :1] * 2.0 - x[:, 1:2]
+
+    def build():
+        keras.utils.set_random_seed(3)
+        m = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1)])
+        m.compile(optimizer="adam", loss="mse")
+        return m
+
+    def script(runner):
+        keras.utils.set_random_seed(7)
+        runner.fit(x, y, batch_size=64, epochs=3, verbose=0, validation_data=(x[:200], y[:200]))
+        runner.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle="batch")
+        return torch.rand(3).tolist(), random.random()
+
+    ref = build()
+    draws_ref = script(ref)
+    model = build()
+    parallel = kmgpu.parallelize(model, gpus=1, tf32=False)
+    draws, printed = quiet(lambda: script(parallel))
+    OUT["checks"]["shuffled fit"] = res = {
+        "weights": rel_diff(ref.get_weights(), model.get_weights()),
+        "draws_equal": draws == draws_ref, "printed": printed,
+        "graph_b": getattr(parallel._engine._step, "capture_update", None)}
+    parallel.close()
+    log("shuffled fit", res)
+
+
 def ranks_check(quick):
     """One rank of a torchrun job (kmgpu's in-process launcher): fit with validation,
     evaluate, predict through the rank's steps, against plain Keras (TF32 off)."""
@@ -380,7 +422,7 @@ def checks(quick):
                 "mixed_float16 MLP", lambda: host_read_model("none"), "mixed_float16")),
             ("replays fail", lambda: replay_failure(lambda: host_read_model("none"))),
             ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity),
-            ("every metric", every_metric)]:
+            ("every metric", every_metric), ("shuffled fit", shuffled)]:
         if ARGS.checks and not any(c in name for c in ARGS.checks):
             continue
         try:
