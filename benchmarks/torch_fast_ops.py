@@ -1,0 +1,212 @@
+"""kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
+cross-entropy (contiguous (rows, classes) view), issue 31. A script that prints Markdown
+tables, not a test.
+
+    KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
+        [--models transformer,bert,resnet50] [--steps 10] [--top 12] [--out FILE.md]
+
+Per model (torch_kernels.py's: the bench's transformer batch 64, the BERT-style encoder
+batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured step
+(``graphs.local_step``, TF32 matmuls, fused BatchNorm, flat optimizer) on a fresh model
+from the same initial weights per run, the variants switched by their environment
+variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``: read as the step's swap
+opens) in an order-balanced sequence:
+
+keras   both off (Keras's Dense and loss: kmgpu's step before this change)
+loss    the sparse cross-entropy only          dense   Dense only
+both    both on (kmgpu's default)
+
+transformer: keras, both, loss, dense, dense, loss, both, keras; the others (their loss has
+rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks of
+``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
+Then, for keras and both, the eager split step (the kernels the graphs record) under
+``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
+``--top`` kernels by GPU time. On a CPU (``--quick``) the swaps are not installed (CUDA only)
+and the figures are CPU times: a smoke test of the script.
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
+
+VARIANTS = {"keras": ("0", "0"), "loss": ("1", "0"), "dense": ("0", "1"), "both": ("1", "1")}
+ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras")}
+ORDER_OTHERS = ("keras", "both", "both", "keras")
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def switch(variant):
+    loss, dense = VARIANTS[variant]
+    os.environ["KMGPU_TORCH_FAST_LOSS"], os.environ["KMGPU_TORCH_FAST_DENSE"] = loss, dense
+
+
+def blocks(fn, steps, gpu):
+    """ms per step of each of 3 blocks of ``steps`` calls."""
+    import torch
+
+    out = []
+    for _ in range(3):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+        out.append(1e3 * (time.perf_counter() - t) / steps)
+    return out
+
+
+def profile(fn, steps, gpu, top):
+    """(per category {name: [kernels, ms]} per step, top kernels [(name, n, ms)] per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    table = {c: [0, 0.0] for c in tk.CATEGORIES}
+    names = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        chain = tk._chain(e)
+        if gpu:
+            kernels = [(k.name, k.duration) for k in e.kernels]
+        elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
+            kernels = [(e.name, e.self_cpu_time_total)]
+        else:
+            kernels = []
+        for name, us in kernels:
+            c = tk.categorise(name, chain, False)
+            table[c][0] += 1
+            table[c][1] += us
+            key = f"{c}: {chain[0] if chain else '?'} -> {name[:70]}"
+            names[key][0] += 1
+            names[key][1] += us
+    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
+    tops = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
+
+
+def run_model(name, quick, steps, top):
+    import torch
+
+    from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
+
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"
+    xn, yn = tk.batch_arrays(name, quick)
+    x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+    n = int(x.shape[0])
+    init, runs, profiles = None, [], {}
+    for variant in ORDER.get(name, ORDER_OTHERS):
+        switch(variant)
+        model = tk.compiled(name, quick)
+        model(x[:1])
+        init = init or model.get_weights()
+        model.set_weights(init)
+        step = graphs.local_step(model, tf32=True)
+        for _ in range(graphs.WARMUP_STEPS + 2):
+            step.train_step((x, y))
+        r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None,
+             "ms": blocks(lambda: step.train_step((x, y)), steps, gpu)}
+        runs.append(r)
+        log(name, json.dumps(r))
+        step.close()
+        if variant in ("keras", "both") and variant not in profiles:
+            split = graphs.SplitStep(model)
+
+            def eager():
+                with keras_fixes.device_scalars(), keras_fixes.device_random(), \
+                        cuda_graphs.matmul_precision(True), keras_fixes.fused_batchnorm(dev), \
+                        keras_fixes.fast_ops(dev), keras_fixes.step_conditions(model):
+                    split.layout()
+                    return split.step(x, y, None, n, n)
+
+            for _ in range(2):
+                eager()
+            profiles[variant] = profile(eager, 2, gpu, top)
+            log(name, variant, json.dumps(profiles[variant][0]))
+    return {"desc": tk.spec(name, quick)[0], "batch": n, "runs": runs, "profiles": profiles}
+
+
+def markdown(results, gpu):
+    unit = "GPU" if gpu else "CPU (smoke test)"
+    lines = [f"| model | variant | runs (captured) | ms/step, 3 blocks per run | samples/s "
+             "(median; min-max over blocks) |", "|---|---|---|---|---|"]
+    for r in results.values():
+        by = collections.defaultdict(list)
+        for run in r["runs"]:
+            by[run["variant"]].append(run)
+        for variant in VARIANTS:
+            rs = by.get(variant)
+            if not rs:
+                continue
+            ms = [m for run in rs for m in run["ms"]]
+            rate = [r["batch"] / m * 1e3 for m in ms]
+            lines.append(
+                f"| {r['desc']} | {variant} | {len(rs)} ({sum(x['captured'] for x in rs)}) | "
+                + "; ".join(", ".join(f"{m:.2f}" for m in run["ms"]) for run in rs)
+                + f" | {r['batch'] / statistics.median(ms) * 1e3:,.0f} "
+                f"({min(rate):,.0f}-{max(rate):,.0f}) |")
+    lines += ["", f"Eager split step, {unit} kernels / ms per step by category:", "",
+              "| model | variant | total | " + " | ".join(tk.CATEGORIES) + " |",
+              "|---" * (len(tk.CATEGORIES) + 3) + "|"]
+    for r in results.values():
+        for variant, (per, _) in r["profiles"].items():
+            total = (sum(v[0] for v in per.values()), sum(v[1] for v in per.values()))
+            lines.append(f"| {r['desc']} | {variant} | {total[0]:.0f} / {total[1]:.2f} | "
+                         + " | ".join(f"{per[c][0]:.0f} / {per[c][1]:.2f}"
+                                      for c in tk.CATEGORIES) + " |")
+    for r in results.values():
+        for variant, (_, tops) in r["profiles"].items():
+            lines += ["", f"Top kernels, {r['desc']}, {variant} (category: launching op -> "
+                      "kernel; per step):", "", "| kernel | n | ms |", "|---|---|---|"]
+            lines += [f"| `{k}` | {n:.0f} | {ms:.3f} |" for k, n, ms in tops]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default="transformer,bert,resnet50")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--out")
+    a = p.parse_args()
+    import torch
+
+    results = {}
+    for name in [m for m in a.models.split(",") if m]:
+        log(f"model {name}")
+        results[name] = run_model(name, a.quick, a.steps, a.top)
+    text = markdown(results, torch.cuda.is_available())
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
