@@ -21,7 +21,10 @@ rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks o
 ``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
 Then, for keras and both, the eager split step (the kernels the graphs record) under
 ``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
-``--top`` kernels by GPU time. On a CPU (``--quick``) the swaps are not installed (CUDA only)
+``--top`` kernels by GPU time; for the transformer, ``--parity-steps`` steps of keras,
+both and keras again from the same weights with TF32 off: the weights and loss against
+keras's (Adam turns the zero-up-to-rounding gradient of the attention's key bias into
+lr-sized steps, so the weights compare with keras-against-itself). On a CPU (``--quick``) the swaps are not installed (CUDA only)
 and the figures are CPU times: a smoke test of the script.
 """
 
@@ -107,7 +110,7 @@ def profile(fn, steps, gpu, top):
     return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
 
 
-def run_model(name, quick, steps, top):
+def run_model(name, quick, steps, top, parity_steps=0):
     import torch
 
     from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
@@ -146,7 +149,50 @@ def run_model(name, quick, steps, top):
                 eager()
             profiles[variant] = profile(eager, 2, gpu, top)
             log(name, variant, json.dumps(profiles[variant][0]))
-    return {"desc": tk.spec(name, quick)[0], "batch": n, "runs": runs, "profiles": profiles}
+    out = {"desc": tk.spec(name, quick)[0], "batch": n, "runs": runs, "profiles": profiles}
+    if parity_steps:
+        out["parity"] = parity(name, quick, init, x, y, parity_steps)
+        log(name, "parity", json.dumps(out["parity"]))
+    return out
+
+
+def parity(name, quick, init, x, y, steps):
+    """keras against both (and keras against itself), ``steps`` captured steps each from
+    ``init`` with TF32 off: the largest relative difference of the weights (per tensor,
+    floor 1e-3) and of the loss after the last step."""
+    import numpy as np
+    import torch
+
+    from kmgpu.engines.torch import graphs
+
+    b = torch.backends
+    saved = b.cudnn.deterministic, b.cudnn.benchmark
+    b.cudnn.deterministic, b.cudnn.benchmark = True, False
+    got = {}
+    try:
+        for label, variant in (("keras", "keras"), ("both", "both"), ("keras again", "keras")):
+            switch(variant)
+            model = tk.compiled(name, quick)
+            model(x[:1])
+            model.set_weights(init)
+            step = graphs.local_step(model, tf32=False)
+            for _ in range(steps):
+                logs = step.train_step((x, y))
+            got[label] = (model.get_weights(), float(logs["loss"]))
+            step.close()
+    finally:
+        b.cudnn.deterministic, b.cudnn.benchmark = saved
+        switch("both")
+
+    def weights(u, v):
+        return max(float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3))
+                   for a, b in zip(u, v))
+
+    ref_w, ref_loss = got["keras"]
+    return {"steps": steps, "loss keras": ref_loss, **{
+        f"{label}: weights, loss": [weights(ref_w, got[label][0]),
+                                    abs(got[label][1] - ref_loss) / abs(ref_loss)]
+        for label in ("both", "keras again")}}
 
 
 def markdown(results, gpu):
@@ -178,6 +224,14 @@ def markdown(results, gpu):
                          + " | ".join(f"{per[c][0]:.0f} / {per[c][1]:.2f}"
                                       for c in tk.CATEGORIES) + " |")
     for r in results.values():
+        if "parity" in r:
+            p = r["parity"]
+            lines += ["", f"{r['desc']}: {p['steps']} captured steps from the same weights, TF32 "
+                      f"off, against the keras variant (loss {p['loss keras']:.6f}): max relative "
+                      "difference of the weights (per tensor, floor 1e-3) and of the last loss: "
+                      + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e}, {v[1]:.1e}"
+                                  for k, v in p.items() if k.endswith("weights, loss"))]
+    for r in results.values():
         for variant, (_, tops) in r["profiles"].items():
             lines += ["", f"Top kernels, {r['desc']}, {variant} (category: launching op -> "
                       "kernel; per step):", "", "| kernel | n | ms |", "|---|---|---|"]
@@ -191,6 +245,8 @@ def main():
     p.add_argument("--models", default="transformer,bert,resnet50")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--parity-steps", type=int, default=5,
+                   help="the transformer: keras against both with TF32 off, this many steps")
     p.add_argument("--out")
     a = p.parse_args()
     import torch
@@ -198,7 +254,8 @@ def main():
     results = {}
     for name in [m for m in a.models.split(",") if m]:
         log(f"model {name}")
-        results[name] = run_model(name, a.quick, a.steps, a.top)
+        results[name] = run_model(name, a.quick, a.steps, a.top,
+                                  a.parity_steps if name == "transformer" else 0)
     text = markdown(results, torch.cuda.is_available())
     print(text)
     if a.out:
