@@ -256,13 +256,13 @@ def main():
         log(f"model {name}")
         results[name] = run_model(name, a.quick, a.steps, a.top,
                                   a.parity_steps if name == "transformer" else 0)
-    text = markdown(results, torch.cuda.is_available())
+        text = markdown(results, torch.cuda.is_available())
+        if a.out:  # after each model: a run cut short keeps what it measured
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+                json.dump(results, f, indent=1)
     print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
