@@ -22,9 +22,10 @@ rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks o
 Then, for keras and both, the eager split step (the kernels the graphs record) under
 ``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
 ``--top`` kernels by GPU time; for the transformer, ``--parity-steps`` steps of keras,
-both and keras again from the same weights with TF32 off: the weights and loss against
-keras's (Adam turns the zero-up-to-rounding gradient of the attention's key bias into
-lr-sized steps, so the weights compare with keras-against-itself). On a CPU (``--quick``) the swaps are not installed (CUDA only)
+both and keras again from the same weights with TF32 off, under Adam and under SGD with
+momentum: the weights and loss against keras's (Adam turns the zero-up-to-rounding gradient
+of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
+comparison alone. On a CPU (``--quick``) the swaps are not installed (CUDA only)
 and the figures are CPU times: a smoke test of the script.
 """
 
@@ -110,7 +111,7 @@ def profile(fn, steps, gpu, top):
     return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
 
 
-def run_model(name, quick, steps, top, parity_steps=0):
+def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
     import torch
 
     from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
@@ -121,7 +122,7 @@ def run_model(name, quick, steps, top, parity_steps=0):
     x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
     n = int(x.shape[0])
     init, runs, profiles = None, [], {}
-    for variant in ORDER.get(name, ORDER_OTHERS):
+    for variant in () if parity_only else ORDER.get(name, ORDER_OTHERS):
         switch(variant)
         model = tk.compiled(name, quick)
         model(x[:1])
@@ -151,6 +152,10 @@ def run_model(name, quick, steps, top, parity_steps=0):
             log(name, variant, json.dumps(profiles[variant][0]))
     out = {"desc": tk.spec(name, quick)[0], "batch": n, "runs": runs, "profiles": profiles}
     if parity_steps:
+        if init is None:
+            model = tk.compiled(name, quick)
+            model(x[:1])
+            init = model.get_weights()
         out["parity"] = parity(name, quick, init, x, y, parity_steps)
         log(name, "parity", json.dumps(out["parity"]))
     return out
@@ -158,8 +163,9 @@ def run_model(name, quick, steps, top, parity_steps=0):
 
 def parity(name, quick, init, x, y, steps):
     """keras against both (and keras against itself), ``steps`` captured steps each from
-    ``init`` with TF32 off: the largest relative difference of the weights (per tensor,
-    floor 1e-3) and of the loss after the last step."""
+    ``init`` with TF32 off, under Adam and under SGD with momentum: the largest relative
+    difference of the weights (per tensor, floor 1e-3; with the variable) and of the loss
+    after the last step."""
     import numpy as np
     import torch
 
@@ -170,29 +176,37 @@ def parity(name, quick, init, x, y, steps):
     b.cudnn.deterministic, b.cudnn.benchmark = True, False
     got = {}
     try:
-        for label, variant in (("keras", "keras"), ("both", "both"), ("keras again", "keras")):
-            switch(variant)
-            model = tk.compiled(name, quick)
-            model(x[:1])
-            model.set_weights(init)
-            step = graphs.local_step(model, tf32=False)
-            for _ in range(steps):
-                logs = step.train_step((x, y))
-            got[label] = (model.get_weights(), float(logs["loss"]))
-            step.close()
+        for sgd in (False, True):
+            for label, variant in (("keras", "keras"), ("both", "both"),
+                                   ("keras again", "keras")):
+                switch(variant)
+                model = tk.compiled(name, quick, sgd)
+                model(x[:1])
+                model.set_weights(init)
+                step = graphs.local_step(model, tf32=False)
+                for _ in range(steps):
+                    logs = step.train_step((x, y))
+                got[label, sgd] = ([w.path for w in model.weights], model.get_weights(),
+                                   float(logs["loss"]))
+                step.close()
     finally:
         b.cudnn.deterministic, b.cudnn.benchmark = saved
         switch("both")
 
-    def weights(u, v):
-        return max(float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3))
-                   for a, b in zip(u, v))
+    def worst(u, v, paths):
+        return max((float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3)), p)
+                   for a, b, p in zip(u, v, paths))
 
-    ref_w, ref_loss = got["keras"]
-    return {"steps": steps, "loss keras": ref_loss, **{
-        f"{label}: weights, loss": [weights(ref_w, got[label][0]),
-                                    abs(got[label][1] - ref_loss) / abs(ref_loss)]
-        for label in ("both", "keras again")}}
+    out = {"steps": steps}
+    for sgd in (False, True):
+        paths, ref_w, ref_loss = got["keras", sgd]
+        opt = "SGD" if sgd else "Adam"
+        out[f"loss keras, {opt}"] = ref_loss
+        for label in ("both", "keras again"):
+            d, where = worst(ref_w, got[label, sgd][1], paths)
+            out[f"{label}, {opt}: weights, loss"] = [
+                d, abs(got[label, sgd][2] - ref_loss) / abs(ref_loss), where]
+    return out
 
 
 def markdown(results, gpu):
@@ -227,9 +241,9 @@ def markdown(results, gpu):
         if "parity" in r:
             p = r["parity"]
             lines += ["", f"{r['desc']}: {p['steps']} captured steps from the same weights, TF32 "
-                      f"off, against the keras variant (loss {p['loss keras']:.6f}): max relative "
-                      "difference of the weights (per tensor, floor 1e-3) and of the last loss: "
-                      + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e}, {v[1]:.1e}"
+                      "off, against the keras variant: max relative difference of the weights "
+                      "(per tensor, floor 1e-3; where) and of the last loss: "
+                      + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
                                   for k, v in p.items() if k.endswith("weights, loss"))]
     for r in results.values():
         for variant, (_, tops) in r["profiles"].items():
@@ -247,6 +261,7 @@ def main():
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--parity-steps", type=int, default=5,
                    help="the transformer: keras against both with TF32 off, this many steps")
+    p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
     p.add_argument("--out")
     a = p.parse_args()
     import torch
@@ -255,7 +270,8 @@ def main():
     for name in [m for m in a.models.split(",") if m]:
         log(f"model {name}")
         results[name] = run_model(name, a.quick, a.steps, a.top,
-                                  a.parity_steps if name == "transformer" else 0)
+                                  a.parity_steps if name == "transformer" else 0,
+                                  a.parity_only)
         text = markdown(results, torch.cuda.is_available())
         if a.out:  # after each model: a run cut short keeps what it measured
             with open(a.out, "w") as f:
