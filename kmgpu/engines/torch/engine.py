@@ -129,7 +129,8 @@ class TorchEngine(Engine):
         if self.options.shard_optimizer and self.num_replicas > 1:
             text = zero.describe(text, self.num_replicas, template)
         return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
-                + fast_layers.describe(template, on_gpu))
+                + fast_layers.describe(template, on_gpu)
+                + fast_layers.describe_ops(template, on_gpu))
 
     def optimizer_bytes(self, template):
         return zero.state_bytes(template, self.num_replicas)
@@ -189,7 +190,8 @@ class TorchLocalEngine(LocalEngine):
                                graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
         if self._on_gpu(template) and not template.run_eagerly:
             text += eval_steps.WORDS
-        return text + fast_layers.describe(template, self._on_gpu(template))
+        return (text + fast_layers.describe(template, self._on_gpu(template))
+                + fast_layers.describe_ops(template, self._on_gpu(template)))
 
     def graph_memory(self):
         """Bytes of GPU memory the captured steps' graphs hold now (0: none)."""

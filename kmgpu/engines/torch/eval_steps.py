@@ -81,7 +81,7 @@ class CapturedEval:
         batch = (x, y, sw)
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
                 cuda_graphs.matmul_precision(self.tf32), \
-                keras_fixes.fused_batchnorm(self.device), \
+                keras_fixes.fused_batchnorm(self.device), keras_fixes.fast_ops(self.device), \
                 keras_fixes.step_conditions(self.model):
             if self._moved != flat_layout.generation:  # the weights moved: graphs stale
                 self.graphs.clear()

@@ -1,4 +1,6 @@
-"""Keras layers on torch's fused kernels (issue 31): BatchNormalization first.
+"""Keras layers and ops on torch's fused kernels (issue 31): BatchNormalization, Dense and
+the sparse categorical cross-entropy from logits (the last two: ``dense_call`` and
+``sparse_categorical_crossentropy`` below, with their own switches).
 
 Keras 3.15.1's ``BatchNormalization.call`` on torch is a chain of separate ops: the
 moments (two means, a square, a subtraction), the normalisation (subtract, add, rsqrt,
@@ -169,6 +171,35 @@ def batch_norm_method(original):
     return call
 
 
+def describe_ops(model, on_gpu):
+    """describe()'s words for the Dense and sparse cross-entropy paths inside kmgpu's steps
+    ("" off a GPU, or when ``model`` has neither)."""
+    import keras
+
+    words = ""
+    if on_gpu and any(isinstance(layer, keras.layers.Dense)
+                      for layer in model._flatten_layers()):
+        words += ("; Dense through F.linear (the bias in the matmul) inside these steps "
+                  "(KMGPU_TORCH_FAST_DENSE=0: Keras's own)" if fast_op_enabled("dense")
+                  else "; Dense: Keras's own call (KMGPU_TORCH_FAST_DENSE=0)")
+    if on_gpu and _sparse_ce_from_logits(model):
+        words += ("; SparseCategoricalCrossentropy(from_logits=True) over a contiguous "
+                  "(rows, classes) view inside these steps (KMGPU_TORCH_FAST_LOSS=0: Keras's "
+                  "own)" if fast_op_enabled("loss") else
+                  "; SparseCategoricalCrossentropy: Keras's own (KMGPU_TORCH_FAST_LOSS=0)")
+    return words
+
+
+def _sparse_ce_from_logits(model):
+    import keras
+
+    for loss in keras.tree.flatten(getattr(model, "loss", None) or []):
+        if isinstance(loss, keras.losses.SparseCategoricalCrossentropy) and \
+                loss.get_config().get("from_logits"):
+            return True
+    return False
+
+
 def describe(model, on_gpu):
     """describe()'s words for the BatchNormalization path inside kmgpu's steps ("" when
     ``model`` has no such layer)."""
@@ -189,3 +220,106 @@ def enabled():
     """Whether kmgpu's steps on CUDA run BatchNormalization fused
     (``keras_fixes.fused_batchnorm``): unless ``KMGPU_TORCH_FUSED_BN=0``."""
     return os.environ.get("KMGPU_TORCH_FUSED_BN", "1") != "0"
+
+
+# -- Dense and the sparse cross-entropy (the transformer's vocabulary-sized logits) -------
+def sparse_ce_why_not(target, output, from_logits, axis):
+    """Why ``sparse_categorical_crossentropy`` hands this call to Keras's (None: it does not)."""
+    if not from_logits:
+        return "probabilities (from_logits=False)"
+    if not (torch.is_tensor(output) and torch.is_tensor(target)):
+        return "not torch tensors"
+    if output.device.type == "meta" or not torch.is_floating_point(output):
+        return "symbolic or integer outputs"
+    if output.dim() < 3:
+        return "a class axis already at position 1"
+    if axis % output.dim() != output.dim() - 1:
+        return "a class axis other than the last"
+    shape = list(target.shape)
+    if len(shape) == output.dim() and shape[-1] == 1:
+        shape = shape[:-1]
+    if shape != list(output.shape[:-1]):
+        return "a target of another shape (Keras's error)"
+    return None
+
+
+def sparse_categorical_crossentropy(target, output, from_logits=False, axis=-1, *, fallback):
+    """Keras's torch ``sparse_categorical_crossentropy`` (``fallback``) for logits whose
+    class axis is the last of three or more: ``F.cross_entropy`` over the contiguous
+    ``(rows, classes)`` view, the per-element losses reshaped back. Keras 3.15.1 moves the
+    class axis to position 1 instead (``movedim``): for (batch, seq, classes) logits a
+    strided tensor that torch copies contiguous and runs its spatial log-softmax and
+    ``nll_loss2d`` kernels over, forward and backward. The same losses (one log-softmax
+    per row either way)."""
+    if sparse_ce_why_not(target, output, from_logits, axis) is not None:
+        return fallback(target, output, from_logits=from_logits, axis=axis)
+    shape = output.shape[:-1]
+    rows = F.cross_entropy(output.reshape(-1, output.shape[-1]),
+                           target.reshape(-1).to(device=output.device, dtype=torch.long),
+                           reduction="none")
+    return rows.reshape(shape)
+
+
+def dense_why_not(layer, inputs):
+    """Why ``dense_call`` hands this call to Keras's own (None: it does not)."""
+    if getattr(layer, "quantization_mode", None) is not None:
+        return "a quantized layer"
+    if layer.bias is None:
+        return "no bias (nothing to fuse)"
+    if not torch.is_tensor(inputs) or inputs.device.type == "meta" or inputs.dim() < 2:
+        return "symbolic or one-dimensional inputs"
+    if inputs.dtype not in (torch.float32, torch.bfloat16, torch.float64) and not (
+            inputs.dtype == torch.float16 and inputs.device.type == "cuda"):
+        return f"{inputs.dtype} inputs"  # Keras's matmul casts these
+    return None
+
+
+def dense_call(layer, inputs, training=None, *, fallback):
+    """``Dense.call`` with the bias in the matmul: ``F.linear`` (addmm: cuBLAS adds the
+    bias in its epilogue) where Keras 3.15.1 runs ``matmul`` and then a separate ``add``
+    over the whole output; the activation after, as Keras. Kernel and bias are read as
+    Keras reads them (autocast, LoRA); other dtypes than the inputs' go to ``fallback``."""
+    import keras
+
+    if dense_why_not(layer, inputs) is not None:
+        return fallback(layer, inputs, training=training)
+    kernel = keras.ops.convert_to_tensor(layer.kernel)
+    bias = keras.ops.convert_to_tensor(layer.bias)
+    if kernel.dtype != inputs.dtype or bias.dtype != inputs.dtype:
+        return fallback(layer, inputs, training=training)
+    x = F.linear(inputs, kernel.t(), bias)
+    return x if layer.activation is None else layer.activation(x)
+
+
+def dense_method(original):
+    """A ``Dense.call`` (Keras's signature) that runs ``dense_call``, falling back to
+    ``original`` (Keras's own call)."""
+
+    def call(self, inputs, training=None):
+        return dense_call(self, inputs, training, fallback=original)
+
+    call.__doc__ = original.__doc__
+    call.__wrapped_by_kmgpu__ = original
+    return call
+
+
+def loss_function(original):
+    """A ``sparse_categorical_crossentropy`` (Keras's torch backend's signature) that runs
+    this module's, falling back to ``original``."""
+
+    def sparse_ce(target, output, from_logits=False, axis=-1):
+        return sparse_categorical_crossentropy(target, output, from_logits, axis,
+                                               fallback=original)
+
+    sparse_ce.__doc__ = original.__doc__
+    sparse_ce.__wrapped_by_kmgpu__ = original
+    return sparse_ce
+
+
+SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS"}
+
+
+def fast_op_enabled(which):
+    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss") on this module's
+    kernels: unless its switch (``SWITCHES``) is "0"."""
+    return os.environ.get(SWITCHES[which], "1") != "0"

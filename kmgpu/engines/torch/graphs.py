@@ -220,7 +220,7 @@ class CapturedStep:
         n_real, n_global = split.rows(x)
         with keras_fixes.device_scalars(), keras_fixes.device_random(), \
                 cuda_graphs.matmul_precision(self.tf32), \
-                keras_fixes.fused_batchnorm(self.device), \
+                keras_fixes.fused_batchnorm(self.device), keras_fixes.fast_ops(self.device), \
                 keras_fixes.step_conditions(split.model):
             if split.layout():
                 self.graphs.clear()  # other variables: every graph is stale

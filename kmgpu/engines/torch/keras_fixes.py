@@ -15,8 +15,9 @@ optimizer's ``_learning_rate``, a layer's ``_seed_generators`` and
 makes them again without torch.compile).
 """
 
-from kmgpu.engines.torch import cond_keras_fixes, graph_keras_fixes
+from kmgpu.engines.torch import cond_keras_fixes, fast_keras_fixes, graph_keras_fixes
 from kmgpu.engines.torch.cond_keras_fixes import step_conditions  # noqa: F401
+from kmgpu.engines.torch.fast_keras_fixes import fast_ops  # noqa: F401
 from kmgpu.engines.torch.graph_keras_fixes import (  # noqa: F401 (used as keras_fixes.*)
     device_random, device_scalars, fused_batchnorm, set_jit_compile, wants_captured_step)
 
@@ -66,7 +67,8 @@ PATCHES = [
     ("keras.src.trainers.trainer", "Trainer._symbolic_build",
      "run on the user's model with that iterator, as Keras's fit and evaluate do first: "
      "it builds the compile metrics and, the first time, starts (and drops) one pass"),
-] + graph_keras_fixes.PATCHES + cond_keras_fixes.PATCHES  # the captured step's rows
+] + graph_keras_fixes.PATCHES + cond_keras_fixes.PATCHES + \
+    fast_keras_fixes.PATCHES  # the captured step's rows
 
 
 def _trainer():

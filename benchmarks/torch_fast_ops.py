@@ -1,0 +1,285 @@
+"""kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
+cross-entropy (contiguous (rows, classes) view), issue 31. A script that prints Markdown
+tables, not a test.
+
+    KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
+        [--models transformer,bert,resnet50] [--steps 10] [--top 12] [--out FILE.md]
+
+Per model (torch_kernels.py's: the bench's transformer batch 64, the BERT-style encoder
+batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured step
+(``graphs.local_step``, TF32 matmuls, fused BatchNorm, flat optimizer) on a fresh model
+from the same initial weights per run, the variants switched by their environment
+variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``: read as the step's swap
+opens) in an order-balanced sequence:
+
+keras   both off (Keras's Dense and loss: kmgpu's step before this change)
+loss    the sparse cross-entropy only          dense   Dense only
+both    both on (kmgpu's default)
+
+transformer: keras, both, loss, dense, dense, loss, both, keras; the others (their loss has
+rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks of
+``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
+Then, for keras and both, the eager split step (the kernels the graphs record) under
+``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
+``--top`` kernels by GPU time; for the transformer, ``--parity-steps`` steps of keras,
+both and keras again from the same weights with TF32 off, under Adam and under SGD with
+momentum: the weights and loss against keras's (Adam turns the zero-up-to-rounding gradient
+of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
+comparison alone. On a CPU (``--quick``) the swaps are not installed (CUDA only)
+and the figures are CPU times: a smoke test of the script.
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
+
+VARIANTS = {"keras": ("0", "0"), "loss": ("1", "0"), "dense": ("0", "1"), "both": ("1", "1")}
+ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras")}
+ORDER_OTHERS = ("keras", "both", "both", "keras")
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, file=sys.stderr, flush=True)
+
+
+def switch(variant):
+    loss, dense = VARIANTS[variant]
+    os.environ["KMGPU_TORCH_FAST_LOSS"], os.environ["KMGPU_TORCH_FAST_DENSE"] = loss, dense
+
+
+def blocks(fn, steps, gpu):
+    """ms per step of each of 3 blocks of ``steps`` calls."""
+    import torch
+
+    out = []
+    for _ in range(3):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+        out.append(1e3 * (time.perf_counter() - t) / steps)
+    return out
+
+
+def profile(fn, steps, gpu, top):
+    """(per category {name: [kernels, ms]} per step, top kernels [(name, n, ms)] per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    table = {c: [0, 0.0] for c in tk.CATEGORIES}
+    names = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        chain = tk._chain(e)
+        if gpu:
+            kernels = [(k.name, k.duration) for k in e.kernels]
+        elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
+            kernels = [(e.name, e.self_cpu_time_total)]
+        else:
+            kernels = []
+        for name, us in kernels:
+            c = tk.categorise(name, chain, False)
+            table[c][0] += 1
+            table[c][1] += us
+            key = f"{c}: {chain[0] if chain else '?'} -> {name[:70]}"
+            names[key][0] += 1
+            names[key][1] += us
+    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
+    tops = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
+
+
+def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
+    import torch
+
+    from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
+
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"
+    xn, yn = tk.batch_arrays(name, quick)
+    x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
+    n = int(x.shape[0])
+    init, runs, profiles = None, [], {}
+    for variant in () if parity_only else ORDER.get(name, ORDER_OTHERS):
+        switch(variant)
+        model = tk.compiled(name, quick)
+        model(x[:1])
+        init = init or model.get_weights()
+        model.set_weights(init)
+        step = graphs.local_step(model, tf32=True)
+        for _ in range(graphs.WARMUP_STEPS + 2):
+            step.train_step((x, y))
+        r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None,
+             "ms": blocks(lambda: step.train_step((x, y)), steps, gpu)}
+        runs.append(r)
+        log(name, json.dumps(r))
+        step.close()
+        if variant in ("keras", "both") and variant not in profiles:
+            split = graphs.SplitStep(model)
+
+            def eager():
+                with keras_fixes.device_scalars(), keras_fixes.device_random(), \
+                        cuda_graphs.matmul_precision(True), keras_fixes.fused_batchnorm(dev), \
+                        keras_fixes.fast_ops(dev), keras_fixes.step_conditions(model):
+                    split.layout()
+                    return split.step(x, y, None, n, n)
+
+            for _ in range(2):
+                eager()
+            profiles[variant] = profile(eager, 2, gpu, top)
+            log(name, variant, json.dumps(profiles[variant][0]))
+    out = {"desc": tk.spec(name, quick)[0], "batch": n, "runs": runs, "profiles": profiles}
+    if parity_steps:
+        if init is None:
+            model = tk.compiled(name, quick)
+            model(x[:1])
+            init = model.get_weights()
+        out["parity"] = parity(name, quick, init, x, y, parity_steps)
+        log(name, "parity", json.dumps(out["parity"]))
+    return out
+
+
+def parity(name, quick, init, x, y, steps):
+    """keras against both (and keras against itself), ``steps`` captured steps each from
+    ``init`` with TF32 off, under Adam and under SGD with momentum: the largest relative
+    difference of the weights (per tensor, floor 1e-3; with the variable) and of the loss
+    after the last step."""
+    import numpy as np
+    import torch
+
+    from kmgpu.engines.torch import graphs
+
+    b = torch.backends
+    saved = b.cudnn.deterministic, b.cudnn.benchmark
+    b.cudnn.deterministic, b.cudnn.benchmark = True, False
+    got = {}
+    try:
+        for sgd in (False, True):
+            for label, variant in (("keras", "keras"), ("both", "both"),
+                                   ("keras again", "keras")):
+                switch(variant)
+                model = tk.compiled(name, quick, sgd)
+                model(x[:1])
+                model.set_weights(init)
+                step = graphs.local_step(model, tf32=False)
+                for _ in range(steps):
+                    logs = step.train_step((x, y))
+                got[label, sgd] = ([w.path for w in model.weights], model.get_weights(),
+                                   float(logs["loss"]))
+                step.close()
+    finally:
+        b.cudnn.deterministic, b.cudnn.benchmark = saved
+        switch("both")
+
+    def worst(u, v, paths):
+        return max((float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3)), p)
+                   for a, b, p in zip(u, v, paths))
+
+    out = {"steps": steps}
+    for sgd in (False, True):
+        paths, ref_w, ref_loss = got["keras", sgd]
+        opt = "SGD" if sgd else "Adam"
+        out[f"loss keras, {opt}"] = ref_loss
+        for label in ("both", "keras again"):
+            d, where = worst(ref_w, got[label, sgd][1], paths)
+            out[f"{label}, {opt}: weights, loss"] = [
+                d, abs(got[label, sgd][2] - ref_loss) / abs(ref_loss), where]
+    return out
+
+
+def markdown(results, gpu):
+    unit = "GPU" if gpu else "CPU (smoke test)"
+    lines = [f"| model | variant | runs (captured) | ms/step, 3 blocks per run | samples/s "
+             "(median; min-max over blocks) |", "|---|---|---|---|---|"]
+    for r in results.values():
+        by = collections.defaultdict(list)
+        for run in r["runs"]:
+            by[run["variant"]].append(run)
+        for variant in VARIANTS:
+            rs = by.get(variant)
+            if not rs:
+                continue
+            ms = [m for run in rs for m in run["ms"]]
+            rate = [r["batch"] / m * 1e3 for m in ms]
+            lines.append(
+                f"| {r['desc']} | {variant} | {len(rs)} ({sum(x['captured'] for x in rs)}) | "
+                + "; ".join(", ".join(f"{m:.2f}" for m in run["ms"]) for run in rs)
+                + f" | {r['batch'] / statistics.median(ms) * 1e3:,.0f} "
+                f"({min(rate):,.0f}-{max(rate):,.0f}) |")
+    lines += ["", f"Eager split step, {unit} kernels / ms per step by category:", "",
+              "| model | variant | total | " + " | ".join(tk.CATEGORIES) + " |",
+              "|---" * (len(tk.CATEGORIES) + 3) + "|"]
+    for r in results.values():
+        for variant, (per, _) in r["profiles"].items():
+            total = (sum(v[0] for v in per.values()), sum(v[1] for v in per.values()))
+            lines.append(f"| {r['desc']} | {variant} | {total[0]:.0f} / {total[1]:.2f} | "
+                         + " | ".join(f"{per[c][0]:.0f} / {per[c][1]:.2f}"
+                                      for c in tk.CATEGORIES) + " |")
+    for r in results.values():
+        if "parity" in r:
+            p = r["parity"]
+            lines += ["", f"{r['desc']}: {p['steps']} captured steps from the same weights, TF32 "
+                      "off, against the keras variant: max relative difference of the weights "
+                      "(per tensor, floor 1e-3; where) and of the last loss: "
+                      + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
+                                  for k, v in p.items() if k.endswith("weights, loss"))]
+    for r in results.values():
+        for variant, (_, tops) in r["profiles"].items():
+            lines += ["", f"Top kernels, {r['desc']}, {variant} (category: launching op -> "
+                      "kernel; per step):", "", "| kernel | n | ms |", "|---|---|---|"]
+            lines += [f"| `{k}` | {n:.0f} | {ms:.3f} |" for k, n, ms in tops]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default="transformer,bert,resnet50")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--parity-steps", type=int, default=5,
+                   help="the transformer: keras against both with TF32 off, this many steps")
+    p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
+    p.add_argument("--out")
+    a = p.parse_args()
+    import torch
+
+    results = {}
+    for name in [m for m in a.models.split(",") if m]:
+        log(f"model {name}")
+        results[name] = run_model(name, a.quick, a.steps, a.top,
+                                  a.parity_steps if name == "transformer" else 0,
+                                  a.parity_only)
+        text = markdown(results, torch.cuda.is_available())
+        if a.out:  # after each model: a run cut short keeps what it measured
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+                json.dump(results, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

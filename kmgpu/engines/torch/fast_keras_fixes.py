@@ -1,0 +1,61 @@
+"""Keras internals swapped for ``fast_layers``' Dense and sparse cross-entropy while kmgpu's
+step runs on CUDA (issue 31; split from ``graph_keras_fixes`` by role, which keeps the
+BatchNormalization swap). ``keras_fixes.PATCHES`` includes these rows, so
+``tests/unit/test_structure.py`` checks them.
+"""
+
+import contextlib
+
+import torch
+
+from kmgpu.engines.torch import fast_layers
+from kmgpu.engines.torch.graph_keras_fixes import _Swap
+
+#: (module, attribute (dotted within the module), why)
+PATCHES = [
+    ("keras.src.backend.torch.nn", "sparse_categorical_crossentropy",
+     "swapped while kmgpu's step runs on a CUDA device (fast_ops; KMGPU_TORCH_FAST_LOSS=0 "
+     "keeps Keras's): Keras 3.15.1 moves the class axis to position 1 (movedim) before "
+     "F.cross_entropy, so (batch, seq, classes) logits reach torch as a strided tensor it "
+     "copies contiguous and runs its spatial log-softmax / nll_loss2d kernels over, forward "
+     "and backward (the bench's transformer on one H200: 14 ms of its 31.5 ms step); "
+     "fast_layers takes F.cross_entropy over the contiguous (rows, classes) view: the same "
+     "losses, that step 16.5 ms (benchmarks/results/torch-fast-ops-h200.md; Keras's code for "
+     "what it does not cover: probabilities, a class axis not last, rank 2)"),
+    ("keras.src.layers.core.dense", "Dense.call",
+     "swapped likewise (KMGPU_TORCH_FAST_DENSE=0 keeps Keras's): Keras 3.15.1 runs matmul "
+     "then a separate add of the bias over the whole output; fast_layers.dense_call runs "
+     "F.linear (addmm, the bias in cuBLAS's epilogue), then the activation: the same values "
+     "up to float32 rounding; on one H200 the transformer's step 16.5 -> 15.6 ms, a BERT-style "
+     "encoder's 3.95 -> 3.78 ms (Keras's call for quantized layers, no bias, other dtypes)"),
+]
+
+
+def _swap(use):
+    from keras.src.backend.torch import nn
+    from keras.src.layers.core import dense
+
+    for which, owner, name, make in (
+            ("loss", nn, "sparse_categorical_crossentropy", fast_layers.loss_function),
+            ("dense", dense.Dense, "call", fast_layers.dense_method)):
+        current = getattr(owner, name)
+        keras_fn = getattr(current, "__wrapped_by_kmgpu__", current)
+        on = use and fast_layers.fast_op_enabled(which)
+        setattr(owner, name, make(keras_fn) if on else keras_fn)
+
+
+_FAST_OPS = _Swap(lambda: _swap(True), lambda: _swap(False))
+
+
+def fast_ops(device):
+    """Within the block, on a CUDA ``device``, Keras's ``Dense.call`` runs ``F.linear`` and
+    its torch ``sparse_categorical_crossentropy`` over a contiguous (rows, classes) view
+    (``fast_layers``); each has its switch (``fast_layers.SWITCHES``: "0" keeps Keras's).
+    On one H200 the bench's transformer 2.03k -> 4.10k samples/s, within 1.14x of Keras-JAX's
+    step (benchmarks/results/torch-fast-ops-h200.md). Elsewhere Keras's own. Re-entrant."""
+    return _FAST_OPS if on_cuda(device) else contextlib.nullcontext()
+
+
+def on_cuda(device):
+    """Whether ``fast_ops(device)`` swaps (tests make it True on a CPU)."""
+    return torch.device(device).type == "cuda"
