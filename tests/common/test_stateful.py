@@ -121,9 +121,12 @@ def test_training_on_four_devices_equals_one_device(optimizer):
 def test_a_task_only_state_can_solve_is_learned_with_state_only():
     """Each sequence is two chunks of one step: a value, then a blank; the target of both
     chunks is the value, so at chunk 2 only the state can know it. Without state no
-    training gets below var(U(-1, 1)) = 1/3 at chunk 2 (the blank says nothing): that
-    model trains 10 epochs, not 40 (its mse there was 0.360-0.367 after 10, 15, 20, 25, 30
-    and 40 epochs on every backend)."""
+    training gets below var(U(-1, 1)) = 1/3 at chunk 2 (the blank is the same input for
+    every row, so the prediction is one constant): that model trains 2 epochs (its mse
+    there was 0.360-0.367 after 10 to 40 epochs on every backend). With state, Adam(0.05)
+    for 20 epochs (Adam(0.03) took 40 for the same): mse at chunk 2 after 15 / 20 epochs
+    0.007 / 0.004 (JAX), 0.028 / 0.017 (torch), 0.029 / 0.022 (TensorFlow), against the
+    0.07 that the ratio below allows."""
     import keras
 
     b, groups = 32, 6
@@ -141,10 +144,10 @@ def test_a_task_only_state_can_solve_is_learned_with_state_only():
                                   keras.layers.LSTM(8, stateful=is_stateful),
                                   keras.layers.Dense(1)])
         parallel = kmgpu.parallelize(model, gpus=4)
-        parallel.compile(optimizer=keras.optimizers.Adam(0.03), loss="mse")
+        parallel.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            parallel.fit(x, y, batch_size=b, epochs=40 if is_stateful else 10, verbose=0)
+            parallel.fit(x, y, batch_size=b, epochs=20 if is_stateful else 2, verbose=0)
         pred = parallel.predict(x, batch_size=b, verbose=0)
         losses[is_stateful] = float(np.mean((pred[recall] - y[recall]) ** 2))
     ratio = losses[False] / losses[True]
