@@ -5,6 +5,7 @@ The data of a stateful model is laid out as Keras expects it: batch k holds chun
 of the same B sequences, so row i of batch k continues in row i of batch k+1.
 """
 
+import functools
 import warnings
 from contextlib import nullcontext
 
@@ -39,17 +40,34 @@ def sequences(n=B, steps=CHUNK * CHUNKS, seed=0):
     return np.random.default_rng(seed).normal(size=(n, steps, FEATURES)).astype("float32")
 
 
+@functools.lru_cache(maxsize=None)
+def _unchunked(cell):
+    """What a ``cell`` model of ``make``'s weights should give, made once per cell for
+    its 1- and 4-device cases: (weights, the stateless model's predict over all 12 steps,
+    the state rows that calling the stateful model directly on the 4 chunks leaves)."""
+    import keras
+
+    seqs = sequences()
+    whole = make(cell, batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
+    ref = whole.predict(seqs, verbose=0)
+    direct = make(cell)
+    direct.set_weights(whole.get_weights())
+    for k in range(CHUNKS):
+        direct(chunked(seqs)[k * B:(k + 1) * B])
+    expect = keras.ops.convert_to_numpy(models.state_variables(direct)[0].value)
+    return whole.get_weights(), ref, expect
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU", "SimpleRNN"])
 @pytest.mark.parametrize("gpus", [1, 4])
 def test_state_carries_from_chunk_to_chunk(cell, gpus):
     seqs = sequences()
-    whole = make(cell, batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
+    weights, ref, expect = _unchunked(cell)
     model = make(cell)
-    model.set_weights(whole.get_weights())
+    model.set_weights(weights)
     with one_device() if gpus == 1 else nullcontext():
         parallel = kmgpu.parallelize(model, gpus=gpus)
     out = parallel.predict(chunked(seqs), batch_size=B, verbose=0)
-    ref = whole.predict(seqs, verbose=0)
     assert out.shape == (B * CHUNKS, 1)
     carried = np.abs(out[-B:] - ref).max()
     print(f"{cell} on {gpus}: last chunk vs stateless over 12 steps: {carried:.2e}")
@@ -59,11 +77,6 @@ def test_state_carries_from_chunk_to_chunk(cell, gpus):
     import keras
 
     state = keras.ops.convert_to_numpy(models.state_variables(model)[0].value)
-    direct = make(cell)
-    direct.set_weights(whole.get_weights())
-    for k in range(CHUNKS):
-        direct(chunked(seqs)[k * B:(k + 1) * B])
-    expect = keras.ops.convert_to_numpy(models.state_variables(direct)[0].value)
     np.testing.assert_allclose(state, expect, atol=1e-5)
 
 
