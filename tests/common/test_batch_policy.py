@@ -125,13 +125,18 @@ def test_learning_rate_schedule_is_scaled():
 
 
 def test_sine_per_replica_with_scaled_rate():
+    """kmgpu.sine's model and data, batch 8 per replica, Adam(0.005) scaled x4, 30 epochs
+    (not Keras's default rate for sine.EPOCHS = 100: a third of the steps); test RMSE
+    after 30 / 35 / 40 epochs 5.18 / 5.10 / 5.11 (JAX), 5.01 / 5.07 / 4.98 (torch),
+    4.87 / 4.87 / 4.93 (TensorFlow)."""
+    import keras
+
     (x_tr, y_tr), (x_te, y_te), scale = sine.data()
     model = sine.model()
     parallel = kmgpu.parallelize(model, gpus=N, batch="per_replica")
-    parallel.compile(optimizer="adam", loss="mse")
+    parallel.compile(optimizer=keras.optimizers.Adam(0.005), loss="mse")
     with pytest.warns(UserWarning, match="step"):
-        parallel.fit(x_tr, y_tr, batch_size=sine.BATCH, epochs=sine.EPOCHS, shuffle=False,
-                     verbose=0)
+        parallel.fit(x_tr, y_tr, batch_size=sine.BATCH, epochs=30, shuffle=False, verbose=0)
     rmse = sine.rmse(model, x_te, y_te, scale)
     print(f"sine per-replica batch 8 x {N}, lr x{N}: test RMSE {rmse:.3f}")
     assert rmse <= 6.0
