@@ -24,12 +24,14 @@ import torch
 
 
 def state():
-    """The host random states Keras's shuffles draw from (picklable)."""
-    return torch.get_rng_state(), random.getstate()
+    """The host random states Keras's shuffles draw from, as plain bytes and tuples (a
+    pickled tensor would travel to the worker processes through shared memory, holding a
+    file descriptor open)."""
+    return torch.get_rng_state().numpy().tobytes(), random.getstate()
 
 
 def set_state(saved):
-    torch.set_rng_state(saved[0])
+    torch.set_rng_state(torch.frombuffer(bytearray(saved[0]), dtype=torch.uint8))
     random.setstate(saved[1])
 
 
