@@ -36,6 +36,7 @@ def test_an_unbuilt_sequential_trains_as_plain_keras_on_four_devices():
     pred = parallel.predict(x[:7], verbose=0)
     np.testing.assert_allclose(pred, ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
     assert "per-replica batch  4" in parallel.describe(print_fn=len)
+    parallel.close()
 
 
 def test_an_unbuilt_sequential_is_built_by_predict_and_by_a_pydataset():
@@ -46,12 +47,16 @@ def test_an_unbuilt_sequential_is_built_by_predict_and_by_a_pydataset():
     expect = plain.predict(x, verbose=0)
     parallel = kmgpu.parallelize(_unbuilt(seed=2), gpus=2)
     np.testing.assert_allclose(parallel.predict(x, verbose=0), expect, rtol=1e-5, atol=1e-6)
+    parallel.close()  # its workers, not left to a later test's resource count (test_soak)
     parallel = kmgpu.parallelize(_unbuilt(seed=2), gpus=2)
     out = parallel.predict(row_batches(x, np.zeros((24, 1), "float32"), size=8), verbose=0)
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6)
+    parallel.close()
 
     def batches():
         yield x[:8], x[:8, :1]
 
+    parallel = kmgpu.parallelize(_unbuilt(), gpus=2)
     with pytest.raises(ValueError, match="generator can be read only once.*keras.Input"):
-        kmgpu.parallelize(_unbuilt(), gpus=2).predict(batches(), verbose=0)
+        parallel.predict(batches(), verbose=0)
+    parallel.close()
