@@ -59,23 +59,6 @@ def switch(variant):
     os.environ["KMGPU_TORCH_FAST_LOSS"], os.environ["KMGPU_TORCH_FAST_DENSE"] = loss, dense
 
 
-def blocks(fn, steps, gpu):
-    """ms per step of each of 3 blocks of ``steps`` calls."""
-    import torch
-
-    out = []
-    for _ in range(3):
-        if gpu:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        if gpu:
-            torch.cuda.synchronize()
-        out.append(1e3 * (time.perf_counter() - t) / steps)
-    return out
-
-
 def profile(fn, steps, gpu, top):
     """(per category {name: [kernels, ms]} per step, top kernels [(name, n, ms)] per step)."""
     import torch
@@ -132,7 +115,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
         for _ in range(graphs.WARMUP_STEPS + 2):
             step.train_step((x, y))
         r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None,
-             "ms": blocks(lambda: step.train_step((x, y)), steps, gpu)}
+             "ms": tk.blocks(lambda: step.train_step((x, y)), steps, gpu)}
         runs.append(r)
         log(name, json.dumps(r))
         step.close()

@@ -291,8 +291,8 @@ def label_optimizer(optimizer):
     optimizer.apply = wrapped
 
 
-def timed(fn, steps, gpu):
-    """ms per step: the median of 3 blocks of ``steps`` calls (CUDA events on a GPU)."""
+def blocks(fn, steps, gpu):
+    """ms per step of each of 3 blocks of ``steps`` calls (synchronised on a GPU)."""
     import torch
 
     out = []
@@ -305,7 +305,12 @@ def timed(fn, steps, gpu):
         if gpu:
             torch.cuda.synchronize()
         out.append(1e3 * (time.perf_counter() - t) / steps)
-    return statistics.median(out)
+    return out
+
+
+def timed(fn, steps, gpu):
+    """ms per step: the median of ``blocks``."""
+    return statistics.median(blocks(fn, steps, gpu))
 
 
 def keras_torch(name, quick, steps, gpu, tf32=None):
