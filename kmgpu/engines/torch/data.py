@@ -410,9 +410,7 @@ class RankSlices(keras.utils.PyDataset):
         # driver's random states, so the permutation is the same on every rank.
         if isinstance(self.source, DatasetSource):
             return shuffle.order(None, None, self.shuffle, batches=self._len)
-        if self.shuffle == "batch":
-            return shuffle.order(self.source.n, self.batch_size, "batch")
-        return shuffle.order(self.source.n, self.batch_size, True)
+        return shuffle.order(self.source.n, self.batch_size, self.shuffle)
 
     def steps_rows(self, s):
         """(lo, hi) within the global batch ``s`` for this rank, and its size."""
