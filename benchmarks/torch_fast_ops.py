@@ -1,28 +1,31 @@
 """kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
-cross-entropy (contiguous (rows, classes) view), issue 31. A script that prints Markdown
-tables, not a test.
+cross-entropy (contiguous (rows, classes) view), and ``fast_conv``'s convolution inputs,
+issue 31. A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
         [--models transformer,bert,resnet50] [--steps 10] [--top 12] [--out FILE.md]
+        [--order both,all,all,both] [--parity-models resnet50]
 
 Per model (torch_kernels.py's: the bench's transformer batch 64, the BERT-style encoder
 batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured step
 (``graphs.local_step``, TF32 matmuls, fused BatchNorm, flat optimizer) on a fresh model
 from the same initial weights per run, the variants switched by their environment
-variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``: read as the step's swap
-opens) in an order-balanced sequence:
+variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``, ``KMGPU_TORCH_FAST_CONV``:
+read as the step's swap opens) in an order-balanced sequence:
 
-keras   both off (Keras's Dense and loss: kmgpu's step before this change)
+keras   all off (Keras's Dense, loss and convolution inputs)
 loss    the sparse cross-entropy only          dense   Dense only
-both    both on (kmgpu's default)
+both    Dense and the loss (kmgpu's default before fast_conv)
+all     all three on (kmgpu's default)
 
 transformer: keras, both, loss, dense, dense, loss, both, keras; the others (their loss has
-rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks of
+rank 2: only Dense can change) keras, both, both, keras; ``--order`` sets one sequence for
+every model (its first two variants are profiled and compared). ms per step: 3 blocks of
 ``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
-Then, for keras and both, the eager split step (the kernels the graphs record) under
+Then, for the first two variants, the eager split step (the kernels the graphs record) under
 ``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
-``--top`` kernels by GPU time; for the transformer, ``--parity-steps`` steps of keras,
-both and keras again from the same weights with TF32 off, under Adam and under SGD with
+``--top`` kernels by GPU time; for the ``--parity-models`` (the transformer),
+``--parity-steps`` steps of the first variant, the second and the first again from the same weights with TF32 off, under Adam and under SGD with
 momentum: the weights and loss against keras's (Adam turns the zero-up-to-rounding gradient
 of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
 comparison alone. On a CPU (``--quick``) the swaps are not installed (CUDA only)
@@ -44,7 +47,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
 
-VARIANTS = {"keras": ("0", "0"), "loss": ("1", "0"), "dense": ("0", "1"), "both": ("1", "1")}
+VARIANTS = {"keras": ("0", "0", "0"), "loss": ("1", "0", "0"), "dense": ("0", "1", "0"),
+            "both": ("1", "1", "0"), "all": ("1", "1", "1")}
 ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras")}
 ORDER_OTHERS = ("keras", "both", "both", "keras")
 T0 = time.perf_counter()
@@ -55,8 +59,9 @@ def log(*a):
 
 
 def switch(variant):
-    loss, dense = VARIANTS[variant]
-    os.environ["KMGPU_TORCH_FAST_LOSS"], os.environ["KMGPU_TORCH_FAST_DENSE"] = loss, dense
+    for name, on in zip(("KMGPU_TORCH_FAST_LOSS", "KMGPU_TORCH_FAST_DENSE",
+                         "KMGPU_TORCH_FAST_CONV"), VARIANTS[variant]):
+        os.environ[name] = on
 
 
 def profile(fn, steps, gpu, top):
@@ -94,7 +99,7 @@ def profile(fn, steps, gpu, top):
     return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
 
 
-def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
+def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=None):
     import torch
 
     from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
@@ -105,7 +110,9 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
     x, y = torch.as_tensor(xn, device=dev), torch.as_tensor(yn, device=dev)
     n = int(x.shape[0])
     init, runs, profiles = None, [], {}
-    for variant in () if parity_only else ORDER.get(name, ORDER_OTHERS):
+    order = order or ORDER.get(name, ORDER_OTHERS)
+    pair = list(dict.fromkeys(order))[:2]
+    for variant in () if parity_only else order:
         switch(variant)
         model = tk.compiled(name, quick)
         model(x[:1])
@@ -119,7 +126,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
         runs.append(r)
         log(name, json.dumps(r))
         step.close()
-        if variant in ("keras", "both") and variant not in profiles:
+        if variant in pair and variant not in profiles:
             split = graphs.SplitStep(model)
 
             def eager():
@@ -139,13 +146,14 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
             model = tk.compiled(name, quick)
             model(x[:1])
             init = model.get_weights()
-        out["parity"] = parity(name, quick, init, x, y, parity_steps)
+        out["parity"] = parity(name, quick, init, x, y, parity_steps, pair)
         log(name, "parity", json.dumps(out["parity"]))
     return out
 
 
-def parity(name, quick, init, x, y, steps):
-    """keras against both (and keras against itself), ``steps`` captured steps each from
+def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
+    """``pair``'s second against its first (and the first against itself), ``steps``
+    captured steps each from
     ``init`` with TF32 off, under Adam and under SGD with momentum: the largest relative
     difference of the weights (per tensor, floor 1e-3; with the variable) and of the loss
     after the last step."""
@@ -160,8 +168,7 @@ def parity(name, quick, init, x, y, steps):
     got = {}
     try:
         for sgd in (False, True):
-            for label, variant in (("keras", "keras"), ("both", "both"),
-                                   ("keras again", "keras")):
+            for label, variant in (("ref", pair[0]), ("new", pair[1]), ("ref again", pair[0])):
                 switch(variant)
                 model = tk.compiled(name, quick, sgd)
                 model(x[:1])
@@ -174,20 +181,21 @@ def parity(name, quick, init, x, y, steps):
                 step.close()
     finally:
         b.cudnn.deterministic, b.cudnn.benchmark = saved
-        switch("both")
+        switch("all")
 
     def worst(u, v, paths):
         return max((float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3)), p)
                    for a, b, p in zip(u, v, paths))
 
     out = {"steps": steps}
+    names = {"new": pair[1], "ref again": f"{pair[0]} again"}
     for sgd in (False, True):
-        paths, ref_w, ref_loss = got["keras", sgd]
+        paths, ref_w, ref_loss = got["ref", sgd]
         opt = "SGD" if sgd else "Adam"
-        out[f"loss keras, {opt}"] = ref_loss
-        for label in ("both", "keras again"):
+        out[f"loss {pair[0]}, {opt}"] = ref_loss
+        for label in ("new", "ref again"):
             d, where = worst(ref_w, got[label, sgd][1], paths)
-            out[f"{label}, {opt}: weights, loss"] = [
+            out[f"{names[label]}, {opt}: weights, loss"] = [
                 d, abs(got[label, sgd][2] - ref_loss) / abs(ref_loss), where]
     return out
 
@@ -224,7 +232,7 @@ def markdown(results, gpu):
         if "parity" in r:
             p = r["parity"]
             lines += ["", f"{r['desc']}: {p['steps']} captured steps from the same weights, TF32 "
-                      "off, against the keras variant: max relative difference of the weights "
+                      "off, against the first variant: max relative difference of the weights "
                       "(per tensor, floor 1e-3; where) and of the last loss: "
                       + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
                                   for k, v in p.items() if k.endswith("weights, loss"))]
@@ -245,6 +253,8 @@ def main():
     p.add_argument("--parity-steps", type=int, default=5,
                    help="the transformer: keras against both with TF32 off, this many steps")
     p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
+    p.add_argument("--parity-models", default="transformer")
+    p.add_argument("--order", help="variants in order, for every model (e.g. both,all,all,both)")
     p.add_argument("--out")
     a = p.parse_args()
     import torch
@@ -253,8 +263,8 @@ def main():
     for name in [m for m in a.models.split(",") if m]:
         log(f"model {name}")
         results[name] = run_model(name, a.quick, a.steps, a.top,
-                                  a.parity_steps if name == "transformer" else 0,
-                                  a.parity_only)
+                                  a.parity_steps if name in a.parity_models.split(",") else 0,
+                                  a.parity_only, a.order and a.order.split(","))
         text = markdown(results, torch.cuda.is_available())
         if a.out:  # after each model: a run cut short keeps what it measured
             with open(a.out, "w") as f:

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from kmgpu.engines.torch import fast_layers
+from kmgpu.engines.torch import fast_conv, fast_layers
 from kmgpu.engines.torch.graph_keras_fixes import _Swap
 
 #: (module, attribute (dotted within the module), why)
@@ -28,6 +28,13 @@ PATCHES = [
      "F.linear (addmm, the bias in cuBLAS's epilogue), then the activation: the same values "
      "up to float32 rounding; on one H200 the transformer's step 16.5 -> 15.6 ms, a BERT-style "
      "encoder's 3.95 -> 3.78 ms (Keras's call for quantized layers, no bias, other dtypes)"),
+    ("keras.src.backend.torch.nn", "_transpose_spatial_inputs",
+     "swapped likewise (KMGPU_TORCH_FAST_CONV=0 keeps Keras's): Keras 3.15.1 moves a "
+     "channels_last input's channel axis with permute + .contiguous() (a copy into NCHW) "
+     "before every convolution and pooling, and conv then copies that back into torch's "
+     "channels_last format for cuDNN; fast_conv.spatial_inputs returns the permuted view, "
+     "which already is channels_last: the same values and memory format at the convolution, "
+     "two activation copies fewer per convolution (Keras's function for 1-D and meta inputs)"),
 ]
 
 
@@ -37,7 +44,8 @@ def _swap(use):
 
     for which, owner, name, make in (
             ("loss", nn, "sparse_categorical_crossentropy", fast_layers.loss_function),
-            ("dense", dense.Dense, "call", fast_layers.dense_method)):
+            ("dense", dense.Dense, "call", fast_layers.dense_method),
+            ("conv", nn, "_transpose_spatial_inputs", fast_conv.transpose_function)):
         current = getattr(owner, name)
         keras_fn = getattr(current, "__wrapped_by_kmgpu__", current)
         on = use and fast_layers.fast_op_enabled(which)

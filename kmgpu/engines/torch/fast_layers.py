@@ -187,7 +187,21 @@ def describe_ops(model, on_gpu):
                   "(rows, classes) view inside these steps (KMGPU_TORCH_FAST_LOSS=0: Keras's "
                   "own)" if fast_op_enabled("loss") else
                   "; SparseCategoricalCrossentropy: Keras's own (KMGPU_TORCH_FAST_LOSS=0)")
+    if on_gpu and any(isinstance(layer, _spatial()) for layer in model._flatten_layers()):
+        words += ("; convolutions and poolings without Keras's two copies of each input "
+                  "inside these steps (KMGPU_TORCH_FAST_CONV=0: Keras's own)"
+                  if fast_op_enabled("conv") else
+                  "; convolutions: Keras's own (KMGPU_TORCH_FAST_CONV=0)")
     return words
+
+
+def _spatial():
+    import keras
+
+    L = keras.layers
+    return (L.Conv2D, L.Conv3D, L.Conv2DTranspose, L.Conv3DTranspose, L.DepthwiseConv2D,
+            L.SeparableConv2D, L.MaxPooling2D, L.MaxPooling3D, L.AveragePooling2D,
+            L.AveragePooling3D)
 
 
 def _sparse_ce_from_logits(model):
@@ -316,7 +330,8 @@ def loss_function(original):
     return sparse_ce
 
 
-SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS"}
+SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
+            "conv": "KMGPU_TORCH_FAST_CONV"}
 
 
 def fast_op_enabled(which):
