@@ -52,6 +52,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kmgpu.engines.torch import fast_rnn
+
 
 def why_not(layer, inputs, training=None, mask=None):
     """Why ``batch_norm_call`` hands this call to Keras's own code (None: it does not)."""
@@ -187,7 +189,7 @@ def describe_ops(model, on_gpu):
                   "(rows, classes) view inside these steps (KMGPU_TORCH_FAST_LOSS=0: Keras's "
                   "own)" if fast_op_enabled("loss") else
                   "; SparseCategoricalCrossentropy: Keras's own (KMGPU_TORCH_FAST_LOSS=0)")
-    return words
+    return words + fast_rnn.describe(model, on_gpu, fast_op_enabled("rnn"))
 
 
 def _sparse_ce_from_logits(model):
@@ -316,10 +318,11 @@ def loss_function(original):
     return sparse_ce
 
 
-SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS"}
+SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
+            "rnn": "KMGPU_TORCH_FAST_RNN"}
 
 
 def fast_op_enabled(which):
-    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss") on this module's
-    kernels: unless its switch (``SWITCHES``) is "0"."""
+    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "rnn": ``fast_rnn``)
+    on this module's kernels: unless its switch (``SWITCHES``) is "0"."""
     return os.environ.get(SWITCHES[which], "1") != "0"
