@@ -1,9 +1,9 @@
 """kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
-cross-entropy (contiguous (rows, classes) view), issue 31. A script that prints Markdown
-tables, not a test.
+cross-entropy (contiguous (rows, classes) view), and ``fast_rnn``'s masked GRU, issue 31. A
+script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
-        [--models transformer,bert,resnet50] [--steps 10] [--top 12] [--out FILE.md]
+        [--models transformer,bert,resnet50,gru] [--steps 10] [--top 12] [--out FILE.md]
 
 Per model (torch_kernels.py's: the bench's transformer batch 64, the BERT-style encoder
 batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured step
@@ -14,19 +14,23 @@ opens) in an order-balanced sequence:
 
 keras   both off (Keras's Dense and loss: kmgpu's step before this change)
 loss    the sparse cross-entropy only          dense   Dense only
-both    both on (kmgpu's default)
+both    both on (kmgpu's default, ``fast_rnn`` on too)
+loop    all on but ``fast_rnn`` (``KMGPU_TORCH_FAST_RNN=0``: Keras's masked GRU loop)
 
 transformer: keras, both, loss, dense, dense, loss, both, keras; the others (their loss has
-rank 2: only Dense can change) keras, both, both, keras. ms per step: 3 blocks of
+rank 2: only Dense can change) keras, both, both, keras; gru (the masked bidirectional GRU
+of backends_balanced.py) loop, both, both, loop. ms per step: 3 blocks of
 ``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
-Then, for keras and both, the eager split step (the kernels the graphs record) under
+Then, for keras, loop and both, the eager split step (the kernels the graphs record) under
 ``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
-``--top`` kernels by GPU time; for the transformer, ``--parity-steps`` steps of keras,
-both and keras again from the same weights with TF32 off, under Adam and under SGD with
-momentum: the weights and loss against keras's (Adam turns the zero-up-to-rounding gradient
-of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
-comparison alone. On a CPU (``--quick``) the swaps are not installed (CUDA only)
-and the figures are CPU times: a smoke test of the script.
+``--top`` kernels by GPU time; for the transformer and gru, ``--parity-steps`` steps of
+keras, both and keras again (gru: loop, both, loop) from the same weights with TF32 off,
+under Adam and under SGD with momentum: the weights and loss against keras's (Adam turns
+the zero-up-to-rounding gradient of the attention's key bias into lr-sized steps; SGD does
+not). ``--parity-only``: that comparison alone. gru: also a 2-epoch
+``kmgpu.parallelize(model, gpus=1).fit`` of 10 steps an epoch: what kmgpu printed (a
+capture that falls back says so) and its ``describe()``. On a CPU (``--quick``) the swaps
+are not installed (CUDA only) and the figures are CPU times: a smoke test of the script.
 """
 
 import argparse
@@ -44,8 +48,11 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
 
-VARIANTS = {"keras": ("0", "0"), "loss": ("1", "0"), "dense": ("0", "1"), "both": ("1", "1")}
-ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras")}
+VARIANTS = {"keras": ("0", "0", "1"), "loss": ("1", "0", "1"), "dense": ("0", "1", "1"),
+            "both": ("1", "1", "1"), "loop": ("1", "1", "0")}
+ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras"),
+         "gru": ("loop", "both", "both", "loop")}
+REFERENCE = {"gru": "loop"}  # the variant parity compares against (else keras)
 ORDER_OTHERS = ("keras", "both", "both", "keras")
 T0 = time.perf_counter()
 
@@ -55,8 +62,9 @@ def log(*a):
 
 
 def switch(variant):
-    loss, dense = VARIANTS[variant]
-    os.environ["KMGPU_TORCH_FAST_LOSS"], os.environ["KMGPU_TORCH_FAST_DENSE"] = loss, dense
+    env = os.environ
+    env["KMGPU_TORCH_FAST_LOSS"], env["KMGPU_TORCH_FAST_DENSE"], env["KMGPU_TORCH_FAST_RNN"] = \
+        VARIANTS[variant]
 
 
 def profile(fn, steps, gpu, top):
@@ -119,7 +127,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
         runs.append(r)
         log(name, json.dumps(r))
         step.close()
-        if variant in ("keras", "both") and variant not in profiles:
+        if variant in ("keras", "loop", "both") and variant not in profiles:
             split = graphs.SplitStep(model)
 
             def eager():
@@ -139,13 +147,47 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False):
             model = tk.compiled(name, quick)
             model(x[:1])
             init = model.get_weights()
-        out["parity"] = parity(name, quick, init, x, y, parity_steps)
+        out["parity"] = parity(name, quick, init, x, y, parity_steps,
+                               REFERENCE.get(name, "keras"))
         log(name, "parity", json.dumps(out["parity"]))
+    if name == "gru" and not parity_only:
+        out["fit"] = fit_check(name, quick)
+        log(name, "fit", json.dumps(out["fit"]))
     return out
 
 
-def parity(name, quick, init, x, y, steps):
-    """keras against both (and keras against itself), ``steps`` captured steps each from
+def fit_check(name, quick):
+    """A 2-epoch kmgpu fit (default switches) of 10 steps an epoch: what kmgpu printed,
+    its describe(), seconds per epoch."""
+    import contextlib
+    import io
+    import warnings
+
+    import numpy as np
+
+    import kmgpu
+
+    switch("both")
+    xn, yn = tk.batch_arrays(name, quick)
+    x, y = np.concatenate([xn] * 10), np.concatenate([yn] * 10)
+    model = tk.compiled(name, quick)
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as warned, contextlib.redirect_stdout(printed), \
+            contextlib.redirect_stderr(printed):
+        warnings.simplefilter("always")
+        parallel = kmgpu.parallelize(model, gpus=1)
+        seconds = []
+        for _ in range(2):
+            t = time.perf_counter()
+            parallel.fit(x, y, batch_size=len(xn), epochs=1, shuffle=False, verbose=0)
+            seconds.append(time.perf_counter() - t)
+    lines = [ln for ln in printed.getvalue().splitlines() if "kmgpu" in ln]
+    lines += [str(w.message) for w in warned if "kmgpu" in str(w.message)]
+    return {"printed": lines, "describe": parallel.describe(), "epoch_s": seconds}
+
+
+def parity(name, quick, init, x, y, steps, reference="keras"):
+    """keras (``reference``) against both (and against itself), ``steps`` captured steps from
     ``init`` with TF32 off, under Adam and under SGD with momentum: the largest relative
     difference of the weights (per tensor, floor 1e-3; with the variable) and of the loss
     after the last step."""
@@ -160,8 +202,8 @@ def parity(name, quick, init, x, y, steps):
     got = {}
     try:
         for sgd in (False, True):
-            for label, variant in (("keras", "keras"), ("both", "both"),
-                                   ("keras again", "keras")):
+            for label, variant in (("keras", reference), ("both", "both"),
+                                   ("keras again", reference)):
                 switch(variant)
                 model = tk.compiled(name, quick, sgd)
                 model(x[:1])
@@ -180,7 +222,7 @@ def parity(name, quick, init, x, y, steps):
         return max((float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3)), p)
                    for a, b, p in zip(u, v, paths))
 
-    out = {"steps": steps}
+    out = {"steps": steps, "reference": reference}
     for sgd in (False, True):
         paths, ref_w, ref_loss = got["keras", sgd]
         opt = "SGD" if sgd else "Adam"
@@ -224,10 +266,17 @@ def markdown(results, gpu):
         if "parity" in r:
             p = r["parity"]
             lines += ["", f"{r['desc']}: {p['steps']} captured steps from the same weights, TF32 "
-                      "off, against the keras variant: max relative difference of the weights "
-                      "(per tensor, floor 1e-3; where) and of the last loss: "
+                      f"off, against the {p.get('reference', 'keras')} variant ('keras' below): "
+                      "max relative difference of the weights (per tensor, floor 1e-3; where) "
+                      "and of the last loss: "
                       + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
                                   for k, v in p.items() if k.endswith("weights, loss"))]
+    for r in results.values():
+        if "fit" in r:
+            f = r["fit"]
+            lines += ["", f"{r['desc']}: kmgpu.parallelize(model, gpus=1).fit, 2 epochs of 10 "
+                      f"steps: {', '.join(f'{s:.2f}' for s in f['epoch_s'])} s; kmgpu printed: "
+                      f"{f['printed'] or 'nothing'}; describe(): {f['describe']}"]
     for r in results.values():
         for variant, (_, tops) in r["profiles"].items():
             lines += ["", f"Top kernels, {r['desc']}, {variant} (category: launching op -> "
@@ -243,7 +292,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--parity-steps", type=int, default=5,
-                   help="the transformer: keras against both with TF32 off, this many steps")
+                   help="the transformer and gru: keras (gru: loop) against both with TF32 "
+                   "off, this many steps")
     p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
     p.add_argument("--out")
     a = p.parse_args()
@@ -253,7 +303,7 @@ def main():
     for name in [m for m in a.models.split(",") if m]:
         log(f"model {name}")
         results[name] = run_model(name, a.quick, a.steps, a.top,
-                                  a.parity_steps if name == "transformer" else 0,
+                                  a.parity_steps if name in ("transformer", "gru") else 0,
                                   a.parity_only)
         text = markdown(results, torch.cuda.is_available())
         if a.out:  # after each model: a run cut short keeps what it measured

@@ -1,7 +1,7 @@
 """Keras internals swapped for ``fast_layers``' Dense and sparse cross-entropy and
 ``fast_rnn``'s masked GRU/LSTM while kmgpu's step runs on CUDA (issue 31; split from
-``graph_keras_fixes`` by role, which keeps the BatchNormalization swap). ``keras_fixes.PATCHES`` includes these rows, so
-``tests/unit/test_structure.py`` checks them.
+``graph_keras_fixes`` by role, which keeps the BatchNormalization swap).
+``keras_fixes.PATCHES`` includes these rows, so ``tests/unit/test_structure.py`` checks them.
 """
 
 import contextlib
