@@ -33,12 +33,12 @@ PATCHES = [
      "raises NotImplementedError for any mask, so a masked GRU runs the generic rnn() "
      "loop, one Python iteration and a dozen kernels per timestep (a bidirectional GRU 128 "
      "over Embedding(mask_zero=True), seq 128, batch 128, on one H200: 16.0k kernels, "
-     "32.5 ms per captured step, 2.65x Keras-JAX's); fast_rnn moves each row's valid "
+     "32.5 ms per captured step, 2.65x Keras-JAX's fit); fast_rnn moves each row's valid "
      "steps to the front on the device (cumsum, gather: no host read, capturable) and "
      "runs the unmasked cuDNN GRU Keras runs without a mask, then maps back: the generic "
-     "loop's outputs, states and last_output for any mask "
-     "(benchmarks/results/torch-fast-rnn-h200.md; Keras's code for what it does not "
-     "cover: fast_rnn.why_not)"),
+     "loop's outputs, states and last_output for any mask: that step 2.54 ms (250 "
+     "kernels), its fit 0.27x Keras-JAX's (benchmarks/results/torch-fast-rnn-h200.md; "
+     "Keras's code for what it does not cover: fast_rnn.why_not)"),
     ("keras.src.layers.rnn.lstm", "LSTM.inner_loop",
      "swapped likewise: Keras 3.15.1's torch lstm() raises NotImplementedError for any "
      "mask (the generic per-timestep loop); fast_rnn runs the compacted sequence through "
@@ -73,7 +73,8 @@ def fast_ops(device):
     (``fast_layers``), and a masked GRU/LSTM cuDNN over the compacted sequence
     (``fast_rnn``); each has its switch (``fast_layers.SWITCHES``: "0" keeps Keras's).
     On one H200 the bench's transformer 2.03k -> 4.10k samples/s, within 1.14x of Keras-JAX's
-    step (benchmarks/results/torch-fast-ops-h200.md). Elsewhere Keras's own. Re-entrant."""
+    step (benchmarks/results/torch-fast-ops-h200.md); a masked bidirectional GRU's step
+    32.5 -> 2.54 ms (torch-fast-rnn-h200.md). Elsewhere Keras's own. Re-entrant."""
     return _FAST_OPS if on_cuda(device) else contextlib.nullcontext()
 
 
