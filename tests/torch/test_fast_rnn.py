@@ -126,6 +126,30 @@ def test_gru_input_dropout_while_training(spy):
     assert spy == ["gru"] and int((ref[1] == 0).sum()) > masked  # some inputs dropped
 
 
+def test_stateful_gru_carries_the_state_of_the_last_valid_step(spy):
+    """A stateful GRU called twice: the second call starts from the first's final state
+    (each row's state after its last valid step, Keras's loop's), outputs and states equal."""
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.GRU(U, stateful=True, return_sequences=True, bias_initializer="uniform")
+    layer.build((B, T, F))
+    x = torch.as_tensor(np.random.default_rng(2).standard_normal((2, B, T, F)), dtype=torch.float32)
+    mask = torch.as_tensor(np.array(MIXED, bool))
+
+    def run():
+        layer.reset_states()
+        with torch.no_grad():
+            outs = [layer(x[i], mask=mask) for i in range(2)]
+        return outs + [layer.states[0].value.clone()]
+
+    ref = run()
+    with fast_keras_fixes.fast_ops("cuda:0"):
+        fast = run()
+    assert spy == ["gru", "gru"]
+    for a, b in zip(ref, fast):
+        assert _rel(a, b) <= TOL
+    assert float(ref[-1].abs().max()) > 0.1
+
+
 @pytest.mark.parametrize("case", ["no_mask", "lstm_return_state", "reset_after_false",
                                   "use_cudnn_false", "relu", "recurrent_dropout",
                                   "mixed_bfloat16"])
