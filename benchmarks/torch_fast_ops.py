@@ -1,34 +1,39 @@
 """kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
-cross-entropy (contiguous (rows, classes) view), and ``fast_conv``'s convolution inputs,
-issue 31. A script that prints Markdown tables, not a test.
+cross-entropy (contiguous (rows, classes) view), ``fast_conv``'s convolution inputs and
+``fast_rnn``'s masked GRU, issue 31. A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
-        [--models transformer,bert,resnet50] [--steps 10] [--top 12] [--out FILE.md]
+        [--models transformer,bert,resnet50,gru] [--steps 10] [--top 12] [--out FILE.md]
         [--order both,all,all,both] [--parity-models resnet50]
 
 Per model (torch_kernels.py's: the bench's transformer batch 64, the BERT-style encoder
 batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured step
 (``graphs.local_step``, TF32 matmuls, fused BatchNorm, flat optimizer) on a fresh model
 from the same initial weights per run, the variants switched by their environment
-variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``, ``KMGPU_TORCH_FAST_CONV``:
-read as the step's swap opens) in an order-balanced sequence:
+variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``, ``KMGPU_TORCH_FAST_CONV``,
+``KMGPU_TORCH_FAST_RNN``: read as the step's swap opens) in an order-balanced sequence:
 
-keras   all off (Keras's Dense, loss and convolution inputs)
+keras   Keras's Dense, loss and convolution inputs
 loss    the sparse cross-entropy only          dense   Dense only
 both    Dense and the loss (kmgpu's default before fast_conv)
-all     all three on (kmgpu's default)
+all     all on (kmgpu's default)
+loop    all on but ``fast_rnn`` (``KMGPU_TORCH_FAST_RNN=0``: Keras's masked GRU loop)
 
 transformer: keras, both, loss, dense, dense, loss, both, keras; the others (their loss has
-rank 2: only Dense can change) keras, both, both, keras; ``--order`` sets one sequence for
+rank 2: only Dense can change) keras, both, both, keras; gru (the masked bidirectional GRU
+of backends_balanced.py) loop, all, all, loop; ``--order`` sets one sequence for
 every model (its first two variants are profiled and compared). ms per step: 3 blocks of
 ``--steps`` replays each (wall, CUDA synchronised), per run; samples/s from the median.
 Then, for the first two variants, the eager split step (the kernels the graphs record) under
 ``torch.profiler``: kernels / GPU ms per category (torch_kernels.py's categories) and the
-``--top`` kernels by GPU time; for the ``--parity-models`` (the transformer),
-``--parity-steps`` steps of the first variant, the second and the first again from the same weights with TF32 off, under Adam and under SGD with
-momentum: the weights and loss against keras's (Adam turns the zero-up-to-rounding gradient
+``--top`` kernels by GPU time; for the ``--parity-models`` (the transformer and gru),
+``--parity-steps`` steps of the first variant, the second and the first again from the same
+weights with TF32 off, under Adam and under SGD with momentum: the weights and loss against
+the first's (Adam turns the zero-up-to-rounding gradient
 of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
-comparison alone. On a CPU (``--quick``) the swaps are not installed (CUDA only)
+comparison alone. gru: also a 2-epoch ``kmgpu.parallelize(model, gpus=1).fit`` of 10
+steps an epoch: what kmgpu printed (a capture that falls back says so) and its
+``describe()``. On a CPU (``--quick``) the swaps are not installed (CUDA only)
 and the figures are CPU times: a smoke test of the script.
 """
 
@@ -47,9 +52,12 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
 
-VARIANTS = {"keras": ("0", "0", "0"), "loss": ("1", "0", "0"), "dense": ("0", "1", "0"),
-            "both": ("1", "1", "0"), "all": ("1", "1", "1")}
-ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras")}
+SWITCHES = ("KMGPU_TORCH_FAST_LOSS", "KMGPU_TORCH_FAST_DENSE", "KMGPU_TORCH_FAST_CONV",
+            "KMGPU_TORCH_FAST_RNN")
+VARIANTS = {"keras": "0001", "loss": "1001", "dense": "0101", "both": "1101", "all": "1111",
+            "loop": "1110"}  # each switch's value, in SWITCHES' order
+ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras"),
+         "gru": ("loop", "all", "all", "loop")}
 ORDER_OTHERS = ("keras", "both", "both", "keras")
 T0 = time.perf_counter()
 
@@ -59,8 +67,7 @@ def log(*a):
 
 
 def switch(variant):
-    for name, on in zip(("KMGPU_TORCH_FAST_LOSS", "KMGPU_TORCH_FAST_DENSE",
-                         "KMGPU_TORCH_FAST_CONV"), VARIANTS[variant]):
+    for name, on in zip(SWITCHES, VARIANTS[variant]):
         os.environ[name] = on
 
 
@@ -148,7 +155,40 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
             init = model.get_weights()
         out["parity"] = parity(name, quick, init, x, y, parity_steps, pair)
         log(name, "parity", json.dumps(out["parity"]))
+    if name == "gru" and not parity_only:
+        out["fit"] = fit_check(name, quick)
+        log(name, "fit", json.dumps(out["fit"]))
     return out
+
+
+def fit_check(name, quick):
+    """A 2-epoch kmgpu fit (default switches) of 10 steps an epoch: what kmgpu printed,
+    its describe(), seconds per epoch."""
+    import contextlib
+    import io
+    import warnings
+
+    import numpy as np
+
+    import kmgpu
+
+    switch("all")
+    xn, yn = tk.batch_arrays(name, quick)
+    x, y = np.concatenate([xn] * 10), np.concatenate([yn] * 10)
+    model = tk.compiled(name, quick)
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as warned, contextlib.redirect_stdout(printed), \
+            contextlib.redirect_stderr(printed):
+        warnings.simplefilter("always")
+        parallel = kmgpu.parallelize(model, gpus=1)
+        seconds = []
+        for _ in range(2):
+            t = time.perf_counter()
+            parallel.fit(x, y, batch_size=len(xn), epochs=1, shuffle=False, verbose=0)
+            seconds.append(time.perf_counter() - t)
+    lines = [ln for ln in printed.getvalue().splitlines() if "kmgpu" in ln]
+    lines += [str(w.message) for w in warned if "kmgpu" in str(w.message)]
+    return {"printed": lines, "describe": parallel.describe(), "epoch_s": seconds}
 
 
 def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
@@ -187,7 +227,7 @@ def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
         return max((float(np.max(np.abs(np.float64(a) - b)) / max(np.max(np.abs(a)), 1e-3)), p)
                    for a, b, p in zip(u, v, paths))
 
-    out = {"steps": steps}
+    out = {"steps": steps, "reference": pair[0]}
     names = {"new": pair[1], "ref again": f"{pair[0]} again"}
     for sgd in (False, True):
         paths, ref_w, ref_loss = got["ref", sgd]
@@ -237,6 +277,12 @@ def markdown(results, gpu):
                       + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
                                   for k, v in p.items() if k.endswith("weights, loss"))]
     for r in results.values():
+        if "fit" in r:
+            f = r["fit"]
+            lines += ["", f"{r['desc']}: kmgpu.parallelize(model, gpus=1).fit, 2 epochs of 10 "
+                      f"steps: {', '.join(f'{s:.2f}' for s in f['epoch_s'])} s; kmgpu printed: "
+                      f"{f['printed'] or 'nothing'}; describe(): {f['describe']}"]
+    for r in results.values():
         for variant, (_, tops) in r["profiles"].items():
             lines += ["", f"Top kernels, {r['desc']}, {variant} (category: launching op -> "
                       "kernel; per step):", "", "| kernel | n | ms |", "|---|---|---|"]
@@ -251,9 +297,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--parity-steps", type=int, default=5,
-                   help="the transformer: keras against both with TF32 off, this many steps")
+                   help="--parity-models: the order's first two variants with TF32 off, this many steps")
     p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
-    p.add_argument("--parity-models", default="transformer")
+    p.add_argument("--parity-models", default="transformer,gru")
     p.add_argument("--order", help="variants in order, for every model (e.g. both,all,all,both)")
     p.add_argument("--out")
     a = p.parse_args()

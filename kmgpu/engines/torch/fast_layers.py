@@ -52,6 +52,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kmgpu.engines.torch import fast_rnn
+
 
 def why_not(layer, inputs, training=None, mask=None):
     """Why ``batch_norm_call`` hands this call to Keras's own code (None: it does not)."""
@@ -192,7 +194,7 @@ def describe_ops(model, on_gpu):
                   "inside these steps (KMGPU_TORCH_FAST_CONV=0: Keras's own)"
                   if fast_op_enabled("conv") else
                   "; convolutions: Keras's own (KMGPU_TORCH_FAST_CONV=0)")
-    return words
+    return words + fast_rnn.describe(model, on_gpu, fast_op_enabled("rnn"))
 
 
 def _spatial():
@@ -331,10 +333,10 @@ def loss_function(original):
 
 
 SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
-            "conv": "KMGPU_TORCH_FAST_CONV"}
+            "conv": "KMGPU_TORCH_FAST_CONV", "rnn": "KMGPU_TORCH_FAST_RNN"}
 
 
 def fast_op_enabled(which):
-    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss") on this module's
-    kernels: unless its switch (``SWITCHES``) is "0"."""
+    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "conv": ``fast_conv``;
+    "rnn": ``fast_rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
     return os.environ.get(SWITCHES[which], "1") != "0"
