@@ -205,17 +205,17 @@ def test_device_scalars_give_kerass_values():
         assert f([1, 2, 3]).tolist() == [1, 2, 3]
 
 
-# -- rows kept on the device (data.DeviceArraySource; a CUDA device in use, a CPU here) --------
+# -- rows kept on the device (resident.DeviceArraySource; a CUDA device in use, a CPU here) ----
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_rows_on_the_device_give_the_same_batches(shuffle):
-    from kmgpu.engines.torch import data, shuffle as orders
+    from kmgpu.engines.torch import data, resident, shuffle as orders
 
     x, y = data_of(45)
     torch.manual_seed(3)
     for world in (2, 3):
         for rank in range(world):
             plain = data.RankSlices(data.ArraySource(x, y), 20, rank, world, shuffle=shuffle)
-            kept = data.RankSlices(data.DeviceArraySource(data.ArraySource(x, y), "cpu"), 20,
+            kept = data.RankSlices(resident.DeviceArraySource(data.ArraySource(x, y), "cpu"), 20,
                                    rank, world, shuffle=shuffle)
             for epoch in range(2):
                 start = orders.state()  # each pass draws its order: from the same states
@@ -236,19 +236,21 @@ def data_of(n):
 
 
 def test_one_device_fit_from_rows_on_the_device(monkeypatch):
-    """The one-device captured fit feeds Keras a PyDataset of device rows (as on a GPU)."""
-    from kmgpu.engines.torch import data as torch_data
+    """The one-device captured fit feeds Keras a PyDataset of device rows (as on a GPU),
+    copied there in chunks of 8 rows on a thread beside the steps."""
+    from kmgpu.engines.torch import resident
 
     made = []
+    monkeypatch.setattr(resident, "CHUNK_BYTES", 8 * 4 * 6)  # mlp: 5 features + 1 target
 
     def on_device(source, device):
-        made.append(torch_data.DeviceArraySource(source, device))
+        made.append(resident.DeviceArraySource(source, device))
         return made[-1]
 
-    monkeypatch.setattr(torch_data, "on_device", on_device)
+    monkeypatch.setattr(resident, "on_device", on_device)
     x, y = data("mlp", 97)
     ref, ref_history, _ = _fit(mlp, x, y, None, jit=False, validation_data=(x[:30], y[:30]))
     model, history, _ = _fit(mlp, x, y, 1, jit=True, validation_data=(x[:30], y[:30]))
-    assert len(made) == 1
+    assert len(made) == 1 and made[0].copied() == 97
     assert rel_diff(ref.get_weights(), model.get_weights()) == 0.0
     _same_history(ref_history, history)

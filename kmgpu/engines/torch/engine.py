@@ -19,8 +19,8 @@ from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, feeds, graphs,
-                                 keras_fixes, launchers, relay, replicas, shuffle, timing,
-                                 zero)
+                                 keras_fixes, launchers, relay, replicas, resident, shuffle,
+                                 timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
 
@@ -212,7 +212,7 @@ class TorchLocalEngine(LocalEngine):
         with evals:
             if kind != graphs.SPLIT or method != "fit":
                 if method in ("evaluate", "predict") and self._eval is not None:
-                    kwargs = data.device_eval_feed(method, kwargs, device)
+                    kwargs = resident.device_eval_feed(method, kwargs, device)
                 if not jit and self._eval is None:
                     return super().run(method, template, kwargs, lr_scale)
                 with graphs.eager_keras(template):  # no torch.compile
@@ -220,7 +220,7 @@ class TorchLocalEngine(LocalEngine):
             if self._step is None:
                 self._step = graphs.local_step(template, tf32=self._tf32())
             with graphs.installed(template, self._step):
-                return template.fit(**data.device_feed(kwargs, device))
+                return template.fit(**resident.device_feed(kwargs, device))
 
     def _tf32(self):
         return getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)

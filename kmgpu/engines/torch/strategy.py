@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kmgpu import models
 from kmgpu.engines import batch_checks
-from kmgpu.engines.torch import collectives, data, keras_fixes
+from kmgpu.engines.torch import collectives, data, keras_fixes, resident
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.rank_steps import RankSteps
 from kmgpu.engines.torch.relay import Abort, SyncCallback
@@ -312,7 +312,7 @@ class DDPStrategy(RankSteps):
             (x, y, sw), validation_data = keras_fixes.train_validation_split(
                 (x, y, sw), validation_split)
         train = data.RankSlices(
-            data.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),
+            resident.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),
             batch_size, self.rank, self.world, shuffle=shuffle)
         val = None
         if validation_data is not None:

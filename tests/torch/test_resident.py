@@ -1,0 +1,96 @@
+"""Arrays kept on the device, copied in chunks on a thread beside the steps
+(engines/torch/resident.py; a CUDA device in use, a CPU here): the same batches as the
+host arrays, a batch that waits only for its own rows, and a failed copy that raises in
+the caller instead of handing out rows never written."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kmgpu.engines.torch import data, resident
+
+
+def _arrays(n=45):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, 3)).astype("float32"), np.arange(n, dtype="int64"),
+            rng.uniform(size=n).astype("float32"))
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "batch"])
+def test_chunked_copy_gives_the_host_batches(monkeypatch, shuffle):
+    """Chunks of 4 rows (16 + 8 + 4 bytes a row), batches of 10: every batch, shuffled
+    or not, holds the host arrays' rows, for two epochs; the copy ran in 12 chunks."""
+    from kmgpu.engines.torch import shuffle as orders
+
+    monkeypatch.setattr(resident, "CHUNK_BYTES", 4 * 24)
+    chunks = []
+    copy = resident._copy
+    monkeypatch.setattr(resident, "_copy", lambda pairs, lo, hi: (chunks.append((lo, hi)),
+                                                                  copy(pairs, lo, hi)))
+    x, y, w = _arrays()
+    torch.manual_seed(3)
+    plain = data.RankSlices(data.ArraySource(x, y, w), 10, 0, 1, shuffle=shuffle)
+    kept = data.RankSlices(resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu"), 10,
+                           0, 1, shuffle=shuffle)
+    for _ in range(2):
+        start = orders.state()
+        plain.on_epoch_begin()
+        want = [plain[s] for s in range(len(plain))]
+        orders.set_state(start)
+        kept.on_epoch_begin()
+        for s, a in enumerate(want):
+            for u, v in zip(a, kept[s]):
+                np.testing.assert_array_equal(u, v.numpy())
+    assert kept.source.copied() == 45
+    assert chunks == [(lo, min(lo + 4, 45)) for lo in range(0, 45, 4)]
+
+
+def test_a_batch_waits_only_for_its_rows(monkeypatch):
+    """With the copy held after its first chunk, the first batch's rows are handed out;
+    a batch beyond them waits until the copy goes on, then gets the right rows."""
+    monkeypatch.setattr(resident, "CHUNK_BYTES", 10 * 24)
+    go, copy = threading.Event(), resident._copy
+
+    def held(pairs, lo, hi):
+        if lo > 0:
+            go.wait(30)
+        copy(pairs, lo, hi)
+
+    monkeypatch.setattr(resident, "_copy", held)
+    x, y, w = _arrays()
+    source = resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu")
+    first = source.take(slice(0, 10))
+    np.testing.assert_array_equal(first[0].numpy(), x[:10])
+    assert source.copied() == 10
+    got = []
+    reader = threading.Thread(target=lambda: got.append(source.take(slice(30, 40))))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not got  # waiting for rows 30-39
+    go.set()
+    reader.join(30)
+    np.testing.assert_array_equal(got[0][1].numpy(), y[30:40])
+    order = torch.as_tensor(np.arange(45)[::-1].copy())
+    np.testing.assert_array_equal(source.take(order)[0].numpy(), x[::-1])
+
+
+def test_a_failed_copy_raises_in_the_caller(monkeypatch):
+    """A chunk whose copy fails: rows copied before it are still handed out; a batch that
+    needs the failed rows raises (with the cause), never returns unwritten memory."""
+    monkeypatch.setattr(resident, "CHUNK_BYTES", 10 * 24)
+    copy = resident._copy
+
+    def failing(pairs, lo, hi):
+        if lo >= 20:
+            raise MemoryError("out of host memory")
+        copy(pairs, lo, hi)
+
+    monkeypatch.setattr(resident, "_copy", failing)
+    x, y, w = _arrays()
+    source = resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu")
+    with pytest.raises(RuntimeError, match="copying the arrays to the device failed.*"
+                                           "out of host memory"):
+        source.take(slice(15, 25))
+    np.testing.assert_array_equal(source.take(slice(0, 20))[0].numpy(), x[:20])
