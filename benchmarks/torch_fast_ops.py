@@ -31,7 +31,8 @@ Then, for the first two variants, the eager split step (the kernels the graphs r
 weights with TF32 off, under Adam and under SGD with momentum: the weights and loss against
 the first's (Adam turns the zero-up-to-rounding gradient
 of the attention's key bias into lr-sized steps; SGD does not). ``--parity-only``: that
-comparison alone. gru: also a 2-epoch ``kmgpu.parallelize(model, gpus=1).fit`` of 10
+comparison alone; ``--float64``: each of the two also against Keras's own eager steps of the
+model in float64. gru: also a 2-epoch ``kmgpu.parallelize(model, gpus=1).fit`` of 10
 steps an epoch: what kmgpu printed (a capture that falls back says so) and its
 ``describe()``. On a CPU (``--quick``) the swaps are not installed (CUDA only)
 and the figures are CPU times: a smoke test of the script.
@@ -106,7 +107,8 @@ def profile(fn, steps, gpu, top):
     return per, [(k, n / steps, us / steps / 1e3) for k, (n, us) in tops]
 
 
-def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=None):
+def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=None,
+              float64=False):
     import torch
 
     from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
@@ -153,7 +155,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
             model = tk.compiled(name, quick)
             model(x[:1])
             init = model.get_weights()
-        out["parity"] = parity(name, quick, init, x, y, parity_steps, pair)
+        out["parity"] = parity(name, quick, init, x, y, parity_steps, pair, float64)
         log(name, "parity", json.dumps(out["parity"]))
     if name == "gru" and not parity_only:
         out["fit"] = fit_check(name, quick)
@@ -191,12 +193,13 @@ def fit_check(name, quick):
     return {"printed": lines, "describe": parallel.describe(), "epoch_s": seconds}
 
 
-def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
+def parity(name, quick, init, x, y, steps, pair=("keras", "both"), float64=False):
     """``pair``'s second against its first (and the first against itself), ``steps``
     captured steps each from
     ``init`` with TF32 off, under Adam and under SGD with momentum: the largest relative
     difference of the weights (per tensor, floor 1e-3; with the variable) and of the loss
-    after the last step."""
+    after the last step. ``float64``: also each one's weights against Keras's own eager
+    steps (``train_on_batch``, no kmgpu) of the model in float64 from the same weights."""
     import numpy as np
     import torch
 
@@ -219,6 +222,8 @@ def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
                 got[label, sgd] = ([w.path for w in model.weights], model.get_weights(),
                                    float(logs["loss"]))
                 step.close()
+            if float64:
+                got["float64", sgd] = float64_run(name, quick, init, x, y, steps, sgd)
     finally:
         b.cudnn.deterministic, b.cudnn.benchmark = saved
         switch("all")
@@ -237,7 +242,31 @@ def parity(name, quick, init, x, y, steps, pair=("keras", "both")):
             d, where = worst(ref_w, got[label, sgd][1], paths)
             out[f"{names[label]}, {opt}: weights, loss"] = [
                 d, abs(got[label, sgd][2] - ref_loss) / abs(ref_loss), where]
+        if float64:
+            for label in ("ref", "new"):
+                d, where = worst(got["float64", sgd], got[label, sgd][1], paths)
+                out[f"{pair[0] if label == 'ref' else pair[1]} vs float64, {opt}"] = [d, where]
     return out
+
+
+def float64_run(name, quick, init, x, y, steps, sgd):
+    """The weights after ``steps`` of Keras's own eager ``train_on_batch`` (no kmgpu) of the
+    model built in float64 from ``init``."""
+    import keras
+    import numpy as np
+
+    keras.config.set_floatx("float64")
+    try:
+        model = tk.compiled(name, quick, sgd)
+        model(x[:1])
+        model.set_weights([np.float64(w) if np.asarray(w).dtype.kind == "f" else w
+                           for w in init])
+        xs = x.double() if x.is_floating_point() else x
+        for _ in range(steps):
+            model.train_on_batch(xs, y)
+        return model.get_weights()
+    finally:
+        keras.config.set_floatx("float32")
 
 
 def markdown(results, gpu):
@@ -276,6 +305,11 @@ def markdown(results, gpu):
                       "(per tensor, floor 1e-3; where) and of the last loss: "
                       + "; ".join(f"{k[:-len(': weights, loss')]} {v[0]:.1e} ({v[2]}), {v[1]:.1e}"
                                   for k, v in p.items() if k.endswith("weights, loss"))]
+            far = {k: v for k, v in p.items() if " vs float64, " in k}
+            if far:
+                lines += ["", f"{r['desc']}: the same steps against Keras's own eager steps of "
+                          "the model in float64 (train_on_batch, same weights): "
+                          + "; ".join(f"{k} {v[0]:.1e} ({v[1]})" for k, v in far.items())]
     for r in results.values():
         if "fit" in r:
             f = r["fit"]
@@ -300,6 +334,8 @@ def main():
                    help="--parity-models: the order's first two variants with TF32 off, this many steps")
     p.add_argument("--parity-only", action="store_true", help="only the weight comparison")
     p.add_argument("--parity-models", default="transformer,gru")
+    p.add_argument("--float64", action="store_true",
+                   help="parity: also each variant against Keras's own steps in float64")
     p.add_argument("--order", help="variants in order, for every model (e.g. both,all,all,both)")
     p.add_argument("--out")
     a = p.parse_args()
@@ -310,7 +346,7 @@ def main():
         log(f"model {name}")
         results[name] = run_model(name, a.quick, a.steps, a.top,
                                   a.parity_steps if name in a.parity_models.split(",") else 0,
-                                  a.parity_only, a.order and a.order.split(","))
+                                  a.parity_only, a.order and a.order.split(","), a.float64)
         text = markdown(results, torch.cuda.is_available())
         if a.out:  # after each model: a run cut short keeps what it measured
             with open(a.out, "w") as f:
