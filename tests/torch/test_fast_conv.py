@@ -10,9 +10,9 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-import kmgpu
 from kmgpu.engines.torch import fast_conv, fast_keras_fixes, fast_layers
-from tests.helpers import few_steps, one_device, rel_diff
+from tests.helpers import rel_diff
+from tests.torch.fast_paths import fit
 
 L = keras.layers
 
@@ -112,18 +112,10 @@ def _cnn():
 def _fit(parallel):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(48, 10, 10, 3)).astype("float32")
-    y = rng.integers(0, 3, 48)
     model = _cnn()
-    if parallel:
-        with one_device():
-            runner = kmgpu.parallelize(model, gpus=1)
-    else:
-        runner = model
-    runner.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=parallel,
-                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with few_steps() if parallel else np.errstate():
-        history = runner.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return model, history.history["loss"]
+    losses = fit(model, x, rng.integers(0, 3, 48), parallel,
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, losses
 
 
 def test_fit_through_kmgpus_step_equals_plain_keras(swap_on):

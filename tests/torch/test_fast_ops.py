@@ -10,18 +10,12 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-import kmgpu
 from kmgpu.engines.torch import fast_keras_fixes, fast_layers
-from tests.helpers import few_steps, one_device, rel_diff
+from tests.helpers import rel_diff
+from tests.torch.fast_paths import fit, rel
 
 TOL = 1e-6
 SCCE = keras.losses.SparseCategoricalCrossentropy
-
-
-def _rel(a, b):
-    a, b = (np.asarray(t.detach().numpy() if torch.is_tensor(t) else t, np.float64)
-            for t in (a, b))
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
 
 
 @pytest.fixture
@@ -88,7 +82,7 @@ def test_sparse_ce_equals_kerass(spy, case):
     assert not hasattr(keras_nn.sparse_categorical_crossentropy, "__wrapped_by_kmgpu__")
     fast_path = case not in ("probabilities", "class_axis_1", "rank_2")
     assert spy["loss"] == int(fast_path), case
-    assert _rel(ref[0], fast[0]) <= TOL and _rel(ref[1], fast[1]) <= TOL
+    assert rel(ref[0], fast[0]) <= TOL and rel(ref[1], fast[1]) <= TOL
     assert float(ref[0].detach()) > 0.1
 
 
@@ -122,7 +116,7 @@ def test_dense_equals_kerass(spy, case):
     tol = 1e-2 if case == "mixed_bfloat16" else TOL  # bfloat16: one rounding more or less
     for a, b in zip(ref, fast):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert _rel(a.float(), b.float()) <= tol
+        assert rel(a.float(), b.float()) <= tol
 
 
 def _lm(vocab=13, seq=6):
@@ -144,17 +138,8 @@ def lm_data():
 def _fit(lm_data, parallel):
     x, y, sw = lm_data
     model = _lm()
-    if parallel:
-        with one_device():
-            runner = kmgpu.parallelize(model, gpus=1)
-    else:
-        runner = model
-    runner.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=parallel,
-                   loss=SCCE(from_logits=True, ignore_class=3))
-    with few_steps() if parallel else np.errstate():
-        history = runner.fit(x, y, sample_weight=sw, batch_size=8, epochs=2, shuffle=False,
-                             verbose=0)
-    return model, history.history["loss"]
+    return model, fit(model, x, y, parallel, SCCE(from_logits=True, ignore_class=3),
+                      sample_weight=sw)
 
 
 def test_fit_through_kmgpus_step_equals_plain_keras(spy, lm_data):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import kmgpu
 from kmgpu.engines.torch import fast_keras_fixes, fast_layers, fast_rnn
-from tests.helpers import few_steps, one_device, rel_diff
+from tests.helpers import rel_diff
+from tests.torch.fast_paths import fit, rel
 
 TOL = 1e-6
 B, T, F, U = 6, 7, 3, 4
@@ -25,12 +25,6 @@ MASKS = {  # row patterns: the generic loop's cases
     "one_valid_step": [[0, 0, 0, 1, 0, 0, 0], [1] + [0] * 6, [0] * 6 + [1]],
 }
 MIXED = [row for rows in MASKS.values() for row in rows][::2][:B]
-
-
-def _rel(a, b):
-    a, b = (np.asarray(t.detach().numpy() if torch.is_tensor(t) else t, np.float64)
-            for t in (a, b))
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
 
 
 @pytest.fixture
@@ -79,7 +73,7 @@ def _compare(make, rows, initial=False, training=None, expect=1):
         fast = _run(layer, x, mask, h0, training)
     assert len(ref) == len(fast)
     for a, b in zip(ref, fast):
-        assert a.shape == b.shape and _rel(a, b) <= TOL, (a, b)
+        assert a.shape == b.shape and rel(a, b) <= TOL, (a, b)
     return ref
 
 
@@ -141,12 +135,7 @@ def test_stateful_gru_carries_the_state_of_the_last_valid_step(spy):
             outs = [layer(x[i], mask=mask) for i in range(2)]
         return outs + [layer.states[0].value.clone()]
 
-    ref = run()
-    with fast_keras_fixes.fast_ops("cuda:0"):
-        fast = run()
-    assert spy == ["gru", "gru"]
-    for a, b in zip(ref, fast):
-        assert _rel(a, b) <= TOL
+    ref = _same_inside_and_outside(run, spy, ["gru", "gru"])
     assert float(ref[-1].abs().max()) > 0.1
 
 
@@ -209,28 +198,28 @@ def test_bidirectional_over_embedding_mask_zero(spy, sequences):
         return [out] + list(torch.autograd.grad(loss, [w.value for w in
                                                        model.trainable_weights]))
 
+    _same_inside_and_outside(run, spy, ["gru", "gru"])
+
+
+def _same_inside_and_outside(run, spy, taken):
+    """``run()``'s tensors outside the swap and inside it equal to ``TOL``, the spy having
+    seen ``taken`` inside; returns the ones from outside."""
     ref = run()
     with fast_keras_fixes.fast_ops("cuda:0"):
         fast = run()
-    assert spy == ["gru", "gru"]
+    assert spy == taken
     for a, b in zip(ref, fast):
-        assert _rel(a, b) <= TOL
+        assert rel(a, b) <= TOL
+    return ref
 
 
 def _fit(parallel):
     x = _tokens(48)
     y = (x % 2).astype("int32")  # a class per step; Keras's loss leaves the masked ones out
     model = _bidirectional(sequences=True)
-    if parallel:
-        with one_device():
-            runner = kmgpu.parallelize(model, gpus=1)
-    else:
-        runner = model
-    runner.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=parallel,
-                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with few_steps() if parallel else np.errstate():
-        history = runner.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return model, history.history["loss"]
+    losses = fit(model, x, y, parallel,
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, losses
 
 
 def test_fit_through_kmgpus_step_equals_plain_keras(spy):
