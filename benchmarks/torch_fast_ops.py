@@ -75,17 +75,10 @@ def switch(variant):
 def profile(fn, steps, gpu, top):
     """(per category {name: [kernels, ms]} per step, top kernels [(name, n, ms)] per step)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with torch_profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
-        if gpu:
-            torch.cuda.synchronize()
     table = {c: [0, 0.0] for c in tk.CATEGORIES}
     names = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
+    for e in tk.recorded(fn, steps, gpu):
         if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
             continue
         chain = tk._chain(e)

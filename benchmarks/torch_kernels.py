@@ -213,15 +213,8 @@ def profile_torch(fn, steps, gpu):
     {category: [count, us]}, kernels the profiler saw on the device in total (CUDA-graph
     replays included), their us)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
-        if gpu:
-            torch.cuda.synchronize()
-    events = prof.events()
+    events = recorded(fn, steps, gpu)
     bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
     for e in events:
         if e.sequence_nr >= 0 and not e.name.startswith("autograd::") and any(
@@ -249,6 +242,21 @@ def profile_torch(fn, steps, gpu):
             table[c][1] += us
     per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
     return per, dev_n / steps, dev_us / steps / 1e3
+
+
+def recorded(fn, steps, gpu):
+    """The torch.profiler events of ``fn()`` run ``steps`` times (CUDA activity too on a GPU,
+    synchronised before the profile ends)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    return prof.events()
 
 
 def _backward_seq(e):
