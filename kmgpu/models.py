@@ -20,7 +20,7 @@ import sys
 
 import keras
 
-from kmgpu.engines import keras_fixes, loss_rows
+from kmgpu.engines import global_losses, keras_fixes
 
 
 def check_model(model):
@@ -84,10 +84,8 @@ def carried(template):
     """What a replica needs from ``template`` beside its config, compile config and
     weights, as picklable data: the state Keras's saving path writes for its adapted
     layers (``keras_fixes.own_state``) and its optimizer's settings outside its config
-    (``keras_fixes.optimizer_settings``), and how its own losses add up over replicas
-    (``loss_rows.carried``). ``load_carried`` puts it into a replica."""
-    return (keras_fixes.own_state(template), keras_fixes.optimizer_settings(template),
-            loss_rows.carried(template))
+    (``keras_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
+    return keras_fixes.own_state(template), keras_fixes.optimizer_settings(template)
 
 
 def load_carried(replica, carried, compiled=False):
@@ -95,13 +93,11 @@ def load_carried(replica, carried, compiled=False):
     before compile, the layers' state (through Keras's own ``load_own_variables`` /
     ``load_assets``, which finalize adapted layers); after compile
     (``compiled=True``), the optimizer's settings."""
-    layers, optimizer = carried[:2]
+    layers, optimizer = carried
     if compiled:
         keras_fixes.apply_optimizer_settings(replica, optimizer)
     else:
         keras_fixes.load_own_state(replica, layers)
-        if len(carried) > 2:  # how the model's own losses add up over replicas
-            loss_rows.load(replica, carried[2])
 
 
 @contextlib.contextmanager
@@ -148,6 +144,7 @@ def clone(template):
             if build_config:
                 replica.build_from_config(build_config)
         load_carried(replica, carried(template))
+    global_losses.install(replica)  # layers adding losses: on the global batch
     return replica
 
 
@@ -386,6 +383,7 @@ def clone_at(model, batch_size):
     with keras.saving.custom_object_scope(custom_objects(model)):
         new = keras.models.clone_model(model, input_tensors=inputs)
         load_carried(new, carried(model))
+    global_losses.install(new)
     return new
 
 

@@ -181,16 +181,11 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     own_losses = list(model.losses) if own_losses is None else own_losses
     fraction = (rows / global_rows if isinstance(rows, (int, float))
                 else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
-    own_terms = _own_terms(model, own_losses, training, rows, global_rows, fraction,
-                           keras_scale)
+    own_terms = _own_terms(model, own_losses, rows, keras_scale)
     if type(model).compute_loss is Trainer.compute_loss and model._compile_loss is None \
             and own_losses:  # add_loss alone: weighed as the model's own losses below
-        local = part = None
-        for own, whole, per_row in own_terms:
-            mine, counted = (per_row, own) if whole else (own, _times(own, fraction))
-            local = mine if local is None else local + mine
-            part = counted if part is None else part + counted
-        return "rows", local, part
+        local = sum(own_terms[1:], own_terms[0])
+        return "rows", local, _times(local, fraction)
     if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
         local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                     training=training) * keras_scale
@@ -225,37 +220,19 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
         local = part = local * keras_scale
     if kind != "none":
         part = _times(local, share)
-    for own, whole, per_row in own_terms:
-        if whole:  # a sum over rows: the replica's value counts whole
-            local, part = local + per_row, part + (per_row if kind == "none" else own)
-        else:
-            local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
+    for own in own_terms:
+        local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
     return kind, local, part
 
 
-def _own_terms(model, own_losses, training, rows, global_rows, fraction, keras_scale):
-    """The model's own losses as (value, counts whole, value * global_rows / rows): a sum
-    over rows (``loss_rows``) counts whole on every replica; the last form is what the
-    loss tracker (which weighs a replica by its rows) and an unreduced loss need. Python
-    numbers only: no host-to-device copy in a captured step."""
-    from keras import ops
-
-    from kmgpu.engines import loss_rows
-
-    rules = loss_rows.rules(model, training)
-    if rules is not None and len(rules) != len(own_losses):
-        rules = None  # not the losses the probe saw: weighed by share, as before
-    terms = []
-    for i, own in enumerate(own_losses):
-        own = _without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
-        whole = rules is not None and rules[i] == loss_rows.WHOLE
-        per_row = None
-        if whole:
-            per_row = (own * (global_rows / max(rows, 1)) if isinstance(rows, (int, float))
-                       else _times(own, ops.cast(global_rows, "float32")
-                                   / ops.maximum(ops.cast(rows, "float32"), 1.0)))
-        terms.append((own, whole, per_row))
-    return terms
+def _own_terms(model, own_losses, rows, keras_scale):
+    """The model's own losses, each the global batch's value: a layer written outside
+    Keras that adds one runs on the global batch (``global_losses``); Keras's own layers
+    add means over rows (activity regularizers, divided by the batch size), and weight
+    regularizers do not depend on the rows. So a replica's part of each is its share of
+    the rows."""
+    return [_without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
+            for own in own_losses]
 
 
 def _without_rows(own, rows):

@@ -25,12 +25,6 @@ PATCHES = [
      "from its config decays every variable"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer._use_weight_decay",
      "same: what reads them"),
-    ("keras.src.layers.rnn.rnn", "RNN._create_state_variables",
-     "StateRows: a stateful RNN runs only on the batch its state variables were made "
-     "for (the instance attributes states and _expected_batch_size this sets, untracked), "
-     "so the probe of a model's own losses (loss_rows.probe) sets stand-ins of a part's "
-     "rows there for one pass, untracked too"),
-    ("keras.src.layers.rnn.rnn", "RNN.call", "same: where _expected_batch_size is checked"),
 ]
 
 
@@ -171,42 +165,3 @@ def apply_optimizer_settings(model, settings):
                                             settings["exclude_positions"]])
     opt._exclude_from_weight_decay_pattern = settings["exclude_pattern"]
 
-
-class StateRows:
-    """``model``'s stateful RNN layers run on rows ``lo:hi`` of a batch of ``n`` rows
-    (``use``) with those rows of their states: the layer's own states when they hold
-    ``n`` rows, else zeros (a replica holds only its own rows). Each ``use`` gives the
-    layers fresh stand-in state variables; leaving the context puts the layers' own
-    back, untouched. Nothing to do for a model without stateful RNN layers."""
-
-    def __init__(self, model, n):
-        import keras
-        import numpy as np
-
-        self.layers = [layer for layer in model._flatten_layers()
-                       if isinstance(layer, keras.layers.RNN) and layer.stateful
-                       and layer.states is not None]
-        self.own = [(layer.states, layer._expected_batch_size) for layer in self.layers]
-
-        def rows(v):
-            a = np.asarray(keras.ops.convert_to_numpy(v.value))
-            return a if a.shape[0] == n else np.zeros((n,) + a.shape[1:], a.dtype)
-
-        self.full = [keras.tree.map_structure(rows, layer.states) for layer in self.layers]
-
-    def __enter__(self):
-        return self
-
-    def use(self, lo, hi):
-        import keras
-
-        for layer, full in zip(self.layers, self.full):
-            stand_in = keras.tree.map_structure(
-                lambda a: keras.Variable(a[lo:hi], trainable=False, dtype=a.dtype), full)
-            object.__setattr__(layer, "states", stand_in)  # untracked, as RNN builds them
-            object.__setattr__(layer, "_expected_batch_size", hi - lo)
-
-    def __exit__(self, *exc):
-        for layer, (states, expected) in zip(self.layers, self.own):
-            object.__setattr__(layer, "states", states)
-            object.__setattr__(layer, "_expected_batch_size", expected)

@@ -1,10 +1,9 @@
-"""A model's own losses (``add_loss``, regularizers) on several replicas: each replica
-computes them on its own rows, so how they add up depends on how they depend on the
-rows. kmgpu probes that once, on the first batch (``kmgpu.engines.loss_rows``): a mean
-over rows (and a loss that does not depend on them) is weighed by the replica's share of
-the batch, a sum over rows counts whole on every replica, anything else is refused
-before any work on TensorFlow and torch (JAX computes the loss on the global batch and
-equals one device). 30 rows, batch 7 on 4 devices: every batch splits unevenly."""
+"""A model's own losses (``add_loss``, regularizers) on several replicas equal one
+device's whatever their form: a sum over rows, a mean over rows, the square of the
+batch's mean. On TensorFlow and torch a layer that adds a loss runs on the global batch
+(``kmgpu.engines.global_losses``) and each replica weighs the global value by its share
+of the rows; JAX computes the loss on the global batch. 30 rows, batch 7 on 4 devices:
+every batch splits unevenly."""
 
 import keras
 import numpy as np
@@ -89,18 +88,11 @@ def test_sum_and_mean_over_rows_equal_one_device(compiled_loss):
             reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-4)
 
 
-def test_other_dependence_on_rows_refused_or_exact():
-    model = _model(SquaredBatchMean)
-    if keras.backend.backend() == "jax":  # the loss of the global batch: one device's
-        reference = _model(SquaredBatchMean)
-        _fit(reference)
-        _fit(model, kmgpu.parallelize(model))
-        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-        return
-    before = [w.copy() for w in model.get_weights()]
-    x, y = _data()
-    with few_steps(), pytest.raises(NotImplementedError,
-                                    match="neither a mean nor a sum over rows"):
-        kmgpu.parallelize(model).fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-    assert not model.optimizer.built
+def test_batch_statistic_equals_one_device():
+    """The square of the batch's mean: neither a mean nor a sum over rows (refused on
+    TensorFlow and torch before ``global_losses``)."""
+    reference, model = _model(SquaredBatchMean), _model(SquaredBatchMean)
+    one = _fit(reference)
+    many = _fit(model, kmgpu.parallelize(model))
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)

@@ -8,11 +8,10 @@ and equals one device. 78 rows in batches of 7 or 8 on 4 devices.
   batches (or none at all), different sets from batch 2 on (a generator, a PyDataset,
   ``tf.data``);
 - a model's own loss (``add_loss``) that is a mean over rows but 0 on one row (as a
-  variance or a pairwise term is): the replicas' split of the first batch of 7 rows
-  gives one replica one row, so it is refused before any work; with batches of 8 the
-  split is 2 + 2 + 2 + 2 until a last partial batch that gives a replica one row:
-  refused before any work for arrays, at that batch for a generator (kmgpu's even
-  split of 6 rows: 2 + 2 + 1 + 1).
+  variance or a pairwise term is), where a batch's split gives a replica one row (the
+  first batch of 7 rows; the last partial batch of arrays or of a generator): it equals
+  one device on every backend (the layer runs on the global batch,
+  ``engines/global_losses``; refused on TensorFlow and torch before it).
 """
 
 import keras
@@ -120,33 +119,25 @@ def _xy():
             rng.normal(size=(ROWS, 2)).astype("float32"))
 
 
-@pytest.mark.parametrize("rows,batch,match", [
-    # batch 7 is split 2 + 2 + 2 + 1: the last replica's loss is 0, one device's is not
-    (ROWS, 7, r"on a batch's 7 rows .* \[2, 2, 2, 1\]"),
-    # 77 rows in batches of 8: the full ones (2 + 2 + 2 + 2 per replica) pass, the last one
-    # of 5 does not (torch: 2 + 1 + 1 + 1; TensorFlow's tf.data split: 2 + 2 + 1 + 0)
-    (77, 8, r"on a batch's 5 rows"),
-], ids=["first-batch", "last-partial-batch"])
-def test_own_loss_refused_on_the_replicas_split_before_any_work(rows, batch, match):
+@pytest.mark.parametrize("kind,rows,batch", [
+    ("arrays", ROWS, 7),  # batch 7: 2 + 2 + 2 + 1 rows, the last replica's loss 0
+    ("arrays", 77, 8),  # the last batch of 5: 2 + 1 + 1 + 1 (tf.data's split 2 + 2 + 1 + 0)
+    ("generator", ROWS, 8),  # its last batch of 6 arrives mid-fit: 2 + 2 + 1 + 1
+], ids=["first-batch", "last-partial-batch", "generator-last-batch"])
+def test_own_loss_zero_on_one_row_equals_one_device(kind, rows, batch):
     x, y = (a[:rows] for a in _xy())
-    model = _loss_model()
-    if not REFUSES:
-        reference = _loss_model()
-        reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-        kmgpu.parallelize(model).fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-        assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-        return
-    before = model.get_weights()
-    with pytest.raises(NotImplementedError, match=match):
-        kmgpu.parallelize(model).fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-    assert not model.optimizer.built
-
-
-def test_own_loss_refused_at_the_batch_whose_rows_break_its_rule():
-    x, y = _xy()
-    batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, ROWS, 8)]
-    _refused_at(_loss_model, "generator", batches, 9, r"batch 9 .*on a batch's 6 rows")
+    reference, model = _loss_model(), _loss_model()
+    if kind == "generator":
+        batches = [(x[s:s + batch], y[s:s + batch]) for s in range(0, rows, batch)]
+        one = reference.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
+        many = kmgpu.parallelize(model).fit(_data(kind, batches), epochs=1, shuffle=False,
+                                            verbose=0)
+    else:
+        one = reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+        many = kmgpu.parallelize(model).fit(x, y, batch_size=batch, shuffle=False,
+                                            verbose=0)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
 
 
 class SumAndMean(keras.layers.Layer):
@@ -168,12 +159,10 @@ def _sum_mean_model():
 
 
 @pytest.mark.parametrize("kind", ["generator", "tf.data"])
-def test_new_row_count_probed_as_it_arrives_and_trained_as_one_device(kind):
+def test_new_row_count_mid_fit_trains_as_one_device(kind):
     """10 batches of 7 rows and one of 8: the last brings a row count the first batch did
-    not show, probed when it arrives (on torch by every rank, on TensorFlow on the user's
-    model; for tf.data the pipeline calls the host check for that batch only) with the
-    same rules, and training equals one device, History included. (Guards the probe
-    mid-fit: it passes on the previous main too.)"""
+    not show; a sum and a mean over rows added by one layer train as on one device,
+    History included."""
     x, y = _xy()
     sizes = [7] * 10 + [8]
     starts = np.cumsum([0] + sizes)

@@ -1,9 +1,8 @@
-"""A stateful RNN model gets the checks a stateless one gets (``engines/batch_checks``,
-``engines/loss_rows``): its own losses (``add_loss``) are probed on the replicas' split
-of its fixed batch (each replica's state rows with its rows), and its per-output sample
-weights are checked batch by batch. TensorFlow and torch weigh by the probed rule or
-refuse. JAX computes every loss on the global batch and runs no such check: these tests
-exist on TensorFlow and torch only.
+"""A stateful RNN model's own losses (``add_loss``) equal one device's whatever their
+form, each replica keeping its state rows (on TensorFlow and torch the layer that adds
+the loss runs on the global batch, ``engines/global_losses``; JAX computes every loss on
+the global batch), and its per-output sample weights are checked batch by batch
+(``engines/batch_checks``, TensorFlow and torch; JAX needs no such check).
 
 Stateful LSTM, fixed batch of 8, 4 devices (2 rows each); one device is kmgpu with
 ``gpus=1`` (plain Keras's torch fit crashes on stateful LSTMs, its JAX fit drops the
@@ -87,9 +86,8 @@ def sum_fits():
     return one, four, h1, h4, start
 
 
-def _own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
-    """Each replica computes 0.05 sum(h²) on its 2 rows: weighed by share (as before
-    stateful models were probed) the term counts a quarter; probed, it counts whole."""
+def test_own_sum_over_rows_equals_one_device(sum_fits):
+    """Each replica's rows give 0.05 sum(h²) over its 2 rows; one device's is over 8."""
     one, four, h1, h4, start = sum_fits
     assert rel_diff(start, one.get_weights()) > 1e-2  # it trained
     assert rel_diff(one.get_weights(), four.get_weights()) < 1e-5
@@ -100,17 +98,14 @@ def _own_sum_over_rows_is_weighed_whole_as_on_one_device(sum_fits):
         keras.ops.convert_to_numpy(models.state_variables(one)[0].value), atol=1e-5)
 
 
-def _own_loss_no_rule_fits_is_refused_before_any_work():
+def test_own_batch_statistic_equals_one_device():
+    """The square of the batch's mean (refused on TensorFlow and torch before
+    ``global_losses``)."""
     x, y = _xy()
-    model = _model(SquaredBatchMean)
-    before = model.get_weights()
-    states = [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(model)]
-    with pytest.raises(NotImplementedError, match=r"on a batch's 8 rows .* \[2, 2, 2, 2\]"):
-        _fit(model, 4, x, y)
-    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-    assert all(np.array_equal(a, keras.ops.convert_to_numpy(v.value))
-               for a, v in zip(states, models.state_variables(model)))
-    assert not model.optimizer.built
+    one, four = _model(SquaredBatchMean), _model(SquaredBatchMean)
+    h1, h4 = _fit(one, 1, x, y), _fit(four, 4, x, y)
+    assert rel_diff(one.get_weights(), four.get_weights()) < 1e-5
+    np.testing.assert_allclose(h4.history["loss"], h1.history["loss"], rtol=1e-5)
 
 
 def _later_batch_with_differing_output_weights_stops_there():
@@ -134,12 +129,7 @@ def _later_batch_with_differing_output_weights_stops_there():
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-# JAX computes every loss on the global batch and runs none of these checks (its stateful
-# models equal one device: tests/common/test_stateful); these tests exist on TF and torch
+# JAX computes every loss on the global batch and runs no such check
 if REFUSES:
-    test_own_sum_over_rows_is_weighed_whole_as_on_one_device = \
-        _own_sum_over_rows_is_weighed_whole_as_on_one_device
-    test_own_loss_no_rule_fits_is_refused_before_any_work = \
-        _own_loss_no_rule_fits_is_refused_before_any_work
     test_later_batch_with_differing_output_weights_stops_there = \
         _later_batch_with_differing_output_weights_stops_there

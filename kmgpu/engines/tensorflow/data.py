@@ -192,30 +192,25 @@ def checked(kwargs, guard, method):
 
 def checked_dataset(dataset, guard, what):
     """``dataset`` (global batches) with every element checked by ``guard`` as it is read,
-    with ``tf.distribute``'s split, numbered from 0 in each pass. In the pipeline a batch
-    whose per-output sample weights are one set and whose row count was probed already
-    costs a few comparisons; only another one goes to ``guard`` on the host (a
-    ``tf.py_function``), which refuses it or probes its row count."""
+    numbered from 0 in each pass. In the pipeline a batch whose per-output sample weights
+    are one set costs a few comparisons; only another one goes to ``guard`` on the host
+    (a ``tf.py_function``), which refuses it."""
     import keras
     import numpy as np
     import tensorflow as tf
 
     spec = dataset.element_spec
-    known = tf.constant(guard.known_rows("ceil") or [-1], tf.int64)
 
     def run(index, *leaves):
         batch = keras.tree.pack_sequence_as(spec, [np.asarray(a) for a in leaves])
-        guard(batch, f"batch {int(index)} of {what}", "ceil")
+        guard(batch, f"batch {int(index)} of {what}")
         return np.int64(0)
 
     def unusual(element):
-        x, _, sw = keras.utils.unpack_x_y_sample_weight(
+        _, _, sw = keras.utils.unpack_x_y_sample_weight(
             element if isinstance(element, tuple) else (element,))
         flag = tf.constant(False)
-        if guard.probe and x is not None:
-            rows = tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], tf.int64)
-            flag = tf.logical_not(tf.reduce_any(tf.equal(rows, known)))
-        if guard.weights and isinstance(sw, (tuple, list, dict)):
+        if isinstance(sw, (tuple, list, dict)):
             leaves = tf.nest.flatten(sw)
             for w in leaves[1:]:
                 flag = tf.logical_or(flag, tf.logical_not(tf.reduce_all(tf.equal(

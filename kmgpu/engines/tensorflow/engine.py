@@ -95,10 +95,7 @@ class TensorFlowEngine(InProcessEngine):
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         if template.compiled and self.num_replicas > 1:  # refused before any work
-            # kmgpu splits a batch it feeds evenly; tf.distribute a tf.data batch by ceil
-            fed = method in ON_BATCH or data.is_python_data(kwargs.get("x"))
-            kwargs = batch_checks.check_weighable(template, kwargs, method, self.num_replicas,
-                                                  "even" if fed else "ceil")
+            kwargs = batch_checks.check_weighable(template, kwargs, method)
         self._feed["first"] = None
         guard = None if method in ON_BATCH else batch_checks.guard(
             template, method, self.num_replicas)
@@ -220,6 +217,7 @@ class TensorFlowEngine(InProcessEngine):
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
                     keras_fixes.synced_moments(layer)
+        keras_fixes.per_thread_losses(replica)  # layers run on the global batch all-gather
         keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
         keras_fixes.synced_logs(replica)
         if keras_fixes.keeps_keras_step(template):

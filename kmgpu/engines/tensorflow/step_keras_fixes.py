@@ -6,6 +6,10 @@ Split from ``keras_fixes`` by role (that module's ``PATCHES`` includes this one'
 Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
 """
 
+import threading
+
+from kmgpu.engines.tensorflow import global_batch
+
 KERAS = "3.15.1"
 
 #: (module, attribute (dotted within the module), why)
@@ -22,6 +26,11 @@ PATCHES = [
      "weight y_pred.shape[0], None in a traced step, so every replica counts alike"),
     ("keras.src.metrics.reduction_metrics", "Mean.update_state",
      "replaced on the per-output loss trackers, same"),
+    ("keras.src.layers.layer", "Layer._losses",
+     "per_thread_losses: a layer keeps the losses its call added in one list, shared by "
+     "tf.distribute's replica threads; they take turns at every all-reduce, and a "
+     "layer run on the global batch (global_losses) all-gathers within the forward pass, "
+     "so one replica's losses would be read, or cleared, by another"),
     ("keras.src.utils.python_utils", "pythonify_logs",
      "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
      "mean of each replica's own metric results, wrong when a batch splits unevenly; "
@@ -45,10 +54,11 @@ def train_step(self, data):
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        if self._call_has_training_arg:
-            y_pred = self(x, training=True)
-        else:
-            y_pred = self(x)
+        with global_batch.on_global(x):
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
         part = _track_loss(self, x, y, y_pred, sample_weight, True)
         loss = self.optimizer.scale_loss(part)
     if self.trainable_weights:
@@ -71,7 +81,8 @@ def test_step(self, data):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    with global_batch.on_global(x):
+        y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     _track_loss(self, x, y, y_pred, sample_weight, False)
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -97,6 +108,52 @@ def _track_loss(model, x, y, y_pred, sample_weight, training):
     value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
     model._loss_tracker.update_state(value, sample_weight=rows)
     return part
+
+
+class _PerThread(list):
+    """A layer's list of added losses, one per thread (``per_thread_losses``)."""
+
+    def __init__(self):
+        super().__init__()
+        self._local = threading.local()
+
+    @property
+    def _items(self):
+        if not hasattr(self._local, "items"):
+            self._local.items = []
+        return self._local.items
+
+    def extend(self, values):
+        self._items.extend(values)
+
+    def append(self, value):
+        self._items.append(value)
+
+    def clear(self):
+        self._items.clear()
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __delitem__(self, i):
+        del self._items[i]
+
+    def __len__(self):
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __bool__(self):
+        return bool(self._items)
+
+
+def per_thread_losses(model):
+    """Each layer of ``model`` (a replica) keeps its added losses per thread: every
+    replica thread reads and clears only its own (``PATCHES``)."""
+    for layer in model._flatten_layers(include_self=True):
+        if not isinstance(layer._losses, _PerThread):
+            object.__setattr__(layer, "_losses", _PerThread())
 
 
 def keeps_keras_step(model, step="train_step"):
@@ -152,9 +209,12 @@ def exact_custom_steps(model):
 
     def within(step):
         def run(data):
+            import keras
+
             inside.append(True)
             try:
-                return step(data)
+                with global_batch.on_global(keras.utils.unpack_x_y_sample_weight(data)[0]):
+                    return step(data)
             finally:
                 inside.pop()
         return run

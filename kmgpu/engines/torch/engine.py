@@ -55,8 +55,7 @@ class TorchEngine(Engine):
         """
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
-            kwargs = batch_checks.check_weighable(  # refused before any work
-                template, kwargs, method, self.num_replicas)
+            kwargs = batch_checks.check_weighable(template, kwargs, method)  # before any work
             if self.options.shard_optimizer:
                 zero.check(template.optimizer)
         resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"

@@ -13,7 +13,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch import collectives, data, own_steps
+from kmgpu.engines.torch import collectives, data, global_batch, own_steps
 
 
 class RankSteps:
@@ -41,10 +41,11 @@ class RankSteps:
             n_real, n_global = self.train.current
             self.n_real, self.in_train_step = n_real, True
             try:
-                if replica._call_has_training_arg:
-                    y_pred = ddp(x, training=True)
-                else:
-                    y_pred = ddp(x)
+                with global_batch.on_global(self.rank, self.world, (n_real, n_global)):
+                    if replica._call_has_training_arg:
+                        y_pred = ddp(x, training=True)
+                    else:
+                        y_pred = ddp(x)
             finally:
                 self.in_train_step = False
             replica.zero_grad()
@@ -80,7 +81,8 @@ class RankSteps:
         def forward(n_real):
             self.n_real, self.in_train_step = n_real, True
             try:
-                yield
+                with global_batch.on_global(self.rank, self.world, self.train.current):
+                    yield
             finally:
                 self.in_train_step = False
 
@@ -110,11 +112,13 @@ class RankSteps:
         def test_step(batch):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             n_real = self.test.current[0] if self.test is not None else data.num_rows(x)
-            if replica._call_has_training_arg:
-                y_pred = replica(x, training=False)
-            else:
-                y_pred = replica(x)
             n_global = self.test.current[1] if self.test is not None else n_real
+            rows = self.test.current if self.test is not None else None
+            with global_batch.on_global(self.rank, self.world, rows):
+                if replica._call_has_training_arg:
+                    y_pred = replica(x, training=False)
+                else:
+                    y_pred = replica(x)
             self._track_loss(replica, x, y, y_pred, sample_weight, False, n_real, n_global)
             if not n_real:
                 return replica.get_metrics_result()

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from kmgpu import models
+from kmgpu.engines import global_losses
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.messages import ModelSpec, StateLayout
 
@@ -89,6 +90,7 @@ def build(spec, world, lr_scale):
         if not replica.built and spec.build_config:
             replica.build_from_config(spec.build_config)
         models.load_carried(replica, spec.carried)
+        global_losses.install(replica)  # layers adding losses: on the global batch
         fixed = models.fixed_batch(replica)
         if fixed is not None:  # this rank's B/N state rows
             replica = models.clone_at(replica, fixed // world)

@@ -1,0 +1,139 @@
+"""A model's own losses (``add_loss``) computed on the global batch, on TensorFlow and torch.
+
+On one device a layer's ``add_loss`` sees the whole batch. A replica's layer sees only the
+replica's rows, so a loss that is not a mean over rows (a sum, a batch statistic, a
+pairwise term, a branch on the data's values) adds up over the replicas to something else
+than one device's loss, and no weighing of the replicas' values can tell, batch by batch.
+kmgpu runs such a layer on the global batch instead. Every replica then holds the global
+batch's value of the loss and weighs it by its share of the rows
+(``keras_fixes.replica_loss``): the replicas' parts add up to one device's loss and
+gradient, whatever its form, on every batch.
+
+How (``install``): every layer of a replica written outside Keras (a subclassed model
+included) has its ``call`` wrapped. Outside a train or test step of several replicas the
+wrapper only calls it. Inside one (``on_global``, set by the engine's step with a
+``Batch``), a layer's first call runs on the replica's rows; when that call added a loss,
+the loss is dropped and the call runs again on the global batch, and from then on every
+call of it does:
+
+- its inputs (the tensors with the replica's rows) are gathered from every replica
+  (``Batch.gather``, a differentiable all-gather: the gradient of a replica's rows is
+  the sum of every replica's gradient of them, and every replica weighs its loss by its
+  share of the rows, the shares adding up to 1);
+- it runs on them, with the layers inside it (they see the global batch too);
+- its outputs (the tensors with the global batch's rows) are cut back to the replica's
+  rows (``Batch.mine``).
+
+Cost: such a layer runs on every replica on the whole global batch, and its inputs and
+their gradient cross between the replicas once per step; a layer that adds a loss from
+its inputs (the usual case) is small beside the model. A subclassed model that calls
+``add_loss`` itself runs whole on the global batch on every replica (``describe`` of a
+call says so: ``gathered``). JAX needs none of this: one jit runs over the sharded
+global batch.
+"""
+
+import contextlib
+import threading
+
+_NOW = threading.local()  # TensorFlow's replicas trace their steps in threads
+
+
+@contextlib.contextmanager
+def on_global(batch):
+    """Within the block (a replica's forward pass in a train or test step), the
+    wrapped layers that add losses run on the global batch through ``batch`` (a
+    ``Batch``; None: on the replica's rows, as Keras does)."""
+    before = getattr(_NOW, "batch", None)
+    _NOW.batch = batch
+    try:
+        yield
+    finally:
+        _NOW.batch = before
+
+
+class Batch:
+    """How one replica's step reaches the global batch; each engine makes its own.
+
+    ``gather(t)``: ``t`` (this replica's rows first) as the global batch's, in the
+    replicas' order, with the gradient described in the module. ``mine(t)``: this
+    replica's rows of the global-batch tensor ``t``. ``is_local(t)`` / ``is_global(t)``:
+    whether a tensor has this replica's rows / the global batch's rows in its first
+    axis (which call arguments are gathered, which outputs cut).
+    """
+
+    def gather(self, t):
+        raise NotImplementedError
+
+    def mine(self, t):
+        raise NotImplementedError
+
+    def is_local(self, t):
+        raise NotImplementedError
+
+    def is_global(self, t):
+        raise NotImplementedError
+
+
+def needs_wrapping(layer):
+    """True for a layer whose ``call`` is written outside Keras: only such code calls
+    ``add_loss`` in ways Keras's own layers do not (theirs: activity regularizers,
+    which Keras divides by the batch size, a mean over rows)."""
+    return not type(layer).__module__.startswith("keras.")
+
+
+def install(model):
+    """Wrap ``call`` of every layer of ``model`` (a replica) written outside Keras, the
+    model itself included (instance attributes: the classes are untouched)."""
+    for layer in model._flatten_layers(include_self=True):
+        if needs_wrapping(layer) and not getattr(layer.call, "_kmgpu_global", False):
+            _wrap(layer)
+
+
+def gathered(model):
+    """The names of ``model``'s layers that run on the global batch (found so far)."""
+    return [layer.name for layer in model._flatten_layers(include_self=True)
+            if getattr(layer.call, "_kmgpu_global", None) is not None
+            and layer.call._kmgpu_global["on"]]
+
+
+def _wrap(layer):
+    original = layer.call
+    found = {"on": False}  # the layer added a loss in a step: it runs on the global batch
+
+    def call(*args, **kwargs):
+        batch = getattr(_NOW, "batch", None)
+        if batch is None:
+            return original(*args, **kwargs)
+        if not found["on"]:
+            losses = layer._losses
+            before = len(losses)
+            out = original(*args, **kwargs)  # wrapped layers inside: their own check
+            if len(losses) == before:
+                return out
+            del losses[before:]  # of this replica's rows only: computed again below
+            found["on"] = True
+        return _on_global_batch(batch, original, args, kwargs)
+
+    call._kmgpu_global = found
+    object.__setattr__(layer, "call", call)
+
+
+def _on_global_batch(batch, original, args, kwargs):
+    import keras
+
+    def up(t):
+        return batch.gather(t) if _tensor(t) and batch.is_local(t) else t
+
+    def down(t):
+        return batch.mine(t) if _tensor(t) and batch.is_global(t) else t
+
+    args, kwargs = keras.tree.map_structure(up, (args, kwargs))
+    with on_global(None):  # the layers inside see the global batch as it is
+        out = original(*args, **kwargs)
+    return keras.tree.map_structure(down, out)
+
+
+def _tensor(t):
+    import keras
+
+    return t is not None and keras.ops.is_tensor(t) and len(t.shape) >= 1
