@@ -12,7 +12,7 @@ import math
 import warnings
 
 from kmgpu import models
-from kmgpu.engines import keras_fixes
+from kmgpu.engines import global_losses, keras_fixes
 
 BATCH_POLICIES = ("global", "per_replica")
 RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
@@ -99,6 +99,21 @@ class PlanText(str):
         return f"<kmgpu plan, {self.count(chr(10)) + 1} lines (printed above; str() for the text)>"
 
 
+def own_losses_text(backend, template, n):
+    """How the model's own losses (``add_loss``) reach one device's value."""
+    if n == 1:
+        return "as Keras (one replica)"
+    if backend == "jax":
+        return "on the global batch (one jit over the sharded batch)"
+    custom = [layer.name for layer in template._flatten_layers(include_self=True)
+              if global_losses.needs_wrapping(layer)]
+    if not custom:
+        return "Keras's own (means over rows: each replica weighs them by its share)"
+    shown = ", ".join(custom[:4]) + (f" and {len(custom) - 4} more" if len(custom) > 4 else "")
+    return (f"a layer written outside Keras ({shown}) that adds one runs on the global "
+            f"batch on each of the {n} replicas (its inputs all-gathered)")
+
+
 def describe(*, backend, engine, options, template, samples=None, batch_size=None, stateful="none"):
     """The plan, as text."""
     n = engine.num_replicas
@@ -124,6 +139,7 @@ def describe(*, backend, engine, options, template, samples=None, batch_size=Non
         ("BatchNorm", engine.batchnorm_mode()),
         *([("train step", step)] if (step := engine.train_step_mode(template)) else []),
         ("stateful RNNs", stateful),
+        ("own losses", own_losses_text(backend, template, n)),
         ("all-reduce/step", f"{_bytes(reduced)} (params {_bytes(params)} x 2(N-1)/N)"),
         ("memory/device", _memory(engine, options, template, params)),
     ]

@@ -34,8 +34,10 @@ global batch.
 
 import contextlib
 import threading
+import weakref
 
 _NOW = threading.local()  # TensorFlow's replicas trace their steps in threads
+_FOUND = weakref.WeakSet()  # the layers that run on the global batch
 
 
 @contextlib.contextmanager
@@ -60,6 +62,10 @@ class Batch:
     whether a tensor has this replica's rows / the global batch's rows in its first
     axis (which call arguments are gathered, which outputs cut).
     """
+
+    #: why no layer may run on the global batch in this step (None: they may); a layer
+    #: found adding a loss then stops the step with it
+    refuse = None
 
     def gather(self, t):
         raise NotImplementedError
@@ -90,7 +96,10 @@ def install(model):
 
 
 def gathered(model):
-    """The names of ``model``'s layers that run on the global batch (found so far)."""
+    """The names of ``model``'s layers that run on the global batch (found so far); no
+    walk over the layers while no layer of the process does (one GPU: every step)."""
+    if not _FOUND:
+        return []
     return [layer.name for layer in model._flatten_layers(include_self=True)
             if getattr(layer.call, "_kmgpu_global", None) is not None
             and layer.call._kmgpu_global["on"]]
@@ -111,11 +120,32 @@ def _wrap(layer):
             if len(losses) == before:
                 return out
             del losses[before:]  # of this replica's rows only: computed again below
+            _may_gather(layer, batch)
             found["on"] = True
+            _FOUND.add(layer)
         return _on_global_batch(batch, original, args, kwargs)
 
     call._kmgpu_global = found
     object.__setattr__(layer, "call", call)
+
+
+def _may_gather(layer, batch):
+    """Refuse a layer that adds a loss but cannot run on the global batch."""
+    import keras
+
+    if batch.refuse:
+        raise NotImplementedError(f"kmgpu: layer {layer.name!r} adds a loss (add_loss) "
+                                  f"and {batch.refuse}")
+    stateful = [inner.name for inner in layer._flatten_layers(include_self=True)
+                if isinstance(inner, keras.layers.RNN) and inner.stateful]
+    if stateful:
+        raise NotImplementedError(
+            f"kmgpu: layer {layer.name!r} adds a loss (add_loss) and holds the stateful "
+            f"RNN layer(s) {stateful}. kmgpu runs a layer that adds a loss on the global "
+            "batch so that the loss is one device's, but each replica keeps only its own "
+            "rows of a stateful RNN's states. Call add_loss in a layer of its own after "
+            "the RNN (on its outputs), or use the JAX backend (it computes the loss on "
+            "the global batch).")
 
 
 def _on_global_batch(batch, original, args, kwargs):

@@ -16,7 +16,7 @@ ROWS, BATCH = 30, 7
 
 
 class SumOverRows(keras.layers.Layer):
-    """Adds a sum over rows (what kmgpu weighed as a mean before the probe)."""
+    """Adds a sum over rows (what kmgpu once weighed as a mean)."""
 
     def call(self, x):
         self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))

@@ -3,10 +3,11 @@ they train as on one device, batch after batch (``engines/global_losses``: a lay
 adds a loss runs on the global batch on TensorFlow and torch; JAX computes every loss on
 the global batch).
 
-- ``SumOrMean``: a sum over rows when the batch's mean is positive, a mean otherwise. The
-  data makes a *later* batch take the branch one way on the whole batch and the other way
-  on a replica's part (on today's main before this module: weighed by the rule probed on
-  the first batches, silently, 1e-2 from one device);
+- ``SumOrMean``: a sum over rows when the batch's inputs have a positive mean, a mean
+  otherwise. The data makes a *later* batch take the branch one way on the whole batch
+  and the other way on a replica's part (before ``global_losses``, kmgpu probed a loss's
+  form on a call's first batches and weighed this one by that rule, silently: 5.9e-3
+  from one device on torch, 1.1e-2 on TensorFlow);
 - ``Spread``: a batch statistic (the variance over rows of the outputs), 0 on one row;
 - a subclassed model that calls ``add_loss`` in its own ``call``.
 
@@ -14,12 +15,14 @@ the global batch).
 (2 + 2 + 1 + 1 on torch; TensorFlow's split of a ``tf.data`` batch 2 + 2 + 2 + 0).
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import few_steps, rel_diff
 
 ROWS, BATCH = 78, 8
 
@@ -107,5 +110,111 @@ def test_evaluate_counts_the_global_batch_loss():
     reference, model = _functional(Spread), _functional(Spread)
     model.set_weights(reference.get_weights())
     one = reference.evaluate(x, y, batch_size=BATCH, verbose=0)
-    many = kmgpu.parallelize(model).evaluate(x, y, batch_size=BATCH, verbose=0)
+    parallel = kmgpu.parallelize(model)
+    many = parallel.evaluate(x, y, batch_size=BATCH, verbose=0)
     np.testing.assert_allclose(many, one, rtol=1e-5)
+    plan = str(parallel.describe(print_fn=lambda text: None))
+    assert re.search(r"own losses +on the global batch \(one jit" if keras.backend.backend()
+                     == "jax" else r"own losses .*\(spread_\d+\) that adds one runs on the "
+                     r"global batch on each of the 4 replicas", plan), plan
+
+
+# -- a model's own train_step (keras.io's guide), TensorFlow and torch --------------------
+def _own_step_model(loss="mse"):
+    backend = keras.backend.backend()
+
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            if backend == "torch":
+                import torch
+
+                self.zero_grad()
+                y_pred = self(x, training=True)
+                value = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                value.backward()
+                grads = [v.value.grad for v in self.trainable_weights]
+                with torch.no_grad():
+                    self.optimizer.apply(grads, self.trainable_weights)
+            else:
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    y_pred = self(x, training=True)
+                    value = self.compute_loss(x=x, y=y, y_pred=y_pred)
+                grads = tape.gradient(value, self.trainable_weights)
+                self.optimizer.apply(grads, self.trainable_weights)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(value)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = OwnStep(inputs, keras.layers.Dense(1)(Spread()([inputs, h])))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss)
+    return model
+
+
+def _own_step_equals_one_device():
+    """Batches of 7 on 4 devices (2 + 2 + 2 + 1 rows): the replicas' gradients are
+    weighed by their shares, and the gathered rows' gradient counts once."""
+    x, y = _data()
+    reference, model = _own_step_model(), _own_step_model()
+    reference.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    kmgpu.parallelize(model).fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def _stateful_layer_adding_a_loss_is_refused():
+    """A layer that adds a loss and holds a stateful LSTM cannot run on the global batch
+    (each replica keeps its own state rows): refused at the first step, the model
+    untouched."""
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lstm = keras.layers.LSTM(3, stateful=True)
+
+        def build(self, input_shape):
+            self.lstm.build(input_shape)
+
+        def call(self, x):
+            h = self.lstm(x)
+            self.add_loss(keras.ops.mean(keras.ops.var(h, axis=0)))
+            return h
+
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input(batch_shape=(8, 2, 3))
+    model = keras.Model(inputs, keras.layers.Dense(1)(Block()(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 2, 3)).astype("float32"), rng.normal(size=(16, 1))
+    before = model.get_weights()
+    with few_steps(), pytest.raises(NotImplementedError, match="holds the stateful RNN"):
+        kmgpu.parallelize(model).fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                                     verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def _own_train_step_with_a_summed_loss_is_refused():
+    """torch weighs the gradients of a model's own train_step by each rank's share after
+    the backward pass; a summed compiled loss has shares of 1, so a loss every rank adds
+    whole would count 4 times in its layer's weights: refused at the first step."""
+    x, y = _data()
+    model = _own_step_model(loss=keras.losses.MeanSquaredError(reduction="sum"))
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match="reduced by 'sum'"):
+        kmgpu.parallelize(model).fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+if keras.backend.backend() != "jax":  # JAX: the whole step is one jit over the global batch
+    test_own_train_step_equals_one_device = _own_step_equals_one_device
+    test_stateful_layer_adding_a_loss_is_refused = _stateful_layer_adding_a_loss_is_refused
+if keras.backend.backend() == "torch":  # TensorFlow weighs the loss itself, not the gradients
+    test_own_train_step_with_a_summed_loss_is_refused = \
+        _own_train_step_with_a_summed_loss_is_refused

@@ -1,8 +1,6 @@
 """``kmgpu launch`` with TensorFlow: 2 hosts x 1 process on 127.0.0.1, one TF_CONFIG
 per worker, ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
-import re
-
 from tests.launch import nodes
 
 
@@ -13,8 +11,8 @@ def test_two_hosts_match_one_process_and_stop_when_one_dies(tmp_path):
     for r in run["results"]:
         # a generator fed per replica (as are a PyDataset and a DataLoader): Keras's
         # adapters gave each worker whole batches of its own (0.70-0.96 from one
-        # process); each batch is checked on its way
+        # process); an own loss, 0 on one row, on a last batch split 2 + 1 (refused
+        # before the layer ran on the global batch)
         sources = r["sources"]
         assert sources["first fit"] < 1e-5, r
-        assert re.search(r"batch 9 .*on a batch's 3 rows", sources["refused"]), r
-        assert sources["before the refused batch"] < 1e-5, r
+        assert sources["second fit"] < 1e-5, r

@@ -26,11 +26,14 @@ PATCHES = [
      "weight y_pred.shape[0], None in a traced step, so every replica counts alike"),
     ("keras.src.metrics.reduction_metrics", "Mean.update_state",
      "replaced on the per-output loss trackers, same"),
-    ("keras.src.layers.layer", "Layer._losses",
-     "per_thread_losses: a layer keeps the losses its call added in one list, shared by "
-     "tf.distribute's replica threads; they take turns at every all-reduce, and a "
-     "layer run on the global batch (global_losses) all-gathers within the forward pass, "
-     "so one replica's losses would be read, or cleared, by another"),
+    ("keras.src.layers.layer", "Layer.add_loss",
+     "per_thread_losses: a layer keeps the losses its call added in one list (_losses, "
+     "an instance attribute), shared by tf.distribute's replica threads; they take "
+     "turns at every all-reduce, and a layer run on the global batch (global_losses) "
+     "all-gathers within the forward pass, so one replica's losses would be read, or "
+     "cleared, by another"),
+    ("keras.src.layers.layer", "Layer._get_own_losses", "same: what reads _losses"),
+    ("keras.src.layers.layer", "Layer._clear_losses", "same: what clears it"),
     ("keras.src.utils.python_utils", "pythonify_logs",
      "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
      "mean of each replica's own metric results, wrong when a batch splits unevenly; "

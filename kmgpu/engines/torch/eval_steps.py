@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from kmgpu.engines import global_losses
 from kmgpu.engines.torch import cuda_graphs, flat_layout, graphs, keras_fixes
 
 #: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
@@ -104,7 +105,8 @@ class CapturedEval:
 
     def _may_capture(self, kind):
         return (kind not in self.reason and graphs.available(self.device)
-                and sum(k[0] == kind for k in self.graphs) < graphs.MAX_GRAPHS)
+                and sum(k[0] == kind for k in self.graphs) < graphs.MAX_GRAPHS
+                and not global_losses.gathered(self.model))  # all-gathers: eager
 
     def _eager(self, kind, batch):
         fn = self._fn(kind)

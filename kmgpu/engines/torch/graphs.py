@@ -40,6 +40,7 @@ import os
 import keras
 import torch
 
+from kmgpu.engines import global_losses
 from kmgpu.engines.torch import cuda_graphs, keras_fixes, split_step
 from kmgpu.engines.torch.split_step import (  # noqa: F401 (graphs.SplitStep etc.)
     FlatBuffers, SplitStep, _map, _num_rows, _unpack)
@@ -211,7 +212,8 @@ class CapturedStep:
 
     def may_capture(self):
         return (self.reason is None and available(self.device)
-                and len(self.graphs) < MAX_GRAPHS)
+                and len(self.graphs) < MAX_GRAPHS
+                and not global_losses.gathered(self.split.model))  # all-gathers: eager
 
     def train_step(self, data):
         """Keras's ``train_step(data)``: one step, replayed, captured or eager."""

@@ -23,7 +23,7 @@ and logs a step returns under a metric's name are read from that metric.
 import keras
 import torch
 
-from kmgpu.engines.torch import collectives
+from kmgpu.engines.torch import collectives, global_batch
 
 
 class OwnSteps:
@@ -72,7 +72,8 @@ class OwnSteps:
                          for v in m.variables]
             self.rows, self.share = rows, self._share(replica, data, rows)
             try:
-                logs = step(data)
+                with self._global_batch(which):
+                    logs = step(data)
             finally:
                 self.rows = self.share = None
             if saved is not None:
@@ -82,6 +83,27 @@ class OwnSteps:
             return logs
 
         return own_step
+
+    def _global_batch(self, which):
+        """Layers that add a loss run on the global batch (``global_losses``); each
+        rank's step adds the global value whole and its gradients are weighed by
+        ``share`` before they are summed (``global_batch.RankBatch``'s ``weight``). The
+        layer's own weights then get ``sum(share) = 1`` times the gradient: one device's
+        for a mean ("rows", "weights"); a sum's shares are 1 each, so such a model is
+        refused."""
+        s = self.strategy
+        if which == "test":
+            return global_batch.on_global(s.rank, s.world, self.rows)
+        refuse = None
+        if self.kind in ("sum", "none"):
+            refuse = (f"the model has its own train_step with a compiled loss reduced by "
+                      f"{self.kind!r}: each of the {s.world} ranks adds the global batch's "
+                      "loss whole and its gradients count whole, so the layer's weights "
+                      f"would get {s.world} times one device's gradient. Give the "
+                      "compiled loss a mean reduction (the default), use Keras's own "
+                      "train_step, or use the JAX backend.")
+        return global_batch.on_global(s.rank, s.world, self.rows, weight=self.share or 0.0,
+                                      refuse=refuse)
 
     def _share(self, replica, data, rows):
         """This rank's weight in the step's global loss (``replica_share``, the rule of
