@@ -144,7 +144,15 @@ def clone(template):
             if build_config:
                 replica.build_from_config(build_config)
         load_carried(replica, carried(template))
-    global_losses.install(replica)  # layers adding losses: on the global batch
+    return replica
+
+
+def replica_of(template, rows=None):
+    """A replica of ``template`` (``clone``; ``clone_at`` ``rows`` for a stateful RNN
+    model's fixed batch): its layers that add a loss run on the global batch inside
+    kmgpu's steps (``global_losses.install``)."""
+    replica = clone(template) if rows is None else clone_at(template, rows)
+    global_losses.install(replica)
     return replica
 
 
@@ -383,7 +391,6 @@ def clone_at(model, batch_size):
     with keras.saving.custom_object_scope(custom_objects(model)):
         new = keras.models.clone_model(model, input_tensors=inputs)
         load_carried(new, carried(model))
-    global_losses.install(new)
     return new
 
 

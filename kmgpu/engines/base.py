@@ -174,8 +174,8 @@ class InProcessEngine(Engine):
             self.replica, self._built_from = None, None
             with self.scope(), models.host_random_kept():
                 fixed = models.fixed_batch(template)
-                replica = (models.clone(template) if fixed is None
-                           else models.clone_at(template, self.replica_batch(fixed)))
+                replica = models.replica_of(
+                    template, None if fixed is None else self.replica_batch(fixed))
                 self.prepare_replica(replica, template)
                 if template.compiled:
                     models.compile_like(replica, template, lr_scale)

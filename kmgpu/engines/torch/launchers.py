@@ -333,8 +333,8 @@ class InProcessLauncher(Launcher):
         if self.replica is None or call.key != self._built_key:
             with models.host_random_kept():
                 fixed = models.fixed_batch(template)
-                replica = (models.clone(template) if fixed is None
-                           else models.clone_at(template, fixed // self.strategy.world))
+                replica = models.replica_of(
+                    template, None if fixed is None else fixed // self.strategy.world)
                 if template.compiled:
                     models.compile_like(replica, template, call.lr_scale)
                 self.strategy.tf32 = call.tf32

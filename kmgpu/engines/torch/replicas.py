@@ -90,10 +90,10 @@ def build(spec, world, lr_scale):
         if not replica.built and spec.build_config:
             replica.build_from_config(spec.build_config)
         models.load_carried(replica, spec.carried)
-        global_losses.install(replica)  # layers adding losses: on the global batch
         fixed = models.fixed_batch(replica)
         if fixed is not None:  # this rank's B/N state rows
             replica = models.clone_at(replica, fixed // world)
+        global_losses.install(replica)  # layers adding losses: on the global batch
         if spec.compile_config is not None:
             _compile(replica, spec.compile_config, lr_scale)
             models.load_carried(replica, spec.carried, compiled=True)
