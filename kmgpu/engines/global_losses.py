@@ -89,10 +89,42 @@ def needs_wrapping(layer):
 
 def install(model):
     """Wrap ``call`` of every layer of ``model`` (a replica) written outside Keras, the
-    model itself included (instance attributes: the classes are untouched)."""
+    model itself included, and every activity regularizer that is not one of Keras's
+    sums over the entries (``L1``, ``L2``, ``L1L2``; Keras divides it by the batch
+    size, a mean over rows): a regularizer written outside them runs on the global
+    batch's outputs (``_GlobalRegularizer``). Instance attributes: the classes are
+    untouched."""
+    import keras
+
+    sums = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
     for layer in model._flatten_layers(include_self=True):
         if needs_wrapping(layer) and not getattr(layer.call, "_kmgpu_global", False):
             _wrap(layer)
+        regularizer = getattr(layer, "activity_regularizer", None)
+        if regularizer is not None and type(regularizer) not in sums \
+                and not isinstance(regularizer, _GlobalRegularizer):
+            object.__setattr__(layer, "activity_regularizer", _GlobalRegularizer(regularizer))
+
+
+class _GlobalRegularizer:
+    """An activity regularizer computed on the global batch's outputs inside a step:
+    Keras divides its value by the replica's rows, so it returns the global value times
+    ``rows here / global rows`` (the replica then holds the global value over the global
+    batch's rows, one device's, and weighs it by its share)."""
+
+    def __init__(self, regularizer):
+        self.regularizer = regularizer
+
+    def __call__(self, output):
+        import keras
+
+        batch = getattr(_NOW, "batch", None)
+        if batch is None or not _tensor(output) or not batch.is_local(output):
+            return self.regularizer(output)
+        everyone = batch.gather(output)
+        value = self.regularizer(everyone)
+        here = keras.ops.cast(keras.ops.shape(output)[0], value.dtype)
+        return value * here / keras.ops.cast(keras.ops.shape(everyone)[0], value.dtype)
 
 
 def gathered(model):

@@ -9,6 +9,7 @@ the global batch).
   form on a call's first batches and weighed this one by that rule, silently: 5.9e-3
   from one device on torch, 1.1e-2 on TensorFlow);
 - ``Spread``: a batch statistic (the variance over rows of the outputs), 0 on one row;
+- a script's own activity regularizer on a Keras layer (a variance over rows);
 - a subclassed model that calls ``add_loss`` in its own ``call``.
 
 78 rows in batches of 8 on 4 devices: 9 full batches (2 rows a replica) and one of 6
@@ -48,6 +49,18 @@ class Spread(keras.layers.Layer):
         return h
 
 
+class BatchVariance(keras.regularizers.Regularizer):
+    """An activity regularizer: the variance over rows times the rows (Keras divides an
+    activity regularizer by the batch size: the variance is what counts)."""
+
+    def __call__(self, x):
+        rows = keras.ops.cast(keras.ops.shape(x)[0], x.dtype)
+        return 0.5 * keras.ops.sum(keras.ops.var(x, axis=0)) * rows
+
+    def get_config(self):
+        return {}
+
+
 class OwnLossModel(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -65,6 +78,15 @@ def _functional(layer):
     inputs = keras.Input((3,))
     h = keras.layers.Dense(4, activation="tanh")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(layer()([inputs, h])))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def _regularized():
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh", activity_regularizer=BatchVariance())(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     return model
 
@@ -93,8 +115,9 @@ def _fit(model, x, y, parallel):
 
 
 @pytest.mark.parametrize("build", [lambda: _functional(SumOrMean),
-                                   lambda: _functional(Spread), _subclassed],
-                         ids=["value-dependent", "batch-statistic", "subclassed-model"])
+                                   lambda: _functional(Spread), _regularized, _subclassed],
+                         ids=["value-dependent", "batch-statistic", "activity-regularizer",
+                              "subclassed-model"])
 def test_own_loss_of_any_form_trains_as_one_device(build):
     x, y = _data()
     reference, model = build(), build()
