@@ -2,7 +2,7 @@
 (``kmgpu/engines/global_losses.py``). A script that prints a Markdown table, not a test.
 
     KERAS_BACKEND=<tensorflow|torch|jax> python benchmarks/own_losses.py [--quick]
-        [--devices 4 | --gpus] [--rounds 3]
+        [--devices 4 | --gpus] [--rounds 3] [--rows 8192]
 
 One process, ``kmgpu.parallelize(model, gpus=N)`` on N simulated CPU devices (``--gpus``:
 every GPU), an MLP
@@ -15,7 +15,7 @@ layer ``L`` adds ``1e-3 * sum(h**2) / rows``, in two variants of the same loss:
   global batch on TensorFlow and torch (its input all-gathered, its output cut back).
 
 Both train the same weights (the table gives their relative difference after the timed
-calls). Each call is ``fit(epochs=1)`` over 8192 rows in batches of 256 (32 steps), timed
+calls). Each call is ``fit(epochs=1)`` over 8192 rows (``--rows``) in batches of 256, timed
 in the order keras, custom, custom, keras per round after one untimed call of each; the
 table gives the medians in ms per step.
 """
@@ -59,6 +59,7 @@ def main():
     parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices")
     parser.add_argument("--gpus", action="store_true", help="every GPU instead")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="1 round, 2048 rows")
     args = parser.parse_args()
     import kmgpu
@@ -70,7 +71,7 @@ def main():
 
     from tests.helpers import rel_diff
 
-    rows = 2048 if args.quick else 8192
+    rows = 2048 if args.quick else args.rows
     rounds = 1 if args.quick else args.rounds
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 256)).astype("float32")
