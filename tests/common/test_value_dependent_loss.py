@@ -238,6 +238,18 @@ def _own_train_step_with_a_summed_loss_is_refused():
 if keras.backend.backend() != "jax":  # JAX: the whole step is one jit over the global batch
     test_own_train_step_equals_one_device = _own_step_equals_one_device
     test_stateful_layer_adding_a_loss_is_refused = _stateful_layer_adding_a_loss_is_refused
+def _split_step_equals_one_device():
+    """torch's split step (the default on GPUs; on a CPU with jit_compile=True) gathers
+    alike inside its forward pass."""
+    x, y = _data()
+    reference, model = _functional(SumOrMean), _functional(SumOrMean)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+    one, many = _fit(reference, x, y, parallel=False), _fit(model, x, y, parallel=True)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    np.testing.assert_allclose(many["val_loss"], one["val_loss"], rtol=1e-5)
+
+
 if keras.backend.backend() == "torch":  # TensorFlow weighs the loss itself, not the gradients
     test_own_train_step_with_a_summed_loss_is_refused = \
         _own_train_step_with_a_summed_loss_is_refused
+    test_split_step_equals_one_device = _split_step_equals_one_device
