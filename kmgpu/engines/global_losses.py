@@ -24,12 +24,17 @@ call of it does:
 - its outputs (the tensors with the global batch's rows) are cut back to the replica's
   rows (``Batch.mine``).
 
+An activity regularizer other than Keras's sums (``L1``, ``L2``, ``L1L2``, which Keras
+divides by the batch size: means over rows) is computed on the global batch's outputs
+alike (``_GlobalRegularizer``).
+
 Cost: such a layer runs on every replica on the whole global batch, and its inputs and
 their gradient cross between the replicas once per step; a layer that adds a loss from
-its inputs (the usual case) is small beside the model. A subclassed model that calls
-``add_loss`` itself runs whole on the global batch on every replica (``describe`` of a
-call says so: ``gathered``). JAX needs none of this: one jit runs over the sharded
-global batch.
+its inputs (the usual case) is small beside the model (``benchmarks/own_losses.py``). A
+subclassed model that calls ``add_loss`` itself runs whole on the global batch on every
+replica. ``describe()``'s "own losses" line names the layers that may gather. What cannot
+run so is refused at its first step (``_may_gather``). JAX needs none of this: one jit
+runs over the sharded global batch.
 """
 
 import contextlib
@@ -66,6 +71,8 @@ class Batch:
     #: why no layer may run on the global batch in this step (None: they may); a layer
     #: found adding a loss then stops the step with it
     refuse = None
+    #: a train step's (True) or a test step's (False)
+    training = True
 
     def gather(self, t):
         raise NotImplementedError
@@ -138,27 +145,56 @@ def gathered(model):
 
 
 def _wrap(layer):
+    """Wrap ``layer.call`` (the module says how). Its first call in a train step, and its
+    first in a test step, run on the replica's rows: a call that added no loss leaves
+    the layer so in that kind of step, and a later call there that adds one is refused
+    (the replicas decided on their own rows, and may have decided otherwise). A call
+    that added one has its variables' updates undone (a layer that updates a variable
+    in ``call`` updates it once per step, on the global batch, as on one device)."""
     original = layer.call
-    found = {"on": False}  # the layer added a loss in a step: it runs on the global batch
+    found = {"on": False, "none": set()}  # on: runs on the global batch; none: the kinds
+    # of step (training or not) whose first call added no loss
 
     def call(*args, **kwargs):
         batch = getattr(_NOW, "batch", None)
         if batch is None:
             return original(*args, **kwargs)
-        if not found["on"]:
-            losses = layer._losses
-            before = len(losses)
-            out = original(*args, **kwargs)  # wrapped layers inside: their own check
-            if len(losses) == before:
-                return out
-            del losses[before:]  # of this replica's rows only: computed again below
-            _may_gather(layer, batch)
-            found["on"] = True
-            _FOUND.add(layer)
+        if found["on"]:
+            return _on_global_batch(batch, original, args, kwargs)
+        losses, first = layer._losses, batch.training not in found["none"]
+        before = len(losses)
+        saved = _values(layer) if first else None
+        out = original(*args, **kwargs)  # wrapped layers inside: their own check
+        if len(losses) == before:
+            found["none"].add(batch.training)
+            return out
+        if not first:
+            raise NotImplementedError(
+                f"kmgpu: layer {layer.name!r} added a loss (add_loss) in a "
+                f"{'train' if batch.training else 'test'} step after one where it added "
+                "none: it decides in Python, by the data's values, whether to add one. "
+                "Each replica decided on its own rows, so they may disagree; kmgpu runs a "
+                "layer that adds a loss on the global batch from its first call on. Add "
+                "the loss on every call and choose its value with keras.ops.where, or use "
+                "the JAX backend.")
+        del losses[before:]  # of this replica's rows only: computed again below
+        for variable, value in saved:
+            variable.assign(value)
+        _may_gather(layer, batch)
+        found["on"] = True
+        _FOUND.add(layer)
         return _on_global_batch(batch, original, args, kwargs)
 
     call._kmgpu_global = found
     object.__setattr__(layer, "call", call)
+
+
+def _values(layer):
+    """(variable, a copy of its value) for ``layer``'s non-trainable variables (what a
+    call may update: moving statistics, counters, random seeds)."""
+    import keras
+
+    return [(v, keras.ops.copy(v.value)) for v in layer.non_trainable_variables]
 
 
 def _may_gather(layer, batch):

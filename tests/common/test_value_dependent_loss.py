@@ -253,3 +253,67 @@ if keras.backend.backend() == "torch":  # TensorFlow weighs the loss itself, not
     test_own_train_step_with_a_summed_loss_is_refused = \
         _own_train_step_with_a_summed_loss_is_refused
     test_split_step_equals_one_device = _split_step_equals_one_device
+
+
+class Centered(keras.layers.Layer):
+    """Keeps a moving mean of its inputs (updated in ``call``, training only) and adds the
+    mean squared distance from it: the moving mean must move once per step, by the global
+    batch's mean, as on one device."""
+
+    def build(self, input_shape):
+        self.moving = self.add_weight(shape=(input_shape[1][-1],), initializer="zeros",
+                                      trainable=False, name="moving")
+
+    def call(self, inputs, training=False):
+        _, h = inputs
+        if training:
+            self.moving.assign(0.9 * self.moving + 0.1 * keras.ops.mean(h, axis=0))
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h - self.moving)))
+        return h
+
+
+def test_a_variable_updated_in_call_moves_once_per_step():
+    """The layer's first call in a step runs on the replica's rows before kmgpu knows it
+    adds a loss; that call's update is undone, so the moving mean equals one device's."""
+    x, y = _data()
+    reference, model = _functional(Centered), _functional(Centered)
+    _fit(reference, x, y, parallel=False)
+    _fit(model, x, y, parallel=True)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    moving = [np.asarray(keras.ops.convert_to_numpy(m.layers[2].moving.value))
+              for m in (reference, model)]
+    np.testing.assert_allclose(moving[1], moving[0], rtol=1e-5, atol=1e-7)
+
+
+class AddsWhenPositive(keras.layers.Layer):
+    """Adds a loss only when the batch's mean is positive, decided in Python."""
+
+    def call(self, inputs):
+        x, h = inputs
+        if float(keras.ops.convert_to_numpy(keras.ops.mean(x))) > 0:
+            self.add_loss(0.01 * keras.ops.sum(keras.ops.square(h)))
+        return h
+
+
+def _python_branch_on_the_data_is_refused():
+    """Eager torch: the first batches add no loss; batch 3 adds one on the replica whose
+    rows have a positive mean (the others add none, they wait on it): the call is
+    refused there, not hung, the model left as before the call, and the next call runs."""
+    rng = np.random.default_rng(5)
+    x = -np.abs(rng.normal(size=(40, 3))).astype("float32")
+    x[24:26] *= -3.0  # batch 3: its first replica's rows positive, the batch's mean not
+    y = rng.normal(size=(40, 1)).astype("float32")
+    model = _functional(AddsWhenPositive)
+    before = model.get_weights()
+    with few_steps(), pytest.raises(NotImplementedError, match="decides in Python"):
+        kmgpu.parallelize(model).fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    x, y = _data()
+    reference, model = _functional(Spread), _functional(Spread)
+    _fit(reference, x, y, parallel=False)
+    _fit(model, x, y, parallel=True)
+    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+if keras.backend.backend() == "torch":  # eager: TensorFlow's steps are traced graphs
+    test_python_branch_on_the_data_is_refused = _python_branch_on_the_data_is_refused

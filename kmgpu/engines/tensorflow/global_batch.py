@@ -9,12 +9,14 @@ from kmgpu.engines import global_losses
 
 
 class ReplicaBatch(global_losses.Batch):
-    """Args: context: the replica context of the step; x: this replica's inputs."""
+    """Args: context: the replica context of the step; x: this replica's inputs;
+    training: a train step's (``global_losses.Batch.training``)."""
 
-    def __init__(self, context, x):
+    def __init__(self, context, x, training=True):
         import keras
         import tensorflow as tf
 
+        self.training = training
         first = [t for t in keras.tree.flatten(x) if t is not None][0]
         self.context, self.static = context, first.shape[0]
         self.rows = tf.shape(first)[0]
@@ -46,12 +48,12 @@ class ReplicaBatch(global_losses.Batch):
         return t[self._offset:self._offset + self.rows]
 
 
-def on_global(x):
-    """``global_losses.on_global`` for this replica's step on inputs ``x`` (nothing with
-    one replica or outside a replica context)."""
+def on_global(x, training=True):
+    """``global_losses.on_global`` for this replica's train (or test) step on inputs
+    ``x`` (nothing with one replica or outside a replica context)."""
     import tensorflow as tf
 
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1 or x is None:
         return contextlib.nullcontext()
-    return global_losses.on_global(ReplicaBatch(context, x))
+    return global_losses.on_global(ReplicaBatch(context, x, training))

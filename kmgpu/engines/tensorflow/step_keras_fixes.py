@@ -84,7 +84,7 @@ def test_step(self, data):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    with global_batch.on_global(x):
+    with global_batch.on_global(x, training=False):
         y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     _track_loss(self, x, y, y_pred, sample_weight, False)
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -210,13 +210,14 @@ def exact_custom_steps(model):
             keras_scale=replicas, own_losses=own_losses)[2]
         return exact + tf.stop_gradient(exact * (replicas - 1))
 
-    def within(step):
+    def within(step, training):
         def run(data):
             import keras
 
             inside.append(True)
             try:
-                with global_batch.on_global(keras.utils.unpack_x_y_sample_weight(data)[0]):
+                x = keras.utils.unpack_x_y_sample_weight(data)[0]
+                with global_batch.on_global(x, training):
                     return step(data)
             finally:
                 inside.pop()
@@ -225,7 +226,7 @@ def exact_custom_steps(model):
     model.compute_loss = exact_compute_loss
     for name in ("train_step", "test_step"):  # the user's own (keras.io's guide writes both)
         if not keeps_keras_step(model, name):
-            setattr(model, name, within(getattr(model, name)))
+            setattr(model, name, within(getattr(model, name), name == "train_step"))
 
 
 def weigh_output_losses(model):

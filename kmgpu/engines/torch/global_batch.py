@@ -14,10 +14,12 @@ class RankBatch(global_losses.Batch):
     """Args: rank, world: this rank and the group's size; n_real, n_global: the real
     rows of this rank's batch and the rows of the global batch; weight: the weight
     this rank's gradients get after the backward pass (``own_steps``: its share; None:
-    none, the rank's loss is weighed instead); refuse: ``global_losses.Batch.refuse``."""
+    none, the rank's loss is weighed instead); refuse, training: as
+    ``global_losses.Batch``'s."""
 
-    def __init__(self, rank, world, n_real, n_global, weight=None, refuse=None):
-        self.weight, self.refuse = weight, refuse
+    def __init__(self, rank, world, n_real, n_global, weight=None, refuse=None,
+                 training=True):
+        self.weight, self.refuse, self.training = weight, refuse, training
         self.lo, self.hi = data.split(n_global, world, rank)
         self.n_real, self.n_global = n_real, n_global
         self.local = n_real if n_real else 1  # the stand-in row

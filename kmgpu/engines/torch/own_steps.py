@@ -93,7 +93,7 @@ class OwnSteps:
         refused."""
         s = self.strategy
         if which == "test":
-            return global_batch.on_global(s.rank, s.world, self.rows)
+            return global_batch.on_global(s.rank, s.world, self.rows, training=False)
         refuse = None
         if self.kind in ("sum", "none"):
             refuse = (f"the model has its own train_step with a compiled loss reduced by "

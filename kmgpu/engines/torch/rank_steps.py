@@ -114,7 +114,7 @@ class RankSteps:
             n_real = self.test.current[0] if self.test is not None else data.num_rows(x)
             n_global = self.test.current[1] if self.test is not None else n_real
             rows = self.test.current if self.test is not None else None
-            with global_batch.on_global(self.rank, self.world, rows):
+            with global_batch.on_global(self.rank, self.world, rows, training=False):
                 if replica._call_has_training_arg:
                     y_pred = replica(x, training=False)
                 else:
