@@ -172,10 +172,11 @@ def _wrap(layer):
             raise NotImplementedError(
                 f"kmgpu: layer {layer.name!r} added a loss (add_loss) in a "
                 f"{'train' if batch.training else 'test'} step after one where it added "
-                "none: it decides in Python, by the data's values, whether to add one. "
-                "Each replica decided on its own rows, so they may disagree; kmgpu runs a "
-                "layer that adds a loss on the global batch from its first call on. Add "
-                "the loss on every call and choose its value with keras.ops.where, or use "
+                "none: it decides in Python whether to add one (by the data's values, or "
+                "by a setting changed during training). kmgpu runs a layer that adds a loss "
+                "on the global batch from its first call on, and the replicas, each on its "
+                "own rows, may not agree to start now. Add the loss on every call (times a "
+                "weight that is 0 until it applies, or chosen with keras.ops.where), or use "
                 "the JAX backend.")
         del losses[before:]  # of this replica's rows only: computed again below
         for variable, value in saved:
