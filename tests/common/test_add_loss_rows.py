@@ -68,8 +68,8 @@ def _fit(model, parallel=None, **kwargs):
 
 @pytest.mark.parametrize("compiled_loss", [True, False], ids=["with-compiled-loss",
                                                               "add-loss-only"])
-def test_sum_and_mean_over_rows_equal_one_device(compiled_loss):
-    layers = (SumOverRows, MeanOverRows)
+def test_sum_mean_and_batch_statistic_equal_one_device(compiled_loss):
+    layers = (SumOverRows, MeanOverRows, SquaredBatchMean)
     reference, model = _model(*layers, compiled_loss=compiled_loss), \
         _model(*layers, compiled_loss=compiled_loss)
     no_y = {} if compiled_loss else {"y": None}
@@ -86,13 +86,3 @@ def test_sum_and_mean_over_rows_equal_one_device(compiled_loss):
         np.testing.assert_allclose(
             parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
             reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-4)
-
-
-def test_batch_statistic_equals_one_device():
-    """The square of the batch's mean: neither a mean nor a sum over rows (refused on
-    TensorFlow and torch before ``global_losses``)."""
-    reference, model = _model(SquaredBatchMean), _model(SquaredBatchMean)
-    one = _fit(reference)
-    many = _fit(model, kmgpu.parallelize(model))
-    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-    np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)

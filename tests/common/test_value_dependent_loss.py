@@ -10,6 +10,7 @@ the global batch).
   from one device on torch, 1.1e-2 on TensorFlow);
 - ``Spread``: a batch statistic (the variance over rows of the outputs), 0 on one row;
 - a script's own activity regularizer on a Keras layer (a variance over rows);
+- ``Centered``: a moving mean updated in ``call`` beside its loss;
 - a subclassed model that calls ``add_loss`` in its own ``call``.
 
 78 rows in batches of 8 on 4 devices: 9 full batches (2 rows a replica) and one of 6
@@ -61,6 +62,23 @@ class BatchVariance(keras.regularizers.Regularizer):
         return {}
 
 
+class Centered(keras.layers.Layer):
+    """Keeps a moving mean of its inputs (updated in ``call``, training only) and adds the
+    mean squared distance from it: the moving mean must move once per step, by the global
+    batch's mean, as on one device."""
+
+    def build(self, input_shape):
+        self.moving = self.add_weight(shape=(input_shape[1][-1],), initializer="zeros",
+                                      trainable=False, name="moving")
+
+    def call(self, inputs, training=False):
+        _, h = inputs
+        if training:
+            self.moving.assign(0.9 * self.moving + 0.1 * keras.ops.mean(h, axis=0))
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h - self.moving)))
+        return h
+
+
 class OwnLossModel(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -82,10 +100,14 @@ def _functional(layer):
     return model
 
 
-def _regularized():
+def _combined():
+    """Every form at once: the activity regularizer on the first Dense, then SumOrMean,
+    Spread and Centered (defined below) on its outputs."""
     keras.utils.set_random_seed(8)
     inputs = keras.Input((3,))
     h = keras.layers.Dense(4, activation="tanh", activity_regularizer=BatchVariance())(inputs)
+    for layer in (SumOrMean, Spread, Centered):
+        h = layer()([inputs, h])
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     return model
@@ -114,11 +136,11 @@ def _fit(model, x, y, parallel):
     return history.history
 
 
-@pytest.mark.parametrize("build", [lambda: _functional(SumOrMean),
-                                   lambda: _functional(Spread), _regularized, _subclassed],
-                         ids=["value-dependent", "batch-statistic", "activity-regularizer",
-                              "subclassed-model"])
+@pytest.mark.parametrize("build", [_combined, _subclassed], ids=["layers", "subclassed-model"])
 def test_own_loss_of_any_form_trains_as_one_device(build):
+    """Weights, History and the moving mean ``Centered`` updates in ``call`` (its first
+    call in a step runs on the replica's rows before kmgpu knows it adds a loss; that
+    call's update is undone, so the mean moves once per step, as on one device)."""
     x, y = _data()
     reference, model = build(), build()
     one = _fit(reference, x, y, parallel=False)
@@ -126,20 +148,24 @@ def test_own_loss_of_any_form_trains_as_one_device(build):
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(many[key], one[key], rtol=1e-5)
+    moving = [[np.asarray(keras.ops.convert_to_numpy(v.value)) for v in m.non_trainable_weights]
+              for m in (reference, model)]
+    assert len(moving[0]) == (1 if build is _combined else 0)
+    for a, b in zip(*moving):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
 def test_evaluate_counts_the_global_batch_loss():
     x, y = _data()
-    reference, model = _functional(Spread), _functional(Spread)
-    model.set_weights(reference.get_weights())
+    reference, model = _combined(), _combined()
     one = reference.evaluate(x, y, batch_size=BATCH, verbose=0)
     parallel = kmgpu.parallelize(model)
     many = parallel.evaluate(x, y, batch_size=BATCH, verbose=0)
     np.testing.assert_allclose(many, one, rtol=1e-5)
     plan = str(parallel.describe(print_fn=lambda text: None))
     assert re.search(r"own losses +on the global batch \(one jit" if keras.backend.backend()
-                     == "jax" else r"own losses .*\(spread_\d+\) that adds one runs on the "
-                     r"global batch on each of the 4 replicas", plan), plan
+                     == "jax" else r"own losses .*\(sum_or_mean_\d+, spread_\d+, centered_\d+\) "
+                     r"that adds one runs on the global batch on each of the 4 replicas", plan), plan
 
 
 # -- a model's own train_step (keras.io's guide), TensorFlow and torch --------------------
@@ -238,11 +264,13 @@ def _own_train_step_with_a_summed_loss_is_refused():
 if keras.backend.backend() != "jax":  # JAX: the whole step is one jit over the global batch
     test_own_train_step_equals_one_device = _own_step_equals_one_device
     test_stateful_layer_adding_a_loss_is_refused = _stateful_layer_adding_a_loss_is_refused
+
+
 def _split_step_equals_one_device():
     """torch's split step (the default on GPUs; on a CPU with jit_compile=True) gathers
     alike inside its forward pass."""
     x, y = _data()
-    reference, model = _functional(SumOrMean), _functional(SumOrMean)
+    reference, model = _combined(), _combined()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
     one, many = _fit(reference, x, y, parallel=False), _fit(model, x, y, parallel=True)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
@@ -253,36 +281,6 @@ if keras.backend.backend() == "torch":  # TensorFlow weighs the loss itself, not
     test_own_train_step_with_a_summed_loss_is_refused = \
         _own_train_step_with_a_summed_loss_is_refused
     test_split_step_equals_one_device = _split_step_equals_one_device
-
-
-class Centered(keras.layers.Layer):
-    """Keeps a moving mean of its inputs (updated in ``call``, training only) and adds the
-    mean squared distance from it: the moving mean must move once per step, by the global
-    batch's mean, as on one device."""
-
-    def build(self, input_shape):
-        self.moving = self.add_weight(shape=(input_shape[1][-1],), initializer="zeros",
-                                      trainable=False, name="moving")
-
-    def call(self, inputs, training=False):
-        _, h = inputs
-        if training:
-            self.moving.assign(0.9 * self.moving + 0.1 * keras.ops.mean(h, axis=0))
-        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(h - self.moving)))
-        return h
-
-
-def test_a_variable_updated_in_call_moves_once_per_step():
-    """The layer's first call in a step runs on the replica's rows before kmgpu knows it
-    adds a loss; that call's update is undone, so the moving mean equals one device's."""
-    x, y = _data()
-    reference, model = _functional(Centered), _functional(Centered)
-    _fit(reference, x, y, parallel=False)
-    _fit(model, x, y, parallel=True)
-    assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
-    moving = [np.asarray(keras.ops.convert_to_numpy(m.layers[2].moving.value))
-              for m in (reference, model)]
-    np.testing.assert_allclose(moving[1], moving[0], rtol=1e-5, atol=1e-7)
 
 
 class AddsWhenPositive(keras.layers.Layer):
