@@ -150,7 +150,7 @@ def tracker_update(kind, local, part, rows, global_rows):
 
 
 def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows,
-                 sum_weights, keras_scale=1, own_losses=None):
+                 sum_weights, keras_scale=1):
     """This replica's loss, as one device computes it for its rows, and its part of
     the global batch's loss (``replica_share``).
 
@@ -165,11 +165,9 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
         sum_weights: ``sum_weights(w)`` is the scalar ``w`` summed over replicas (called
             only for "mean_with_sample_weight" with sample weights).
         keras_scale: what Keras divided a mean reduction and the model's own losses by
-            (tf.distribute: the number of replicas).
-        own_losses: ``model.losses`` as read right after this replica's forward pass
-            (TensorFlow's replicas trace in threads that share each layer's list of
-            losses and take turns at every all-reduce: read later, it may hold another
-            replica's). None: read here, before any all-reduce.
+            (tf.distribute: the number of replicas). The model's own losses are read
+            from ``model.losses`` (TensorFlow's replica threads each keep their own:
+            ``tensorflow.step_keras_fixes.per_thread_losses``).
 
     Returns:
         (kind, local loss, part of the global loss).
@@ -178,7 +176,7 @@ def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows
     from keras import ops
     from keras.src.trainers.trainer import Trainer
 
-    own_losses = list(model.losses) if own_losses is None else own_losses
+    own_losses = list(model.losses)
     fraction = (rows / global_rows if isinstance(rows, (int, float))
                 else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
     own_terms = _own_terms(model, own_losses, rows, keras_scale)

@@ -99,13 +99,11 @@ def _track_loss(model, x, y, y_pred, sample_weight, training):
     from kmgpu.engines import keras_fixes as common
 
     context = tf.distribute.get_replica_context()
-    own_losses = list(model.losses)  # before the first all-reduce (replica_loss says why)
     rows = tf.cast(_rows(x), "float32")
     total = context.all_reduce("sum", rows)
     kind, local, part = common.replica_loss(
         model, x, y, y_pred, sample_weight, training, rows, total,
-        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync,
-        own_losses=own_losses)
+        lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
     if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
         local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
     value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
@@ -202,12 +200,12 @@ def exact_custom_steps(model):
         context = tf.distribute.get_replica_context()
         if not inside or rows is None or context is None or replicas == 1:
             return compute_loss(*args, **kwargs)
-        rows, own_losses = tf.cast(rows, "float32"), list(model.losses)
+        rows = tf.cast(rows, "float32")
         exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
             model, named.get("x"), named.get("y"), named.get("y_pred"),
             named.get("sample_weight"), named.get("training", True), rows,
             context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
-            keras_scale=replicas, own_losses=own_losses)[2]
+            keras_scale=replicas)[2]
         return exact + tf.stop_gradient(exact * (replicas - 1))
 
     def within(step, training):

@@ -111,9 +111,8 @@ class RankSteps:
     def _test_step(self, replica):
         def test_step(batch):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            n_real = self.test.current[0] if self.test is not None else data.num_rows(x)
-            n_global = self.test.current[1] if self.test is not None else n_real
             rows = self.test.current if self.test is not None else None
+            n_real, n_global = rows or (data.num_rows(x),) * 2
             with global_batch.on_global(self.rank, self.world, rows, training=False):
                 if replica._call_has_training_arg:
                     y_pred = replica(x, training=False)
