@@ -70,6 +70,8 @@ class JaxEngine(InProcessEngine):
         replica = super()._ensure_replica(template, lr_scale)
         if self.options.shard_optimizer:  # before its optimizer makes a variable
             zero.shard(getattr(replica, "optimizer", None), self.distribution)
+        # the replica's next step donates its variables: none may share an array
+        keras_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
         return replica
 
     def prepare_replica(self, replica, template):

@@ -32,6 +32,13 @@ PATCHES = [
     ("keras.src.backend.jax.core", "JaxVariable._direct_assign",
      "shard_optimizer=True: an optimizer variable built before is re-laid by setting its "
      "private _layout and assigning its value again (_direct_assign places it by _layout)"),
+    ("keras.src.optimizers.base_optimizer",
+     "BaseOptimizer._overwrite_model_variables_with_average_value",
+     "use_ema: fit's finalize_variable_values assigns each average's jax.Array itself to its "
+     "variable, so both hold one buffer; the replica stays resident, and its next train step "
+     "(donated arguments) gets that buffer twice: XLA refuses, and with several devices the "
+     "process dies (SIGSEGV). separate_ema_overwrite wraps it on the replica's optimizer "
+     "(instance attribute) to give each variable a copy"),
 ]
 
 
@@ -195,3 +202,28 @@ def lay_out_optimizer(optimizer, layout_of):
         if new is not None:
             v._layout = new
             v.assign(v.value)
+
+
+def separate_ema_overwrite(optimizer):
+    """``use_ema``: after Keras overwrites the variables with their averages (the end of
+    ``fit``), each variable holds a copy, not its average's own array.
+
+    Keras's ``_overwrite_model_variables_with_average_value`` assigns the average's
+    array; a variable and its average sharing one buffer reach the next donated train
+    step as two arguments. Replaces the method on ``optimizer`` (and a loss-scale
+    wrapper's inner optimizer, which does the overwrite) by an instance attribute.
+    """
+    import jax.numpy as jnp
+
+    name = "_overwrite_model_variables_with_average_value"
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or not getattr(opt, "use_ema", False) or name in vars(opt):
+            continue
+        original = getattr(opt, name)
+
+        def overwrite(trainable_variables, _original=original):
+            _original(trainable_variables)
+            for v in trainable_variables:
+                v.assign(jnp.copy(v.value))
+
+        object.__setattr__(opt, name, overwrite)
