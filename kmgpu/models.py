@@ -20,7 +20,7 @@ import sys
 
 import keras
 
-from kmgpu.engines import global_losses, keras_fixes
+from kmgpu.engines import global_losses, keras_fixes, user_objects
 
 
 def check_model(model):
@@ -129,22 +129,34 @@ def clone(template):
 
     Classes and functions the script defined without registering them (a layer, a
     loss, a metric...) are found on the template's own objects (``custom_objects``):
-    plain Keras never needs registration to fit, so kmgpu must not either.
+    plain Keras never needs registration to fit, so kmgpu must not either. A Python
+    lambda (a ``Lambda`` layer's) is the user's own function, not its bytecode
+    (``user_objects.live_config``).
     """
-    with keras.saving.custom_object_scope(custom_objects(template)):
+    custom = custom_objects(template)
+    with keras.saving.custom_object_scope(custom):
         replica = None
         if isinstance(template, keras.Sequential) or getattr(template, "_is_graph_network",
                                                              False):
-            replica = keras.models.clone_model(template)
+            replica = keras.models.clone_model(
+                template, clone_function=lambda layer: _clone_layer(layer, custom))
         if type(replica) is not type(template):  # subclassed; or a Sequential subclass,
             # which clone_model turns into a plain Sequential (dropping the user's train_step)
-            replica = template.__class__.from_config(template.get_config())
+            replica = _clone_layer(template, custom)
         if not replica.built:
             build_config = template.get_build_config()
             if build_config:
                 replica.build_from_config(build_config)
         load_carried(replica, carried(template))
     return replica
+
+
+def _clone_layer(layer, custom):
+    """``clone_model``'s default clone of a layer, with the user's live functions
+    (``custom``: the model's ``custom_objects``; a scope replaces the one around it)."""
+    config, live = user_objects.live_config(layer)
+    with keras.saving.custom_object_scope({**custom, **live}):
+        return layer.__class__.from_config(config)
 
 
 def replica_of(template, rows=None):
@@ -228,39 +240,28 @@ def custom_objects(template):
 def compile_args(template, lr_scale=(1.0, 0)):
     """The template's compile() arguments, with fresh optimizer and metric objects.
 
-    An optimizer or metric instance belongs to one model, so the replica gets copies
-    made from their configs; losses are stateless and shared. A learning-rate
-    schedule is wrapped in ``lr.ScaledSchedule`` when ``lr_scale`` = (factor,
-    warmup_steps) asks for scaling (a float rate is scaled by ``lr.LRScaling``).
+    An optimizer or metric instance belongs to one model, so the replica gets new ones
+    (``user_objects.compile_recipe``); losses are the user's own objects.
     """
     with keras.saving.custom_object_scope(custom_objects(template)):
-        return _compile_args(template, lr_scale)
+        args = user_objects.compile_args(user_objects.compile_recipe(template))
+    return scale_schedule(args, lr_scale)
 
 
-def _compile_args(template, lr_scale):
+def scale_schedule(args, lr_scale):
+    """``compile()`` arguments whose optimizer's LearningRateSchedule is wrapped in
+    ``lr.ScaledSchedule`` when ``lr_scale`` = (factor, warmup_steps) asks for scaling
+    (a float rate is scaled by ``lr.LRScaling``, a callback)."""
     from kmgpu import lr
 
-    args = dict(template._compile_config.config)
     optimizer = args.get("optimizer")
+    factor, warmup_steps = lr_scale
     if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        optimizer = optimizer.__class__.from_config(optimizer.get_config())
-        factor, warmup_steps = lr_scale
-        if lr.is_schedule(optimizer) and (factor != 1.0 or warmup_steps):
-            optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
-                                                        warmup_steps)
-        args["optimizer"] = optimizer
-    for key in ("metrics", "weighted_metrics"):
-        if args.get(key) is not None:
-            args[key] = keras.tree.map_structure(_fresh_metric, args[key])
+        args["optimizer"] = optimizer = keras.optimizers.get(optimizer)
+    if (factor != 1.0 or warmup_steps) and lr.is_schedule(optimizer):
+        optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
+                                                    warmup_steps)
     return args
-
-
-def _fresh_metric(metric):
-    if isinstance(metric, keras.metrics.Metric):
-        return metric.__class__.from_config(metric.get_config())
-    return metric
 
 
 def optimizer_state(optimizer):
@@ -388,8 +389,10 @@ def clone_at(model, batch_size):
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(batch_shape=(batch_size,) + tuple(t.shape[1:]), dtype=t.dtype),
         model.inputs[0] if isinstance(model, keras.Sequential) else model.input)
-    with keras.saving.custom_object_scope(custom_objects(model)):
-        new = keras.models.clone_model(model, input_tensors=inputs)
+    custom = custom_objects(model)
+    with keras.saving.custom_object_scope(custom):
+        new = keras.models.clone_model(model, input_tensors=inputs,
+                                       clone_function=lambda layer: _clone_layer(layer, custom))
         load_carried(new, carried(model))
     return new
 

@@ -224,3 +224,45 @@ def test_script_defined_classes_equal_one_device():
         optimizer="adam", loss=HalfAbsolute(), metrics=[RMSEOfProb()]), evaluate=False,
         **EVEN)
     assert "rmse_of_prob" in history
+
+
+# -- 4. what a config does not carry: the replicas run the user's own objects ----------
+SHIFT = 0.25  # a global the Lambda's function reads
+
+
+def _within(y_true, y_pred, tolerance=0.5):
+    return keras.ops.cast(keras.ops.abs(y_true - y_pred) < tolerance, "float32")
+
+
+class Within(keras.metrics.MeanMetricWrapper):
+    """A metric whose config drops an argument, as Keras's own ``Huber`` loss does."""
+
+    def __init__(self, tolerance=0.5, name="within", **kwargs):
+        super().__init__(_within, name=name, tolerance=tolerance, **kwargs)
+
+    def get_config(self):
+        return {"name": self.name, "dtype": self.dtype}
+
+
+def _with_lambdas():
+    factor = 1.5  # a closure
+
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Lambda(lambda t: keras.ops.tanh(t) * factor + SHIFT),
+        keras.layers.Dense(2)])
+
+
+def test_lambda_layers_and_dropped_config_arguments_equal_one_device():
+    """A Lambda layer with a Python lambda (a closure and a global), ``Huber(delta=0.2)``
+    (whose config drops delta) and a metric whose config drops its tolerance train as
+    the user made them: from their configs they would be refused (safe mode) or run
+    with the defaults (delta 1.0, tolerance 0.5)."""
+    history = _same_as_one_device(_with_lambdas, lambda: dict(
+        optimizer="adam", loss=keras.losses.Huber(delta=0.2),
+        metrics=[Within(tolerance=2.0)]), **EVEN)
+    rebuilt = Within.from_config(Within(tolerance=2.0).get_config())
+    rebuilt.update_state(np.zeros((4, 2)), np.ones((4, 2)))
+    assert float(rebuilt.result()) == 0.0  # what the replicas would count from the config
+    assert history["within"][0] > 0.5

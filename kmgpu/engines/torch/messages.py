@@ -23,15 +23,14 @@ END_MARK = b"\x1e\x1fkmgpu-call-end\x1f\x1e"
 class ModelSpec:
     """A model as config, for a worker to re-create it (``replicas.build``).
 
-    ``custom_objects`` is the pickled {name: class or function} the configs need,
-    or None when they could not be pickled: forked workers then inherit them
-    (``transport.INHERITED``).
+    ``objects`` is the pickled {"custom": {name: class or function} the config needs,
+    "compile": the compile recipe or None}, or None when they could not be pickled:
+    forked workers then inherit them (``transport.INHERITED``).
     """
 
     config: dict
     build_config: Optional[dict]
-    compile_config: Optional[dict]
-    custom_objects: Optional[bytes]
+    objects: Optional[bytes]
     carried: tuple = (None, None)  # models.carried(template): adapted layers, optimizer settings
 
 

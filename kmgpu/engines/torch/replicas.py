@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from kmgpu import models
-from kmgpu.engines import global_losses
+from kmgpu.engines import global_losses, user_objects
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.messages import ModelSpec, StateLayout
 
@@ -41,37 +41,56 @@ def replica_key(template, sync_batchnorm, lr_scale):
     return (models.identity(template), cls, compiled, bool(sync_batchnorm), tuple(lr_scale))
 
 
-# -- the model as config ----------------------------------------------------------------
+# -- the model as config, with the user's objects --------------------------------------
 def model_spec(template):
-    """The template as a ``ModelSpec`` for the workers.
+    """The template as a ``ModelSpec`` for the workers: its config with the user's own
+    lambdas in place (``user_objects.live_config``), and beside it, pickled by value,
+    the custom objects and the compile recipe (the user's losses themselves, each
+    metric's settings: ``user_objects.compile_recipe``).
 
-    Custom objects that cannot be pickled (a class defined inside a function, or in
-    a notebook without cloudpickle) are left in ``transport.INHERITED``: only
-    workers forked after this call have them.
+    What cannot be pickled (a class defined inside a function, or in a notebook
+    without cloudpickle) is left in ``transport.INHERITED``: only workers forked after
+    this call have it.
 
     Returns:
-        (ModelSpec, whether the workers must inherit the custom objects).
+        (ModelSpec, whether the workers must inherit the objects).
     """
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)
-    custom = models.custom_objects(template)
+    config, live = user_objects.live_config(template, serialized)
+    custom = {**models.custom_objects(template), **live}
+    with keras.saving.custom_object_scope(custom):
+        recipe = user_objects.compile_recipe(template) if template.compiled else None
+    objects = {"custom": custom, "compile": recipe}
     try:
-        blob = transport.dumps(custom)
+        blob = transport.dumps(objects)
         pickle.loads(blob)
     except Exception:
         blob = None
-    spec = ModelSpec(config=serialized, build_config=template.get_build_config(),
-                     compile_config=template.get_compile_config() if template.compiled
-                     else None, custom_objects=blob, carried=models.carried(template))
+    spec = ModelSpec(config=config, build_config=template.get_build_config(),
+                     objects=blob, carried=models.carried(template))
     if blob is None:
-        transport.INHERITED["custom_objects"] = custom
+        transport.INHERITED["objects"] = objects
     return spec, blob is None
+
+
+def unpicklable(objects):
+    """The names of the custom objects, losses and metrics in ``model_spec``'s objects
+    that cannot be pickled, for an error message."""
+    names = []
+    leaves = list(objects["custom"].items())
+    for key, value in (objects["compile"] or {}).items():
+        leaves += [(f"compile {key}", leaf) for leaf in keras.tree.flatten(value)]
+    for name, obj in leaves:
+        try:
+            pickle.loads(transport.dumps(obj))
+        except Exception:
+            names.append(f"{name} ({getattr(obj, '__qualname__', type(obj).__name__)})")
+    return names
 
 
 def build(spec, world, lr_scale):
     """In a worker: a compiled replica from a ModelSpec, with this rank's B/N state rows.
-
-    The model is re-created with Keras's safe mode (as ``keras.saving.load_model``).
 
     Args:
         spec: the ModelSpec.
@@ -81,11 +100,11 @@ def build(spec, world, lr_scale):
     Returns:
         The replica (its weights come next, from the state file).
     """
-    if spec.custom_objects is not None:
-        custom = pickle.loads(spec.custom_objects)
+    if spec.objects is not None:
+        objects = pickle.loads(spec.objects)
     else:  # they could not be pickled: this worker was forked after they existed
-        custom = dict(transport.INHERITED["custom_objects"])
-    with keras.saving.custom_object_scope(custom):
+        objects = transport.INHERITED["objects"]
+    with keras.saving.custom_object_scope(objects["custom"]):
         replica = keras.saving.deserialize_keras_object(spec.config)
         if not replica.built and spec.build_config:
             replica.build_from_config(spec.build_config)
@@ -94,26 +113,11 @@ def build(spec, world, lr_scale):
         if fixed is not None:  # this rank's B/N state rows
             replica = models.clone_at(replica, fixed // world)
         global_losses.install(replica)  # layers adding losses: on the global batch
-        if spec.compile_config is not None:
-            _compile(replica, spec.compile_config, lr_scale)
+        if objects["compile"] is not None:
+            args = user_objects.compile_args(objects["compile"])
+            replica.compile(**models.scale_schedule(args, lr_scale))
             models.load_carried(replica, spec.carried, compiled=True)
     return replica
-
-
-def _compile(replica, compile_config, lr_scale):
-    """``compile_from_config``, with a LearningRateSchedule scaled as kmgpu.lr says."""
-    from kmgpu import lr
-
-    config = keras.saving.deserialize_keras_object(compile_config)
-    optimizer = config.get("optimizer")
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
-    factor, warmup_steps = lr_scale
-    if (factor != 1.0 or warmup_steps) and lr.is_schedule(optimizer):
-        optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
-                                                    warmup_steps)
-    config["optimizer"] = optimizer
-    replica.compile(**config)
 
 
 # -- weights, optimizer state, learning rate as arrays ----------------------------------

@@ -32,8 +32,8 @@ try:  # classes and functions defined in __main__ / a notebook travel by value
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
-#: what forked workers inherit instead of receiving it pickled (custom objects)
-INHERITED = {"custom_objects": {}}
+#: what forked workers inherit instead of receiving it pickled (``replicas.model_spec``)
+INHERITED = {"objects": None}
 
 _LIVE_PATHS = set()  # files and folders kmgpu made; removed at the latest at exit
 _SWEPT = []
