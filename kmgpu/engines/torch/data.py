@@ -197,6 +197,12 @@ def split(n, world, rank):
     return lo, lo + q + (1 if rank < rem else 0)
 
 
+def keras_batch_size(n, steps=None):
+    """The batch Keras's array adapter takes when none is given: ``n`` rows in ``steps``
+    batches, else 32."""
+    return math.ceil(n / steps) if steps else 32
+
+
 def num_rows(structure):
     """The number of rows of a data structure (its first leaf's first axis)."""
     leaves = [leaf for leaf in keras.tree.flatten(structure) if leaf is not None]

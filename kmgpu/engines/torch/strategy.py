@@ -321,6 +321,8 @@ class DDPStrategy(RankSteps):
             else:
                 vsource = data.ArraySource(*keras.utils.unpack_x_y_sample_weight(
                     validation_data))
+                validation_batch_size = validation_batch_size or data.keras_batch_size(
+                    vsource.n, kwargs.get("validation_steps"))
             val = data.RankSlices(vsource, validation_batch_size, self.rank, self.world)
         self.train, self.collective = train, True
         try:
