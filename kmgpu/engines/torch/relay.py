@@ -25,6 +25,8 @@ TRAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end
 TEST_HOOKS = ("on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end")
 PREDICT_HOOKS = ("on_predict_begin", "on_predict_end", "on_predict_batch_begin",
                  "on_predict_batch_end")
+#: the batch hooks whose logs are the metrics so far (predict's are outputs)
+BATCH_END_LOGS = ("on_train_batch_end", "on_test_batch_end")
 _ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
 
 
@@ -88,13 +90,17 @@ class SyncCallback(keras.callbacks.Callback):
         snapshot: on rank 0, ``snapshot(model, epoch)`` (epoch -1: end of training).
         reload: ``reload(model)`` on every rank when the reply says the driver's
             callbacks changed the model's state (it loads and broadcasts it).
+        batch_logs: ``batch_logs(logs)`` on every rank: a step's logs as the metrics
+            summed over ranks (the model's ``_get_metrics_result_or_logs``); a relayed
+            batch-end hook gets them (in place, so the progress bar shows them too).
     """
 
-    def __init__(self, rank, device, relayed=(), relay=None, snapshot=None, reload=None):
+    def __init__(self, rank, device, relayed=(), relay=None, snapshot=None, reload=None,
+                 batch_logs=None):
         super().__init__()
         self.rank, self.device = rank, device
         self.relayed, self.relay, self.snapshot = set(relayed), relay, snapshot
-        self.reload = reload
+        self.reload, self.batch_logs = reload, batch_logs
         self.epoch, self.saved_epoch = None, None
         hooks = set(self.relayed)
         if snapshot is not None:
@@ -132,6 +138,11 @@ class SyncCallback(keras.callbacks.Callback):
                 self.snapshot(self.model, -1)
         if hook not in self.relayed:
             return
+        if (self.batch_logs is not None and hook in BATCH_END_LOGS
+                and isinstance(logs, dict)):
+            # the step returned this rank's running means: one device's are the sums
+            # over ranks (a collective on every rank, as the epoch's logs)
+            logs.update(plain_logs(self.batch_logs(logs)))
         # stop, has lr, lr, abort, reload the state, initial epoch (-1: None)
         values = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
         if self.rank == 0:

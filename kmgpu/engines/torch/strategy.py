@@ -226,7 +226,8 @@ class DDPStrategy(RankSteps):
             self.broadcast_state(model)
 
         sync = SyncCallback(self.rank, self.device, hooks, relay,
-                            snapshot if method == "fit" else None, reload_everywhere)
+                            snapshot if method == "fit" else None, reload_everywhere,
+                            batch_logs=replica._get_metrics_result_or_logs)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
         if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
             from kmgpu.engines.torch import zero
