@@ -71,23 +71,35 @@ def nbytes(kwargs):
 
 def _read_for_ranks(method, kwargs, make_feed, keep, template):
     """Replace the datasets the ranks cannot index (``feeds.reads_itself``) in a call's
-    arguments: fit's training data by ``make_feed(x, steps_per_epoch, passes)`` (one
-    pass per epoch, not shuffled: Keras does not shuffle these), every other one by
-    ``keep(batches)`` of one pass (``steps`` / ``validation_steps`` batches). The
-    user's ``template`` is built from them as Keras's fit and evaluate build it."""
+    arguments. In fit, ``make_feed(passes, train, validation)`` returns what replaces
+    the training data (one pass per epoch, not shuffled: Keras does not shuffle these)
+    and the validation data (one pass per validation); ``train`` is (x,
+    steps_per_epoch, template) and ``validation`` (data, validation_steps, the epochs
+    that validate, from the fit's first), each None where the ranks index the data.
+    evaluate's and predict's ``x`` becomes ``keep(batches)`` of one pass (``steps``
+    batches). The user's ``template`` is built from them as Keras's fit and evaluate
+    build it."""
     out = dict(kwargs)
-    x = kwargs.get("x")
-    if feeds.reads_itself(x):
-        if method == "fit":
-            passes = int(kwargs.get("epochs", 1)) - int(kwargs.get("initial_epoch", 0) or 0)
-            out["x"] = make_feed(x, out.pop("steps_per_epoch", None), max(passes, 1))
+    x, vd = kwargs.get("x"), kwargs.get("validation_data")
+    if method == "fit" and (feeds.reads_itself(x) or feeds.reads_itself(vd)):
+        start = int(kwargs.get("initial_epoch", 0) or 0)
+        epochs = int(kwargs.get("epochs", 1))
+        train = validation = None
+        if feeds.reads_itself(x):
+            train = (x, out.pop("steps_per_epoch", None), template)
             out["shuffle"] = False
-        else:
-            out["x"] = keep(feeds.one_pass(x, kwargs.get("steps"),
-                                           template if method == "evaluate" else None))
-    vd = kwargs.get("validation_data")
-    if feeds.reads_itself(vd):
-        out["validation_data"] = keep(feeds.one_pass(vd, kwargs.get("validation_steps")))
+        if feeds.reads_itself(vd):
+            freq = kwargs.get("validation_freq", 1)
+            validation = (vd, kwargs.get("validation_steps"), [
+                e - start for e in range(start, epochs) if feeds.validates(e, freq)])
+        x_out, vd_out = make_feed(max(epochs - start, 1), train, validation)
+        if train is not None:
+            out["x"] = x_out
+        if validation is not None:
+            out["validation_data"] = vd_out
+    elif feeds.reads_itself(x):
+        out["x"] = keep(feeds.one_pass(x, kwargs.get("steps"),
+                                       template if method == "evaluate" else None))
     return out
 
 
@@ -102,14 +114,14 @@ def ship(kwargs, files, method, template):
 
     Returns:
         (the same arguments with arrays as files, a PyDataset pickled (or stored) and
-        other datasets read here; the ``feeds.Feed`` of fit's training data or None).
+        other datasets read here; the ``feeds.Feed`` of fit's data or None).
         The caller closes the feed after the call.
     """
     made = []
 
-    def make_feed(x, steps_per_epoch, passes):
-        made.append(feeds.Feed(x, steps_per_epoch, passes, files, template))
-        return pickle.dumps(made[-1].remote())
+    def make_feed(passes, train, validation):
+        made.append(feeds.Feed(files, passes, train, validation))
+        return tuple(None if r is None else pickle.dumps(r) for r in made[-1].remote())
 
     try:
         out = _read_for_ranks(method, kwargs, make_feed,
@@ -168,9 +180,12 @@ def as_numpy(value):
 def local(kwargs, method, template):
     """In-process: a call's arguments for this rank: arrays as NumPy, datasets other
     than a PyDataset read here (each process has the same data)."""
-    out = _read_for_ranks(method, kwargs,
-                          lambda x, steps, passes: feeds.LocalStream(x, steps, template),
-                          feeds.Batches, template)
+    def make_feed(passes, train, validation):
+        return (None if train is None else feeds.LocalStream(*train),
+                None if validation is None else feeds.LocalStream(
+                    *validation[:2], validation=True))
+
+    out = _read_for_ranks(method, kwargs, make_feed, feeds.Batches, template)
     return {k: (as_numpy(v) if k in DATA_KEYS else v) for k, v in out.items()}
 
 
@@ -293,10 +308,15 @@ class RankSlices(keras.utils.PyDataset):
         self.current = (0, 0)
         self._passes = 0
         self._order = None
-        self._len = source.num_batches(batch_size)
 
-    def __len__(self):
-        return self._len
+    def __len__(self):  # a validation pass read for the ranks has its own length
+        return self.source.num_batches(self.batch_size)
+
+    def next_pass(self):
+        """Fit's validation begins: data read for the ranks moves to its next pass."""
+        dataset = getattr(self.source, "dataset", None)
+        if hasattr(dataset, "next_pass"):
+            dataset.next_pass()
 
     def on_epoch_begin(self):
         self._passes += 1
@@ -311,7 +331,7 @@ class RankSlices(keras.utils.PyDataset):
         # Keras's own draws (``shuffle.order``); every rank starts the call from the
         # driver's random states, so the permutation is the same on every rank.
         if isinstance(self.source, DatasetSource):
-            return shuffle.order(None, None, self.shuffle, batches=self._len)
+            return shuffle.order(None, None, self.shuffle, batches=len(self))
         return shuffle.order(self.source.n, self.batch_size, self.shuffle)
 
     def steps_rows(self, s):

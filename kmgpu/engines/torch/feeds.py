@@ -2,18 +2,20 @@
 
 A ``keras.utils.PyDataset`` is indexed batch by batch on every rank (``data``).
 Anything else that brings its own batches (``checks.is_dataset``) is read here with
-Keras's own ``EpochIterator``, so every epoch holds exactly the batches Keras's fit
-on one device would take (a ``tf.data`` shuffle reshuffled each pass, a generator
-continued from epoch to epoch with ``steps_per_epoch``). The batches become a
-PyDataset the ranks cut as usual (``data.RankSlices``):
+Keras's own ``TorchEpochIterator``, so every pass holds exactly the batches Keras's
+fit on one device would take (a ``tf.data`` shuffle reshuffled each pass, a
+DataLoader's generator advanced as Keras advances it, a generator continued from
+epoch to epoch with ``steps_per_epoch``, a validation generator's peeked batches
+replayed before it continues). The batches become a PyDataset the ranks cut as usual
+(``data.RankSlices``):
 
-- evaluate, predict and fit's validation data: one pass, read before the call
-  (``one_pass``): arrays in the call's files (``StoredBatches``) for a pool, in
-  memory (``Batches``) in-process;
-- fit's training data, one pass per epoch: a pool's driver reads pass 0 before the
-  call and each next one in a thread (``Feed``) once rank 0 has begun the one
-  before, into files the ranks wait for (``StreamedBatches``); in-process, each
-  rank reads its own pass at every epoch start (``LocalStream``).
+- evaluate and predict: one pass, read before the call (``one_pass``): arrays in the
+  call's files (``StoredBatches``) for a pool, in memory (``Batches``) in-process;
+- fit's training data, one pass per epoch, and its validation data, one pass per
+  validation: a pool's driver reads pass 0 of each before the call and the next
+  epoch's in a thread (``Feed``) once rank 0 has begun the epoch before, into files
+  the ranks wait for (``StreamedBatches``); in-process, each rank reads its own
+  passes when it needs them (``LocalStream``).
 """
 
 import json
@@ -38,9 +40,16 @@ def _as_tuple(batch):
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
-def read_pass(iterator):
-    """One epoch of a Keras ``EpochIterator``: its batches, each an (x, y, sw) tuple."""
-    return [_as_tuple(buffer[0]) for _, _, buffer in iterator]
+def read_pass(iterator, fresh=False):
+    """One epoch of a Keras ``TorchEpochIterator``: its batches, each an (x, y, sw) tuple
+    of NumPy arrays. ``fresh``: reset it first, as Keras's evaluate resets the
+    validation iterator fit keeps (a generator replays the batches Keras peeked at,
+    then continues)."""
+    with keras.device("cpu"):  # Keras converts a generator's batches on its device
+        if fresh:
+            iterator.reset()
+        return [keras.tree.map_structure(transport.as_array, _as_tuple(buffer[0]))
+                for _, _, buffer in iterator]
 
 
 def one_pass(x, steps=None, build=None):
@@ -48,6 +57,13 @@ def one_pass(x, steps=None, build=None):
     model) or predict (None) takes them."""
     iterator = keras_fixes.epoch_iterator(x, steps, build)
     return read_pass(iterator)
+
+
+def validates(epoch, validation_freq):
+    """Whether Keras's fit validates after ``epoch`` (``Trainer._should_eval``)."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
 
 
 def _ran_out(got, steps, what):
@@ -107,19 +123,25 @@ def store(batches, files):
 
 
 class _Passes(keras.utils.PyDataset):
-    """fit's training data, one pass per epoch: ``steps`` batches each.
+    """Data read for the ranks, one pass at a time: fit's training data (``steps``
+    batches each epoch) or its validation data (``steps`` None: as many batches as
+    the pass holds).
 
-    ``NextPass`` moves it on at every epoch start of the fit (a PyDataset's own
-    ``on_epoch_begin`` is no count of epochs: Keras's first fit of a model also
-    calls it to build the model from one batch).
+    ``next_pass`` moves it on: ``NextPass`` at every epoch start of the fit for the
+    training data (a PyDataset's own ``on_epoch_begin`` is no count of epochs: Keras's
+    first fit of a model also calls it to build the model from one batch), the rank's
+    evaluate before each of fit's validations (``RankSlices.next_pass``).
     """
 
-    def __init__(self, steps):
+    def __init__(self, steps=None):
         super().__init__()
         self.steps, self.index, self.current = steps, 0, None
         self._started = False
 
     def __len__(self):
+        if self.steps is None:
+            self._ensure()
+            return len(self.current)
         return self.steps
 
     def next_pass(self):
@@ -131,7 +153,7 @@ class _Passes(keras.utils.PyDataset):
     def _ensure(self):
         if self.current is None:
             self.current = self._load(self.index)
-            if len(self.current) < self.steps:
+            if self.steps is not None and len(self.current) < self.steps:
                 raise _ran_out(len(self.current), self.steps, f"epoch {self.index + 1}")
 
     def __getitem__(self, i):
@@ -143,18 +165,28 @@ class _Passes(keras.utils.PyDataset):
 
 
 class NextPass(keras.callbacks.Callback):
-    """The rank's callback that moves fit's streamed training data (if any) to the next
-    pass at every epoch start.
+    """The rank's callback that moves fit's training data read for the ranks (if any)
+    to the next pass at every epoch start; on rank 0 it also marks each epoch begun
+    in the driver's ``Feed`` folder (the feed then reads the next epoch's passes).
 
     Args:
         x: fit's training data as the rank got it.
+        validation_data: fit's validation data as the rank got it.
     """
 
-    def __init__(self, x):
+    def __init__(self, x, validation_data=None):
         super().__init__()
-        self.x = x
+        self.x, self.begun = x, 0
+        self.path = next((d.path for d in (x, validation_data)
+                          if isinstance(d, StreamedBatches)), None)
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.path is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank() == 0:
+                transport.private_file(os.path.join(self.path, f"begun{self.begun}"))
+            self.begun += 1
         if isinstance(self.x, _Passes):
             self.x.next_pass()
 
@@ -164,40 +196,37 @@ class LocalStream(_Passes):
 
     Args:
         x: the dataset or generator.
-        steps_per_epoch: fit's argument (None: a whole pass).
+        steps: fit's steps_per_epoch or validation_steps (None: a whole pass).
         build: the user's model (Keras's fit builds it from the iterator first).
+        validation: fit's validation data: passes of any length, each read from the
+            iterator reset (Keras's evaluate).
     """
 
-    def __init__(self, x, steps_per_epoch=None, build=None):
-        self._iterator = keras_fixes.epoch_iterator(x, steps_per_epoch, build)
-        self._first = read_pass(self._iterator)
-        if not self._first:
+    def __init__(self, x, steps=None, build=None, validation=False):
+        self._iterator = keras_fixes.epoch_iterator(x, steps, build)
+        self._first, self._fresh = read_pass(self._iterator), validation
+        if not self._first and not validation:
             raise ValueError("kmgpu (torch): the training data yielded no batch.")
-        super().__init__(len(self._first))
+        super().__init__(None if validation else len(self._first))
 
     def _load(self, index):
         if index == 0:
             first, self._first = self._first, None
             return first
-        return read_pass(self._iterator)
+        return read_pass(self._iterator, self._fresh)
 
 
 class StreamedBatches(_Passes):
     """In a pool worker: pass ``i`` is the arrays the driver's ``Feed`` named in
-    ``<path>/pass<i>.json`` (raw ``.npy`` files and batch bounds, or an error; files
-    are never unpickled), in the structure of pass 0's batches; rank 0 marks
-    ``begun<i>`` when it starts one."""
+    ``<path>/<prefix><i>.json`` (raw ``.npy`` files and batch bounds, or an error;
+    files are never unpickled), in the structure of pass 0's batches."""
 
-    def __init__(self, path, steps, structure):
+    def __init__(self, path, steps, structure, prefix="pass"):
         super().__init__(steps)
-        self.path, self.structure = path, structure
+        self.path, self.structure, self.prefix = path, structure, prefix
 
     def _load(self, index):
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_rank() == 0:
-            transport.private_file(os.path.join(self.path, f"begun{index}"))
-        name = os.path.join(self.path, f"pass{index}.json")
+        name = os.path.join(self.path, f"{self.prefix}{index}.json")
         while not os.path.exists(name):
             time.sleep(0.01)
         with open(name) as f:
@@ -211,75 +240,131 @@ class StreamedBatches(_Passes):
                              manifest["bounds"])
 
 
-class Feed:
-    """On a pool's driver: fit's training data for the workers, one pass per epoch.
-
-    Pass 0 is read now (it fixes the steps per epoch); a thread reads pass ``i``
-    once rank 0 has begun pass ``i - 1`` (so at most two passes exist at a time) and
-    removes pass ``i - 2``.
+class _Stream:
+    """One dataset a ``Feed`` reads: Keras's iterator over it and its passes' files.
 
     Args:
-        x: the dataset or generator.
-        steps_per_epoch: fit's argument (None: a whole pass).
-        passes: how many epochs the fit runs.
-        files: the call's ``transport.CallFiles`` (this feed's folder lives there).
-        build: the user's model (Keras's fit builds it from the iterator first).
+        path: the feed's folder.
+        prefix: the passes' file names (``<prefix><i>.json``).
+        iterator: ``keras_fixes.epoch_iterator`` over the data.
+        what: the data, for errors.
+        fresh: reset the iterator before each pass (validation data).
     """
 
-    def __init__(self, x, steps_per_epoch, passes, files, build=None):
+    def __init__(self, path, prefix, iterator, what, fresh):
+        self.path, self.prefix, self.iterator = path, prefix, iterator
+        self.what, self.fresh = what, fresh
+        self.files, self.structure, self.count = [], None, 0
+
+    def read(self):
+        """Read the next pass into files (the one two passes back is removed: every
+        rank is past it); returns its batches."""
+        batches = read_pass(self.iterator, self.fresh)
+        if len(self.files) >= 2:
+            self.files.pop(0).close()
+        self.write(batches)
+        return batches
+
+    def write(self, batches_or_error):
+        if isinstance(batches_or_error, str):
+            manifest = {"error": batches_or_error}
+        else:
+            files = transport.CallFiles(0)
+            self.files.append(files)
+            stored = store(batches_or_error, files)
+            if self.structure is None and batches_or_error:
+                self.structure = stored.parts
+            manifest = {"bounds": stored.bounds, "leaves": [
+                leaf.path if isinstance(leaf, transport.Leaf) else None
+                for leaf in keras.tree.flatten(stored.parts)]}
+        name = f"{self.prefix}{self.count}"
+        tmp = transport.private_file(os.path.join(self.path, f".{name}"))
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, os.path.join(self.path, f"{name}.json"))
+        self.count += 1
+
+    def close(self):
+        for files in self.files:
+            files.close()
+        self.files = []
+
+
+class Feed:
+    """On a pool's driver: fit's data read for the workers, in Keras's order.
+
+    The training data is read once per epoch, the validation data once per
+    validation (from its iterator reset, as Keras's evaluate reads it). Pass 0 of
+    each is read now (the training data's fixes the steps per epoch); a thread reads
+    epoch ``e``'s passes (training, then validation if ``e`` validates) once rank 0
+    has begun epoch ``e - 1`` (``NextPass``), so at most two passes of each exist at
+    a time.
+
+    Args:
+        files: the call's ``transport.CallFiles`` (this feed's folder lives there).
+        passes: how many epochs the fit runs.
+        train: (x, steps_per_epoch, the user's model) or None: training data to read
+            (Keras's fit builds the model from its iterator first).
+        validation: (validation_data, validation_steps, the epochs that validate,
+            counted from the fit's first) or None.
+    """
+
+    def __init__(self, files, passes, train=None, validation=None):
         self.path = os.path.join(files.path, "feed")
         os.mkdir(self.path, 0o700)
-        self._iterator = keras_fixes.epoch_iterator(x, steps_per_epoch, build)
-        first = read_pass(self._iterator)
-        if not first:
-            raise ValueError("kmgpu (torch): the training data yielded no batch.")
-        self.steps, self.passes, self.structure = len(first), passes, None
-        self._files, self._stop = [], threading.Event()
-        self._write(0, first)
-        self._thread = None
+        self.passes, self.steps = passes, None
+        self.train = self.validation = self._thread = None
+        self._stop = threading.Event()
+        self._later = []  # the epochs after the first that read validation data
+        try:
+            if train is not None:
+                x, steps_per_epoch, build = train
+                self.train = _Stream(self.path, "pass", keras_fixes.epoch_iterator(
+                    x, steps_per_epoch, build), "the training data for epoch", False)
+                self.steps = len(self.train.read())
+                if not self.steps:
+                    raise ValueError("kmgpu (torch): the training data yielded no batch.")
+            if validation is not None:
+                data, steps, epochs = validation
+                self.validation = _Stream(self.path, "vpass", keras_fixes.epoch_iterator(
+                    data, steps), "the validation data for validation", True)
+                self.validation.read()
+                self._later = list(epochs)[1:]
+        except BaseException:
+            self.close()
+            raise
         if passes > 1:
             self._thread = threading.Thread(target=self._produce, daemon=True,
                                             name="kmgpu-feed")
             self._thread.start()
 
     def remote(self):
-        """What the workers get: a StreamedBatches over this feed's folder."""
-        return StreamedBatches(self.path, self.steps, self.structure)
-
-    def _write(self, index, batches_or_error):
-        if isinstance(batches_or_error, str):
-            manifest = {"error": batches_or_error}
-        else:
-            files = transport.CallFiles(0)
-            self._files.append(files)
-            stored = store(batches_or_error, files)
-            if self.structure is None:
-                self.structure = stored.parts
-            manifest = {"bounds": stored.bounds, "leaves": [
-                leaf.path if isinstance(leaf, transport.Leaf) else None
-                for leaf in keras.tree.flatten(stored.parts)]}
-        tmp = transport.private_file(os.path.join(self.path, f".pass{index}"))
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-        os.replace(tmp, os.path.join(self.path, f"pass{index}.json"))
+        """What the workers get: (training data, validation data), each a
+        StreamedBatches over this feed's folder or None."""
+        train = validation = None
+        if self.train is not None:
+            train = StreamedBatches(self.path, self.steps, self.train.structure)
+        if self.validation is not None:
+            validation = StreamedBatches(self.path, None, self.validation.structure,
+                                         "vpass")
+        return train, validation
 
     def _produce(self):
-        index = 1
+        stream = None
         try:
-            for index in range(1, self.passes):
-                begun = os.path.join(self.path, f"begun{index - 1}")
+            for epoch in range(1, self.passes):
+                begun = os.path.join(self.path, f"begun{epoch - 1}")
                 while not os.path.exists(begun):
                     if self._stop.wait(0.01):
                         return
-                batches = read_pass(self._iterator)
-                if len(self._files) >= 2:
-                    self._files.pop(0).close()  # pass index - 2: every rank is past it
-                self._write(index, batches)
+                for stream in (self.train, self.validation if epoch in self._later else None):
+                    if stream is not None:
+                        stream.read()
         except BaseException as e:  # the ranks raise it when they reach this pass
-            if not self._stop.is_set():
+            if not self._stop.is_set() and stream is not None:
                 try:
-                    self._write(index, f"kmgpu (torch): reading the training data for "
-                                       f"epoch {index + 1} failed: {type(e).__name__}: {e}")
+                    stream.write(f"kmgpu (torch): reading {stream.what} {stream.count + 1} "
+                                 f"failed: {type(e).__name__}: {e}")
                 except OSError:
                     pass
 
@@ -288,6 +373,6 @@ class Feed:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
-        for files in self._files:
-            files.close()
-        self._files = []
+        for stream in (self.train, self.validation):
+            if stream is not None:
+                stream.close()

@@ -12,7 +12,8 @@ to check, so not in ``PATCHES``; look at them when the pin moves): a model's
 optimizer's ``_learning_rate``, a layer's ``_seed_generators`` and
 ``_reduction_axes``, ``CallbackList._history``; for the captured step a model's
 ``train_function`` / ``test_function`` / ``predict_function`` (set to None so Keras
-makes them again without torch.compile).
+makes them again without torch.compile). The rank's evaluate wrapper reads fit's private
+``_use_cached_eval_dataset`` keyword (True: fit's validation).
 """
 
 from kmgpu.engines.torch import cond_keras_fixes, fast_keras_fixes, graph_keras_fixes
@@ -61,9 +62,11 @@ PATCHES = [
      "split step on a CPU too (Keras's meaning, torch.compile, measured 0.73x of eager: "
      "benchmarks/profiles/torch/RESULTS.md); set False on the model that runs kmgpu's step, so Keras "
      "never wraps it in torch.compile"),
-    ("keras.src.trainers.epoch_iterator", "EpochIterator",
+    ("keras.src.backend.torch.trainer", "TorchEpochIterator",
      "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "
-     "exactly as Keras's fit takes it (steps_per_epoch continues one iterator)"),
+     "exactly as Keras's torch fit takes it (steps_per_epoch continues one iterator; "
+     "a DataLoader's iterator is made at each epoch end too, which draws from its "
+     "generator)"),
     ("keras.src.trainers.trainer", "Trainer._symbolic_build",
      "run on the user's model with that iterator, as Keras's fit and evaluate do first: "
      "it builds the compile metrics and, the first time, starts (and drops) one pass"),
@@ -215,13 +218,14 @@ def is_default(method):
 
 
 def epoch_iterator(x, steps_per_epoch=None, build=None):
-    """Keras's own ``EpochIterator`` over a dataset (NumPy batches), made as fit makes
-    it: ``build``'s symbolic build first (a model: fit and evaluate; None: predict),
-    then reset. Iterating it once gives one epoch's batches as ``(step, step, [batch])``.
+    """Keras's own ``TorchEpochIterator`` over a dataset, made as fit makes it:
+    ``build``'s symbolic build first (a model: fit and evaluate; None: predict), then
+    reset. Iterating it once gives one epoch's batches as ``(step, step, [batch])``,
+    torch tensors (``feeds.read_pass`` reads them on the CPU, as NumPy).
     """
-    from keras.src.trainers.epoch_iterator import EpochIterator
+    from keras.src.backend.torch.trainer import TorchEpochIterator
 
-    iterator = EpochIterator(x=x, steps_per_epoch=steps_per_epoch)
+    iterator = TorchEpochIterator(x=x, steps_per_epoch=steps_per_epoch)
     if build is not None:
         build._symbolic_build(iterator=iterator)
     iterator.reset()

@@ -365,7 +365,8 @@ class InProcessLauncher(Launcher):
         before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
         result = s.run(replica, call.method, kwargs, hooks=hooks,
                        relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
-                       fit_callbacks=[feeds.NextPass(kwargs.get("x"))])
+                       fit_callbacks=[feeds.NextPass(kwargs.get("x"),
+                                                     kwargs.get("validation_data"))])
         rows = [[]] * s.world
         if models.stateful_layers(template):  # every rank's rows, in rank order, everywhere
             rows = collectives.all_gather_object(s.state_rows(replica))

@@ -175,6 +175,8 @@ class DDPStrategy(RankSteps):
 
         def evaluate_(x=None, *args, **kwargs):
             mine = isinstance(x, data.RankSlices)
+            if mine and kwargs.get("_use_cached_eval_dataset"):
+                x.next_pass()  # fit's validation: the next pass of data read for the ranks
             saved = self.test, self.collective
             self.test, self.collective = (x, True) if mine else (None, False)
             try:

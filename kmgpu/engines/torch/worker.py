@@ -272,7 +272,8 @@ class Worker:
                        relay=self.relay, snapshot=snapshot,
                        reload=reload if snapshot is not None else None,
                        reset_states=call.reset_states,
-                       fit_callbacks=[feeds.NextPass(kwargs.get("x")),
+                       fit_callbacks=[feeds.NextPass(kwargs.get("x"),
+                                                     kwargs.get("validation_data")),
                                       _stop_on_request(state, self.rank)])
         if isinstance(result, Aborted) and snapshot is not None:
             snapshot(replica, -2)  # stopped: the last completed step's state goes back
