@@ -14,7 +14,6 @@ like the weights; engines copy them into their replicas' rows and back.
 """
 
 import contextlib
-import json
 import random
 import sys
 
@@ -25,6 +24,7 @@ from kmgpu.engines import global_losses, keras_fixes, user_objects
 
 def check_model(model):
     """Raise TypeError unless ``model`` is a built Keras model kmgpu can re-create."""
+    keras_fixes.serialize_without_tensorflow()
     if not isinstance(model, keras.Model):
         what = type(model).__name__
         hint = " Wrap your layer in keras.Sequential([...]) first." if isinstance(
@@ -47,13 +47,26 @@ def check_model(model):
 
 
 def identity(template):
-    """What decides whether a cached replica still matches the template: its config,
-    its optimizer, and the state its adapted layers keep beside their weights (a
-    layer adapted again needs a replica loaded again)."""
-    config = json.dumps(template.get_config(), sort_keys=True, default=repr)
+    """What decides whether a cached replica still matches the template: its layers and
+    variables (the objects), each layer's plain settings (a Dropout's rate set after
+    wrapping), its compile() and optimizer, and the state its adapted layers keep
+    beside their weights (a layer adapted again needs a replica loaded again).
+
+    Cheap (no ``get_config``): it is read at every call."""
+    layers = tuple((id(layer), layer.trainable,
+                    None if isinstance(layer, keras.Model) else _settings(layer))
+                   for layer in template._flatten_layers(include_self=True))
     optimizer = getattr(template, "optimizer", None)
-    return (config, template.compiled, id(optimizer) if optimizer is not None else None,
+    return (layers, tuple(id(v) for v in template.weights), template.compiled,
+            id(getattr(template, "_compile_config", None)),
+            id(optimizer) if optimizer is not None else None,
             _digest(keras_fixes.own_state(template)))
+
+
+def _settings(layer):
+    """A layer's attributes that hold plain values (numbers, strings, flags)."""
+    return tuple((key, value) for key, value in vars(layer).items()
+                 if value is None or type(value) in (bool, int, float, str))
 
 
 def _digest(state):

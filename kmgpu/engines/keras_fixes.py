@@ -7,6 +7,7 @@ pin says at once what broke. Backend-specific ones live in
 ``kmgpu/engines/<backend>/keras_fixes.py``.
 """
 
+import sys
 import threading
 
 from kmgpu.engines import state_keras_fixes
@@ -43,6 +44,10 @@ PATCHES = [
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "class weights of a generator fed per replica (TensorFlow)"),
+    ("keras.src.saving.serialization_lib", "tf",
+     "replaced (serialize_without_tensorflow): serializing any object asks whether "
+     "TensorFlow is available to test for its TensorShape and DType, which imports it, "
+     "with its start-up lines, into a JAX or torch process whose plain fit never does"),
 ] + state_keras_fixes.PATCHES  # what a replica carries beside config and weights
 
 
@@ -63,6 +68,30 @@ def warm_saving():
                  "Loss"):
         global_state.set_global_attribute(f"saving_attr_skiplist_{kind}",
                                           saving_lib.get_attr_skipset(kind))
+
+
+class _TensorflowIfImported:
+    """Keras's lazy ``tensorflow`` module, "available" only once something imported it:
+    before that, no object can be one of its types."""
+
+    def __init__(self, lazy):
+        self._lazy = lazy
+
+    @property
+    def available(self):
+        return "tensorflow" in sys.modules and self._lazy.available
+
+    def __getattr__(self, name):
+        return getattr(self._lazy, name)
+
+
+def serialize_without_tensorflow():
+    """Keras's serializer (``get_config``, ``serialize_keras_object``) stops importing
+    TensorFlow to ask whether an object is one of its types (see ``PATCHES``)."""
+    from keras.src.saving import serialization_lib
+
+    if not isinstance(serialization_lib.tf, _TensorflowIfImported):
+        serialization_lib.tf = _TensorflowIfImported(serialization_lib.tf)
 
 
 def is_functional(model):
