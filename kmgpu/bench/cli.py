@@ -18,6 +18,7 @@ import tempfile
 from kmgpu.bench import derive, paths, plan, report, workers, workloads
 
 BACKENDS = ("tensorflow", "jax", "torch")
+DEFAULT_BUDGET = 540  # the default run ends within 10 minutes, the report written
 
 
 def parse(argv):
@@ -33,8 +34,10 @@ def parse(argv):
                         "is no GPU and runs each backend in one process")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help="comma-separated (default: %(default)s; missing ones are skipped)")
-    p.add_argument("--workloads", default=",".join(workloads.NAMES),
-                   help="comma-separated from %(default)s")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated, run in this order, from "
+                        f"{','.join(workloads.BY_SIZE)} (default: "
+                        f"{','.join(workloads.MODELS)}; with --quick all of them)")
     p.add_argument("--devices", default=None,
                    help="device counts, e.g. 1,2,4 (default: 1 to all)")
     p.add_argument("--policies", default=",".join(plan.POLICIES),
@@ -43,8 +46,8 @@ def parse(argv):
                    help="which runs, from %(default)s (plain fit is the reference of every "
                         "ratio)")
     p.add_argument("--lean", action="store_true",
-                   help="leave out the peer's per_replica and one-device runs (as --quick "
-                        "does): the peer then runs at the top device count, global batch")
+                   help="leave out the peer's per_replica run (as --quick does): the peer "
+                        "then runs at the top device count, global batch")
     p.add_argument("--epochs", type=int, default=None,
                    help="epochs per run (default: the workload's; at least 2: the first "
                         "includes compilation and is not in samples/s)")
@@ -55,23 +58,22 @@ def parse(argv):
                         "and no GPU, else none)")
     p.add_argument("--isolate", choices=("run", "workload", "backend"), default=None,
                    help="a fresh process for every run (default without --quick: fair "
-                        "first-epoch times, exact peak memory), one per backend and workload "
-                        "(later runs find warm caches and memory already held), or one per "
-                        "backend (default with --quick)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="worker processes at once (default: 2 with --quick on a CPU for "
-                        "tensorflow and jax, else 1); "
-                        "concurrent runs share the machine: their timings are not measurements")
+                        "first-epoch times, exact peak memory, order-balanced by "
+                        "construction), one per backend and workload (later runs find warm "
+                        "caches and memory already held), or one per backend (default with "
+                        "--quick)")
     p.add_argument("--replay", dest="replay", action="store_true", default=None,
                    help="run plain fit again after kmgpu (plain, kmgpu, plain): the overhead "
-                        "compares kmgpu with the mean of both plain runs (order-balanced), "
-                        "and the second run gives the run-to-run noise of the timings and of "
-                        "parity (default: on, also with --quick)")
+                        "compares kmgpu with the mean of both plain runs (order-balanced "
+                        "where runs share a process), and the second run gives the "
+                        "run-to-run noise of the timings and of parity (default: on; with a "
+                        "process per run it comes after every workload's row)")
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="one plain run before kmgpu: faster, but not order-balanced")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole command: runs that would not fit are skipped "
-                        "(marked in the report), most useful first (default: no limit)")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help="seconds for the whole command: a workload's runs on a backend that "
+                        "would not fit are skipped whole (said, and marked in the report); "
+                        "0: no limit (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before a worker process is stopped (default: none)")
     p.add_argument("--out", default=None,
@@ -127,7 +129,8 @@ def _main(argv, child_env):
     out = args.out or paths.default_out()
     if args.report:
         return _merge_only(args, out, argv)
-    names = _split(args.workloads)
+    names = _split(args.workloads or ",".join(
+        workloads.BY_SIZE if args.quick else workloads.MODELS))
     for name in names:
         workloads.get(name)  # ValueError for an unknown one
     for policy in _split(args.policies):
@@ -174,27 +177,23 @@ def _main(argv, child_env):
               "device(s) here" + ("" if gpus else "; pass --simulate N on a CPU-only machine"))
         return 2
     isolate = args.isolate or ("backend" if args.quick else "run")
-    # --quick on a CPU: TF/JAX runs are one busy process each (tracing, XLA compiles), two
-    # use both cores; torch runs start processes of their own (pool, DDP ranks).
-    jobs = args.jobs or (min(2, os.cpu_count() or 1) if (args.quick and not gpus) else 1)
-    jobs_of = {b: (args.jobs or (1 if b == "torch" else jobs)) for b in backends}
     name = args.name or ((slug(gpus[0]) + f"-x{len(gpus)}") if gpus else
                          f"cpu-sim{simulate}" if simulate else "cpu") + \
         ("-quick" if args.quick else "")
-    # runs that share a process (--quick) take plain fit again after kmgpu: the overhead
-    # is then order-balanced (plain, kmgpu, plain)
     replay = True if args.replay is None else args.replay
-    runs = plan.plan(backends, names, counts, replay, _split(args.policies),
-                     _split(args.runners), lean=args.quick or args.lean)
+    units = plan.units(backends, names, counts, replay, _split(args.policies),
+                       _split(args.runners), lean=args.quick or args.lean,
+                       shared=isolate != "run")
+    runs = [r for u in units for r in u["runs"]]
     top = max(counts)
+    seconds = args.budget or None
 
     import keras
 
     no_plot = report.plot_missing()
     print(f"kmgpu bench: {len(runs)} runs ({', '.join(backends)}; {', '.join(names)}; "
           f"devices {counts}{'; simulated' if simulate else ''}; one process per {isolate}"
-          + "".join(f", {b} {jobs_of[b]} at once" for b in backends if jobs_of[b] > 1)
-          + (f"; budget {args.budget:.0f} s" if args.budget else "")
+          + (f"; budget {seconds:.0f} s" if seconds else "; no time budget")
           + f") -> {os.path.join(out, name)}.{{json,md{'' if no_plot else ',png'},log}}",
           flush=True)
     if no_plot:
@@ -210,7 +209,8 @@ def _main(argv, child_env):
     counter = {"done": 0, "failed": 0, "skipped": 0}
     results = {
         "name": name, "quick": args.quick, "isolate": isolate, "simulate": simulate,
-        "replay": replay, "devices": counts, "lean": args.quick or args.lean, "jobs": jobs_of,
+        "replay": replay, "devices": counts, "lean": args.quick or args.lean,
+        "budget": seconds,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": ["kmgpu", "bench"] + argv,
         "machine": {"gpus": gpus, "cpu": platform.processor() or platform.machine(),
@@ -222,11 +222,12 @@ def _main(argv, child_env):
         "projection": projection_params(args),
         "runs": [],
     }
-    budget = plan.Budget(args.budget)
+    budget = plan.Budget(seconds, prior=workloads.prior_seconds(args.quick, bool(gpus)))
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, name + ".log")
 
     def finished(rec):
+        rec.pop("kind", None)
         results["runs"].append(rec)
         counter["done"] += 1
         counter["failed"] += rec["status"] == "error"
@@ -241,37 +242,48 @@ def _main(argv, child_env):
     spec = {"quick": args.quick, "simulate": simulate, "max_devices": top,
             "epochs": args.epochs, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, plain_log(log_path) as log:
-        for backend in backends:
-            env = workers.environment(child_env, backend, quick_cpu=args.quick and not gpus)
-            wdir = os.path.join(tmp, backend)
-            os.makedirs(wdir, exist_ok=True)
-            if args.quick:  # JAX: runs of the same program share the compiled code
-                spec["jax_cache"] = os.path.join(tmp, "jax-cache")
-            def launch(batch):
-                why = budget.refuse(batch)
-                if why:
-                    return iter([{"kind": "run", **r, "status": "skipped", "reason": why}
-                                 for r in batch])
-                left = budget.left()
-                by_budget = left is not None and (args.timeout is None or left < args.timeout)
-                timeout = left if by_budget else (args.timeout or float("inf"))
-                return workers.run(batch, dict(spec, weights_dir=wdir), env, log, tmp,
-                                   timeout, budget, by_budget)
+        if args.quick:  # JAX: runs of the same program share the compiled code
+            spec["jax_cache"] = os.path.join(tmp, "jax-cache")
+        running = {}  # backend: its worker process, kept while runs may share it
 
-            jobs = jobs_of[backend]
-            batches = workers.batches([r for r in runs if r["backend"] == backend], isolate, names,
-                               jobs)
-            for at in range(0, len(batches), jobs):
-                spec["soft_deadline"] = budget.soft_deadline(-(-(len(batches) - at) // jobs))
-                for rec in workers.merged([launch(b) for b in batches[at:at + jobs]]):
-                    if rec.get("kind") == "env":
-                        info = backends_info.setdefault(backend, {"status": "ok"})
-                        info.update({k: v for k, v in rec.items() if k != "kind"})
-                        info["peer_name"] = derive.peer_name(backend)
-                        continue
-                    rec.pop("kind", None)
-                    rec["backend"] = backend
-                    finished(rec)
+        def worker(backend):
+            if backend not in running or not running[backend].alive():
+                wdir = os.path.join(tmp, backend)
+                os.makedirs(wdir, exist_ok=True)
+                env = workers.environment(child_env, backend, quick_cpu=args.quick and not gpus)
+                running[backend] = workers.Worker(backend, dict(spec, weights_dir=wdir), env,
+                                                  log, tmp)
+            return running[backend]
+
+        def record(rec):
+            if rec.get("kind") == "env":
+                info = backends_info.setdefault(rec["backend"], {"status": "ok"})
+                info.update({k: v for k, v in rec.items() if k != "kind"})
+                info["peer_name"] = derive.peer_name(rec["backend"])
+            else:
+                finished(rec)
+
+        try:
+            for unit, why in plan.Scheduler(units, budget):
+                backend = unit["backend"]
+                if why:
+                    line, records = plan.skipped(unit, why)
+                    print(("\n" if tty else "") + f"kmgpu bench: {line}", flush=True)
+                    for rec in records:
+                        finished(rec)
+                    continue
+                for batch in ([[r] for r in unit["runs"]] if isolate == "run"
+                              else [unit["runs"]]):
+                    left = budget.left()
+                    by_budget = left is not None and (args.timeout is None or left < args.timeout)
+                    timeout = left if by_budget else (args.timeout or float("inf"))
+                    for rec in worker(backend).run(batch, timeout, budget, by_budget):
+                        record(rec)
+                    if isolate != "backend":
+                        running.pop(backend).close()
+        finally:
+            for w in running.values():
+                w.close()
         for b in backends:
             backends_info.setdefault(b, {"status": "failed", "reason": "no worker started"})
         derive.derive(results)
@@ -314,6 +326,8 @@ def _one_line(r):
 
 
 def _finish(results, written, log_path=None):
+    from kmgpu.bench import summary
+
     failed = [r for r in results["runs"] if r["status"] == "error"]
     if failed:
         print(f"{len(failed)} run(s) failed" + (f" (details in {log_path})" if log_path else "")
@@ -322,9 +336,13 @@ def _finish(results, written, log_path=None):
             print(f"  {r['backend']} {r['workload']} {r['runner']} N={r['devices']} "
                   f"{r.get('policy', 'global')}: {r.get('error')}")
     skipped = [r for r in results["runs"] if r["status"] == "skipped"]
-    if skipped:
-        print(f"{len(skipped)} run(s) skipped: " + "; ".join(sorted(
-            {r.get("reason", "?") for r in skipped})))
+    if skipped:  # one line per workload and backend
+        why = {}
+        for r in skipped:
+            why.setdefault((r["workload"], r["backend"]), r.get("reason", "?"))
+        print(f"{len(skipped)} run(s) skipped:")
+        for (workload, backend), reason in why.items():
+            print(f"  {workload} on {backend}: {reason}")
     no_plot = report.plot_missing()
     print("\nwrote " + ", ".join(written) + (f" (no plot: {no_plot})" if no_plot else "")
           + "\n")
@@ -332,9 +350,14 @@ def _finish(results, written, log_path=None):
     print()
     print(report.COMPARISON_LEGEND)
     print()
-    print(report.tables.legend(results))  # the speedup table's columns; the table last
+    if report.tables.top_devices(results) > 1:
+        print(report.headline(results))
+        print()
+        print(report.tables.legend(results))
+        print()
+    print(summary.LEGEND)  # the table users read first comes last: the end of a log
     print()
-    print(report.headline(results))
+    print(summary.table(results))
 
 
 def _merge_only(args, out, argv):

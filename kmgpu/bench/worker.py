@@ -2,12 +2,14 @@
 
     KERAS_BACKEND=jax python -m kmgpu.bench.worker SPEC.json
 
-SPEC: {"runs": [{"workload", "runner", "devices", "policy", "tier"}, ...], "quick": bool,
-"simulate": int (0: real devices), "weights_dir": folder for the final weights,
-"max_devices": int, "epochs": int|null, "steps": int|null, "jax_cache": folder|null,
-"soft_deadline": time.time() after which no tier-1/2 run starts, or null}.
+SPEC: {"quick": bool, "simulate": int (0: real devices), "weights_dir": folder for the
+final weights, "max_devices": int, "epochs": int|null, "steps": int|null,
+"jax_cache": folder|null}. The runs come on stdin, one JSON list of runs
+[{"workload", "runner", "devices", "policy"}, ...] a line, until stdin closes: the command
+hands out one unit at a time and decides on the next once this one is done.
 Prints one line ``KMGPU-BENCH {json}`` for the environment, then one per run, as each
-finishes; everything else it prints is log.
+finishes, and ``{"kind": "done"}`` after each line's runs; everything else it prints is
+log.
 """
 
 import json
@@ -110,7 +112,8 @@ def measure(spec_run, spec, env):
         "precision": precision,
         "peak_flops": flops.peak_flops(env.get("gpu_name"), precision) if gpu else None,
     }
-    for key in ("flops_per_sample", "flops_source", "flops_analytic", "params"):
+    for key in ("flops_per_sample", "flops_source", "flops_analytic", "params",
+                "evaluate_s", "predict_s"):
         if result.get(key) is not None:
             record[key] = result[key]
     weights = result["weights"]
@@ -159,6 +162,21 @@ def _share_compiled_code(folder):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def _one(spec_run, spec, env, before, skip):
+    """One run's record: its figures, or why it was skipped or failed."""
+    try:
+        record = measure(spec_run, spec, env)
+        record["runs_before"] = before  # > 0: this process's caches were warm
+    except skip as e:
+        record = {"kind": "run", **spec_run, "status": "skipped", "reason": str(e)}
+    except Exception as e:
+        traceback.print_exc()
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        record = {"kind": "run", **spec_run, "status": "error",
+                  "error": f"{type(e).__name__}: {message}"[:300]}
+    return record
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
@@ -180,25 +198,15 @@ def main(argv=None):
     emit(env)
     from kmgpu.bench.ddp import Skip
 
-    soft_deadline = spec.get("soft_deadline")
-    for before, spec_run in enumerate(spec["runs"]):
-        tier = spec_run.pop("tier", 0)
-        if tier and soft_deadline and time.time() > soft_deadline:
-            emit({"kind": "run", **spec_run, "status": "skipped",
-                  "reason": "time budget: the time left is kept for the other workloads"})
+    before = 0
+    for line in sys.stdin:
+        if not line.strip():
             continue
-        try:
-            record = measure(spec_run, spec, env)
-            record["runs_before"] = before  # > 0: this process's caches were warm
-        except Skip as e:
-            record = {"kind": "run", **spec_run, "status": "skipped", "reason": str(e)}
-        except Exception as e:
-            traceback.print_exc()
-            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            record = {"kind": "run", **spec_run, "status": "error",
-                      "error": f"{type(e).__name__}: {message}"[:300]}
-        emit(record)
-        _release_memory()
+        for spec_run in json.loads(line):
+            emit(_one(spec_run, spec, env, before, Skip))
+            before += 1
+            _release_memory()
+        emit({"kind": "done"})
     sys.stdout.flush()
     sys.stderr.flush()
     # torch gloo / TF threads can abort at interpreter exit; the results are out.

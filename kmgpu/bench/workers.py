@@ -1,6 +1,6 @@
-"""Worker processes of ``kmgpu bench``: which runs share one, their environment, starting
-them (each in its own process group), reading their records, stopping them at the time
-limit, and several at once (``--jobs``)."""
+"""Worker processes of ``kmgpu bench``: their environment, starting them (each in its own
+process group), handing them runs and reading their records, stopping them at the time
+limit."""
 
 import json
 import os
@@ -10,48 +10,6 @@ import tempfile
 import time
 
 from kmgpu.bench import paths, plan
-
-
-def batches(mine, isolate, names, jobs=1):
-    """The runs of one backend, grouped into worker processes: one per run, per workload,
-    or per backend (split by workload over ``jobs`` processes)."""
-    if isolate == "backend":
-        groups = [[r for r in mine if (names + ["allreduce"]).index(r["workload"]) % jobs == j]
-                  for j in range(jobs)] if jobs > 1 else [mine]
-        return [g for g in groups if g]
-    if isolate == "workload":  # the all-reduce sweep first: short, and the projection's input
-        groups = [[r for r in mine if r["workload"] == w] for w in ["allreduce"] + names]
-        return [g for g in groups if g]
-    return [[r] for r in mine]
-
-
-def merged(streams):
-    """Records of several workers as they come (one: just its own, in this thread)."""
-    if len(streams) == 1:
-        yield from streams[0]
-        return
-    import queue
-    import threading
-
-    records, end = queue.Queue(), object()
-
-    def pump(stream):
-        try:
-            for rec in stream:
-                records.put(rec)
-        finally:
-            records.put(end)
-
-    threads = [threading.Thread(target=pump, args=(s,), daemon=True) for s in streams]
-    for t in threads:
-        t.start()
-    running = len(threads)
-    while running:
-        rec = records.get()
-        if rec is end:
-            running -= 1
-        else:
-            yield rec
 
 
 def environment(child_env, backend, quick_cpu=False):
@@ -92,58 +50,86 @@ def _stop_group(proc):
         proc.kill()
 
 
-def run(batch, spec, env, log, tmp, timeout, budget, by_budget=False):
-    """Start one worker for ``batch`` (runs of one backend); yield its records."""
-    spec = dict(spec, runs=[{k: r[k] for k in ("workload", "runner", "devices", "policy")}
-                            | {"tier": r.get("tier", 0)} for r in batch])
-    handle, spec_path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=tmp)
-    with os.fdopen(handle, "w") as f:
-        json.dump(spec, f)
-    log.write(f"=== {batch[0]['backend']}: {json.dumps(spec['runs'])}\n")
-    log.flush()
-    # Its own process group: stopping it stops what it started (torch worker pool, DDP
-    # ranks), which would otherwise hold the GPUs and the output pipe.
-    proc = subprocess.Popen([sys.executable, "-m", "kmgpu.bench.worker", spec_path],
-                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)
-    seen, stopped = set(), []
-    timer = None
-    if timeout != float("inf"):
-        import threading
+class Worker:
+    """One worker process of one backend (its own process group: stopping it stops what
+    it started, the torch worker pool and DDP ranks, which would otherwise hold the GPUs
+    and the output pipe). ``run`` hands it a unit's runs and yields their records; it
+    stays for the next unit until ``close``."""
 
-        def stop():
-            stopped.append(True)
-            _stop_group(proc)
+    def __init__(self, backend, spec, env, log, tmp):
+        handle, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=tmp)
+        with os.fdopen(handle, "w") as f:
+            json.dump(spec, f)
+        self.backend, self.log = backend, log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kmgpu.bench.worker", path], cwd=tmp, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            start_new_session=True)
 
-        timer = threading.Timer(max(timeout, 1.0), stop)
-        timer.start()
-    since = time.monotonic()
-    try:
-        for line in proc.stdout:
-            if line.startswith("KMGPU-BENCH "):
+    def alive(self):
+        return self.proc.poll() is None
+
+    def run(self, batch, timeout, budget, by_budget=False):
+        """Yield the records of ``batch`` (runs of this backend), stopping the process
+        after ``timeout`` seconds; runs it did not finish get a record saying why."""
+        runs = [{k: r[k] for k in ("workload", "runner", "devices", "policy")} for r in batch]
+        self.log.write(f"=== {self.backend}: {json.dumps(runs)}\n")
+        self.log.flush()
+        seen, stopped, timer = set(), [], None
+        if timeout != float("inf"):
+            import threading
+
+            def stop():
+                stopped.append(True)
+                _stop_group(self.proc)
+
+            timer = threading.Timer(max(timeout, 1.0), stop)
+            timer.start()
+        since = time.monotonic()
+        try:
+            self.proc.stdin.write(json.dumps(runs) + "\n")
+            self.proc.stdin.flush()
+            for line in self.proc.stdout:
+                if not line.startswith("KMGPU-BENCH "):
+                    self.log.write(line)
+                    continue
                 rec = json.loads(line[len("KMGPU-BENCH "):])
+                if rec.get("kind") == "done":
+                    break
                 if rec.get("kind") == "run":
                     rec["policy"] = rec.get("policy", "global")
-                    seen.add(plan.key({**rec, "backend": batch[0]["backend"]}))
+                    rec["backend"] = self.backend
+                    seen.add(plan.key(rec))
                     now = time.monotonic()
-                    budget.record({**rec, "backend": batch[0]["backend"]}, now - since)
+                    budget.record(rec, now - since)
                     since = now
                 yield rec
-            else:
-                log.write(line)
-        rc = proc.wait()
-    finally:
-        if timer:
-            timer.cancel()
-        if proc.poll() is None:  # this command is being stopped (Ctrl-C): its worker too
-            _stop_group(proc)
-    log.flush()
-    for r in batch:
-        if plan.key(r) not in seen:
-            if stopped and by_budget:
-                yield {"kind": "run", **r, "status": "skipped",
-                       "reason": "stopped at the time budget (--budget)"}
-                continue
-            why = ("stopped after --timeout seconds" if stopped else
-                   f"worker process ended (exit status {rc}) before this run finished")
-            yield {"kind": "run", **r, "status": "error", "error": why}
+        except (BrokenPipeError, OSError):
+            pass  # the process is gone: its runs are reported below
+        finally:
+            if timer:
+                timer.cancel()
+        self.log.flush()
+        for r in batch:
+            if plan.key(r) not in seen:
+                if stopped and by_budget:
+                    yield {"kind": "run", **r, "status": "skipped",
+                           "reason": "stopped at the time budget (--budget)"}
+                    continue
+                why = ("stopped after --timeout seconds" if stopped else
+                       f"worker process ended (exit status {self.proc.poll()}) before "
+                       "this run finished")
+                yield {"kind": "run", **r, "status": "error", "error": why}
+
+    def close(self):
+        """End the process: stdin closed, it exits; stopped if it does not in time."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _stop_group(self.proc)
+        if self.proc.poll() is None:
+            _stop_group(self.proc)

@@ -35,6 +35,16 @@ import numpy as np
 
 NAMES = ("xception", "resnet50", "resnet50_small", "transformer", "cnn32", "lstm", "sine")
 TOYS = ("cnn32", "lstm", "sine")
+# The default order of a run, small to large: the models people train (full size), every
+# workload (--quick, where each takes seconds).
+MODELS = ("transformer", "resnet50_small", "resnet50", "xception")
+BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
+# Rough seconds of one run in a fresh process on one H200 (start, warm-up and compile,
+# epochs, evaluate and predict), before any run of the workload has been timed: the time
+# budget's first guess (plan.Budget scales it by the backend's finished runs).
+GPU_SECONDS = {"sine": 15, "lstm": 15, "cnn32": 20, "transformer": 25,
+               "resnet50_small": 30, "resnet50": 40, "xception": 70}
+QUICK_SECONDS = 6  # one --quick run on a 2-core CPU
 SEED = 1234
 UNIQUE_IMAGES = 256  # big image sets repeat this many random samples (same shapes and cost)
 
@@ -118,6 +128,13 @@ class Workload:
         d["samples"] = self.samples()
         d["toy"] = self.toy
         return d
+
+
+def prior_seconds(quick, gpu):
+    """{workload: a run's guessed seconds} for ``plan.Budget`` (empty: no guess)."""
+    if quick:
+        return {name: QUICK_SECONDS for name in NAMES}
+    return dict(GPU_SECONDS) if gpu else {}
 
 
 def _image(name, quick, batch, epochs, steps, image, classes, builder, args, description):
