@@ -1,13 +1,11 @@
-"""The results as one figure: samples/s against the number of devices, one panel per
-workload, one colour per backend; kmgpu with each batch policy and the peer, beside the
-ideal line (plain fit on one device x N)."""
+"""The leading table as one figure: one panel per model, one group of bars per backend:
+plain fit on one device, kmgpu on one, and kmgpu on all devices where there are several
+(with a tick at plain fit x N, the ideal)."""
 
-from kmgpu.bench.tables import BACKEND_ORDER, index, ok_runs, workload_rank
+from kmgpu.bench import summary
+from kmgpu.bench.tables import BACKEND_ORDER, index, top_devices
 
 COLOURS = {"tensorflow": "#ff7f0e", "jax": "#1f77b4", "torch": "#d62728"}
-STYLES = {("kmgpu", "global"): ("-", "o", "kmgpu, global batch"),
-          ("kmgpu", "per_replica"): ("--", "s", "kmgpu, per-replica batch"),
-          ("peer", "global"): (":", "^", "peer, global batch")}
 
 
 def plot(results, path=None, show=False):
@@ -19,65 +17,61 @@ def plot(results, path=None, show=False):
     import matplotlib.pyplot as plt
 
     runs = index(results)
-    names = sorted({r["workload"] for r in ok_runs(results) if r["runner"] != "allreduce"},
-                   key=workload_rank)
+    top = top_devices(results)
+    names = [w for w in summary.workloads_in(results)
+             if any(k[1] == w for k in runs)]
     cols = min(4, max(len(names), 1))
     rows = max(1, -(-len(names) // cols))
     fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(4.3 * cols, 3.6 * rows))
     simulated = bool(results.get("simulate")) or not (results.get("machine") or {}).get("gpus")
-    unit = "devices (simulated)" if simulated else "GPUs"
+    unit = "device" if simulated else "GPU"
+    bars = [("plain", 1, "plain fit, 1 " + unit, "white"), ("kmgpu", 1, "kmgpu, 1 " + unit, None)]
+    if top > 1:
+        bars.append(("kmgpu", top, f"kmgpu, {top} {unit}s", None))
     for i, workload in enumerate(names):
         ax = axes[i // cols][i % cols]
-        backends = sorted({k[0] for k in runs if k[1] == workload}, key=BACKEND_ORDER.get)
-        top = 1
-        for backend in backends:
+        backends = sorted({k[0] for k in runs if k[1] == workload},
+                          key=lambda b: BACKEND_ORDER.get(b, 9))
+        width = 0.8 / len(bars)
+        for x, backend in enumerate(backends):
             colour = COLOURS.get(backend, "#555555")
-            plain = runs.get((backend, workload, "plain", 1, "global"))
-            for (runner, policy), (line, marker, label) in STYLES.items():
-                pts = sorted((n, r["samples_per_s"]) for (b, w, ru, n, po), r in runs.items()
-                             if (b, w, ru) == (backend, workload, runner)
-                             and (po == policy or n == 1))
-                if runner == "kmgpu" and policy == "per_replica" and len(pts) < 2:
+            for j, (runner, n, label, face) in enumerate(bars):
+                r = runs.get((backend, workload, runner, n, "global"))
+                if r is None:
                     continue
-                if pts:
-                    top = max(top, pts[-1][0])
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], line, marker=marker,
-                            color=colour, label=f"{backend}: {label}")
-            if plain:
-                ax.plot([1], [plain["samples_per_s"]], "D", color=colour, mfc="white",
-                        label=f"{backend}: plain fit")
-            ref = runs.get((backend, workload, "reference", 1, "global"))
-            if ref:
-                ax.plot([1], [ref["samples_per_s"]], "*", ms=11, color="#2ca02c",
-                        label="torchvision + PyTorch")
-        for backend in backends:
+                ax.bar(x + (j - (len(bars) - 1) / 2) * width, r["samples_per_s"], width,
+                       color=face or colour, edgecolor=colour, alpha=1.0 if j < 2 else 0.6,
+                       hatch="//" if j == 2 else None)
             plain = runs.get((backend, workload, "plain", 1, "global"))
             if plain and top > 1:
-                ax.plot([1, top], [plain["samples_per_s"], top * plain["samples_per_s"]],
-                        color=COLOURS.get(backend, "#555555"), alpha=0.3, lw=4,
-                        label=f"{backend}: ideal (plain x N)")
-        ax.set_title(workload)
-        ax.set_xlabel(unit)
-        ax.set_ylabel("samples/s")
-        ax.set_xticks(range(1, top + 1))
+                x_top = x + (len(bars) - 1) / 2 * width
+                ax.plot([x_top - width / 2, x_top + width / 2], [top * plain["samples_per_s"]] * 2,
+                        color="black", lw=1.5)
         values = [r["samples_per_s"] for k, r in runs.items() if k[1] == workload]
         if values and max(values) > 20 * min(values):
             ax.set_yscale("log")
+        ax.set_xticks(range(len(backends)))
+        ax.set_xticklabels(backends)
+        ax.set_title(workload)
+        ax.set_ylabel("samples/s")
     for j in range(len(names), rows * cols):
         axes[j // cols][j % cols].axis("off")
-    legend = {}  # one legend for the figure: each label once
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=face or "#888888", edgecolor="#555555",
+                     hatch="//" if j == 2 else None, label=label)
+               for j, (_, _, label, face) in enumerate(bars)]
+    if top > 1:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="black", label=f"plain fit x {top} (ideal)"))
     gpus = (results.get("machine") or {}).get("gpus") or []
-    title = f"kmgpu bench {results.get('name', '')}" + (
+    fig.suptitle(f"kmgpu bench {results.get('name', '')}" + (
         f" - {len(gpus)} x {gpus[0]}" if gpus and not results.get("simulate") else
-        " - simulated devices share the CPU: not speedups")
-    fig.suptitle(title)
-    legend_rows = -(-len(legend) // 4)
-    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=8,
+        " - simulated devices share the CPU: a code-path check, not a speed"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
                frameon=False)
-    fig.tight_layout(rect=(0, (0.2 * legend_rows + 0.15) / (3.6 * rows), 1, 1))
+    fig.tight_layout(rect=(0, 0.35 / (3.6 * rows), 1, 1))
     if path:
         fig.savefig(path, dpi=110)
     if not show:

@@ -9,7 +9,7 @@ import json
 import math
 import os
 
-from kmgpu.bench import tables
+from kmgpu.bench import summary, tables
 from kmgpu.bench.tables import BACKEND_ORDER, fmt, mem, pct, workload_rank
 
 RUNNER_ORDER = {"plain": 0, "replay": 1, "reference": 2, "kmgpu": 3, "peer": 4}
@@ -97,7 +97,8 @@ def comparison_rows(results):
             # plain before and (replay) after kmgpu: the mean is order-balanced (A B A)
             base = [p["samples_per_s"] for p in (plain, replay) if p]
             row["overhead"] = (sum(base) / len(base)) / k["samples_per_s"] - 1
-            row["balanced"] = bool(replay)
+            # a process per run: each run is its process's first, balanced as it stands
+            row["balanced"] = bool(replay) or results.get("isolate") == "run"
         if k and peer:
             row["vs_peer"] = k["samples_per_s"] / peer["samples_per_s"]
         rows.append(row)
@@ -172,7 +173,8 @@ def _no_machine_path(arg):
 
 
 def markdown(results):
-    """The whole report as markdown: the speedup table first."""
+    """The whole report as markdown: the table per model and backend first (with several
+    devices the speedup table next), then the plot."""
     isolate = {"run": "a fresh process for every run",
                "workload": "one process per backend and workload (later runs find warm "
                            "caches; memory figures accumulate)",
@@ -184,7 +186,8 @@ def markdown(results):
              f"- created: {results.get('created', '?')}; command: "
              + "; ".join(f"`{' '.join(_no_machine_path(a) for a in c)}`" for c in commands),
              f"- mode: {'quick (CPU-sized)' if results.get('quick') else 'full'}; {isolate}"
-             + _jobs(results.get("jobs"))]
+             + _jobs(results.get("jobs"))
+             + (f"; time budget {results['budget']:.0f} s" if results.get("budget") else "")]
     for name, b in sorted(results.get("backends", {}).items(),
                           key=lambda kv: BACKEND_ORDER.get(kv[0], 9)):
         if b.get("status") == "ok":
@@ -206,7 +209,12 @@ def markdown(results):
         lines += ["", "Quick mode: JAX runs share a persistent compilation cache, so their "
                   "first epochs are not compile times; on a CPU, XLA compiles without "
                   "LLVM optimisation (`--xla_backend_optimization_level=0`)."]
-    lines += ["", headline(results), "", tables.legend(results), ""]
+    lines += ["", summary.table(results), "", summary.LEGEND, ""]
+    if plot_missing() is None:
+        lines += [f"![samples/s per model and backend]({results.get('name', '')}.png)", ""]
+    if tables.top_devices(results) > 1:
+        lines += [headline(results), ""]
+    lines += [tables.legend(results), ""]
     toys = headline(results, toys=True)
     if toys:
         lines += ["### Toy workloads (launch-bound)", "", toys, ""]

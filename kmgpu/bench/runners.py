@@ -28,7 +28,8 @@ Every Keras-based run is timed after its own warm-up (issue 22): at least
 ``fit`` (it compiles the step, fills the caches),
 then the model's weights and optimizer state back to where they were (the compiled step
 stays), then the timed epochs. Its wall time is the run's ``warmup_s`` (the compile
-included); samples/s is the median of the timed epochs.
+included); samples/s is the median of the timed epochs. Plain fit and kmgpu then time
+``evaluate`` and ``predict`` over the epoch's samples, each after one untimed call.
 """
 
 import time
@@ -125,6 +126,21 @@ def _fit(fit, x, y, batch_size, workload, model=None):
     return result
 
 
+def _infer(model, x, y, batch_size):
+    """Seconds of ``evaluate`` and of ``predict`` over ``x`` (one epoch's samples), each
+    timed on its second call: the first compiles the step."""
+    seconds = {}
+    for name, call in (("evaluate_s", lambda: model.evaluate(x, y, batch_size=batch_size,
+                                                             verbose=0)),
+                       ("predict_s", lambda: model.predict(x, batch_size=batch_size,
+                                                           verbose=0))):
+        call()
+        start = time.perf_counter()
+        call()
+        seconds[name] = time.perf_counter() - start
+    return seconds
+
+
 def _plain(workload, model, backend, flops):
     from kmgpu.bench import flops as flop_count
 
@@ -133,6 +149,7 @@ def _plain(workload, model, backend, flops):
     result = _fit(model.fit, x, y, workload.batch, workload, model)
     result["weights"] = model.get_weights()
     result["params"] = trainable_count(model)
+    result.update(_infer(model, x, y, workload.batch))
     if flops:  # after training and after the weights are taken: never timed, never kept
         result["flops_per_sample"], result["flops_source"] = flop_count.per_sample(
             model, workload, backend)
@@ -156,11 +173,13 @@ def _kmgpu(workload, n, model, policy):
     x, y = workload.data(global_batch(workload, n, policy))
     try:
         result = _fit(parallel.fit, x, y, workload.batch, workload, model)
+        weights = model.get_weights()  # the user's model holds the trained weights
+        result.update(_infer(parallel, x, y, workload.batch))
     finally:
         if has_gpu():
             parallel.close()  # free the GPUs for the next run's memory figures
         # else: the torch engine's worker pool stays for the next run on as many devices
-    result["weights"] = model.get_weights()  # the user's model holds the trained weights
+    result["weights"] = weights
     result["params"] = trainable_count(model)
     result["jit_compile"] = jit
     return result

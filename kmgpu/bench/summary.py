@@ -1,0 +1,115 @@
+"""The leading table of ``kmgpu bench``: per model, each backend's samples/s under kmgpu,
+kmgpu against plain fit, the first epoch, evaluate and predict, and which backend is
+fastest; with several devices also the speed-up over plain fit on one and the efficiency.
+Imports no backend."""
+
+from kmgpu.bench import tables
+from kmgpu.bench.tables import BACKEND_ORDER, fmt
+
+CORE = ("plain", "kmgpu", "replay")
+
+
+def _run(results, backend, workload, runner, n):
+    return tables._find(results, backend, workload, runner, n, "global")
+
+
+def row(results, backend, workload, top):
+    """The figures of one backend on one workload (dict), or why there are none:
+    {"missing": text}."""
+    plain = _run(results, backend, workload, "plain", 1)
+    replay = _run(results, backend, workload, "replay", 1)
+    one = _run(results, backend, workload, "kmgpu", 1)
+    k = _run(results, backend, workload, "kmgpu", top)
+    needed = [plain, k] + ([one] if top > 1 else [])
+    for r in needed:
+        if r is None:
+            return {"missing": "not run"}
+    for r in needed:
+        if r.get("status") != "ok":
+            text = r.get("reason") if r.get("status") == "skipped" else r.get("error")
+            return {"missing": f"{r.get('status', 'failed')}: {text or '?'}"[:120]}
+    # plain fit before and, where it ran, after kmgpu: the mean is order-balanced
+    base = [p["samples_per_s"] for p in (plain, replay) if p and p.get("status") == "ok"]
+    plain_sps = sum(base) / len(base)
+    out = {"kmgpu": k["samples_per_s"], "first": tables.first_epoch(k),
+           "evaluate": k.get("evaluate_s"), "predict": k.get("predict_s")}
+    if one and one.get("status") == "ok":
+        out["vs_plain"] = one["samples_per_s"] / plain_sps
+    if top > 1:
+        out["speedup"] = k["samples_per_s"] / plain_sps
+        out["efficiency"] = out["speedup"] / top
+    return out
+
+
+def workloads_in(results):
+    """The workloads in the order the run took them (older results: by rank)."""
+    names = [w for w in (results.get("workloads") or {})]
+    seen = {r["workload"] for r in results["runs"] if r["runner"] in CORE}
+    return [w for w in names if w in seen] + sorted(seen - set(names), key=tables.workload_rank)
+
+
+def table(results):
+    """The leading table, as markdown (title, table)."""
+    top = max([r["devices"] for r in results["runs"] if r["runner"] == "kmgpu"] or [1])
+    gpus = (results.get("machine") or {}).get("gpus") or []
+    simulated = bool(results.get("simulate")) or not gpus
+    if simulated:
+        where = (f"{top} simulated devices" if results.get("simulate") else "a CPU")
+        title = (f"## kmgpu on {where}, per model and backend: a code-path check on a CPU"
+                 + (" (CI sizes)" if results.get("quick") else "") + ", not a speed")
+    else:
+        name = gpus[0].replace("NVIDIA ", "")
+        title = f"## kmgpu on {top} {name}{'s' if top > 1 else ''}, per model and backend"
+    unit = "device" if simulated else "GPU"
+    many = top > 1
+    head = ["model", "backend", f"kmgpu samples/s{f', {top} {unit}s' if many else ''}",
+            f"kmgpu / plain fit{f', 1 {unit}' if many else ''}"]
+    if many:
+        head += [f"speed-up, {top} {unit}s vs plain fit on 1", "efficiency"]
+    head += ["1st epoch (s)", "evaluate (s)", "predict (s)", "vs fastest backend"]
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    backends = sorted({r["backend"] for r in results["runs"] if r["runner"] in CORE},
+                      key=lambda b: BACKEND_ORDER.get(b, 9))
+    for workload in workloads_in(results):
+        rows = {b: row(results, b, workload, top) for b in backends}
+        done = {b: r["kmgpu"] for b, r in rows.items() if "kmgpu" in r}
+        best = max(done, key=done.get) if done else None
+        for b in backends:
+            r = rows[b]
+            if "missing" in r:
+                lines.append(f"| {workload} | {b} | {r['missing']} |" + " |" * (len(head) - 3))
+                continue
+            if len(done) < 2:
+                vs = "-"
+            elif b == best:
+                vs = "**fastest**"
+            else:
+                vs = f"{r['kmgpu'] / done[best]:.2f}x {best}"
+            cells = [fmt(r["kmgpu"], ",.0f"), _ratio(r.get("vs_plain"))]
+            if many:
+                cells += [_ratio(r.get("speedup")), fmt(r.get("efficiency"), ".2f")]
+            cells += [r["first"], _secs(r["evaluate"]), _secs(r["predict"]), vs]
+            lines.append(f"| {workload} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "kmgpu samples/s: median epoch after the warm-up, global batch (the workload's); "
+    "kmgpu / plain fit: kmgpu's samples/s on one device over plain `model.fit`'s "
+    "(order-balanced: each run in a process of its own, or plain fit before and after kmgpu "
+    "in one, averaged); speed-up: kmgpu on N devices over plain fit on one; efficiency: "
+    "speed-up / N; 1st epoch: the warm-up's wall time, compilation included (*: the "
+    "process had run others before); evaluate, predict: seconds for one epoch's samples, "
+    "each timed on its second call; vs fastest backend: samples/s under kmgpu against the "
+    "fastest backend's on the same model. A skipped row was skipped whole, for the reason "
+    "given.")
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _secs(x):
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 10 else f"{x:.1f}"
