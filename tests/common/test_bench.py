@@ -86,11 +86,13 @@ def _check_smoke(backend, names, out, tmp_path):
     assert "efficiency: speedup / N (it can exceed 1" in out and "parity: the largest" in out
     tail = out.rstrip().splitlines()
     assert any("2 simulated devices vs 1" in line for line in tail)
-    if set(names) <= set(workloads.TOYS):  # the leading table (printed last) has no toys
-        assert tail[-1] == "No runs of these workloads in these results.", tail[-1]
-        assert any(line.startswith(f"| {names[0]} | {backend} |") for line in tail)
-    else:
-        assert tail[-1].startswith("| ")
+    # the table per model and backend comes last: a code-path check, a complete row each
+    assert any(line.startswith("## kmgpu on 2 simulated devices, per model and backend: a "
+                               "code-path check") for line in tail)
+    assert tail[-1].startswith(f"| {names[-1]} | ")
+    row = next(line for line in tail if line.startswith(f"| {names[0]} | {backend} | "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert len(cells) == 10 and all(c != "-" for c in cells[2:9]), row
     results = json.loads((tmp_path / "smoke.json").read_text())
     for ext in ("md", "png", "log"):
         assert (tmp_path / f"smoke.{ext}").exists(), ext
@@ -112,6 +114,8 @@ def _check_smoke(backend, names, out, tmp_path):
             continue
         workload = results["workloads"][r["workload"]]
         assert r["samples_per_s"] > 0 and r["first_epoch_s"] > 0 and r["peak_memory"] > 0, k
+        if r["runner"] in ("plain", "replay", "kmgpu"):
+            assert r["evaluate_s"] > 0 and r["predict_s"] > 0, k
         assert len(r["epoch_seconds"]) == workload["epochs"], k
         assert r["flops_per_sample"] > 0 and r["mfu"] is None, k  # no GPU peak on a CPU
         factor = 2 if r["policy"] == "per_replica" else 1
@@ -152,7 +156,8 @@ def test_bench_says_when_it_draws_no_plot(monkeypatch, capsys, tmp_path, termina
     assert lines[1] == "kmgpu bench: no plot (matplotlib is not installed: pip install matplotlib)"
     assert f"{n}/{n}" in out and f"/run - failed: 0 - skipped: {n}" in out, out
     assert "e+00" not in out and "skipped: 2.0" not in out
-    assert f"{n} run(s) skipped: time budget spent" in out
+    assert f"{n} run(s) skipped:\n  sine on {backend}: time budget spent\n" in out
+    assert f"kmgpu bench: sine on {backend}: skipped, time budget spent" in out
     assert "(no plot: matplotlib is not installed: pip install matplotlib)" in out
     assert sorted(os.listdir(tmp_path)) == ["bare.json", "bare.log", "bare.md"]
     assert ("\x1b[" in out) == terminal  # a terminal gets the coloured bar
@@ -220,29 +225,101 @@ def test_bench_arguments(capsys):
     assert workloads.get("sine", steps=5).samples() == 106  # sine: its own data
 
 
-def test_plan_tiers_and_order():
-    runs = plan.plan(["jax"], ["xception", "sine"], [1, 2], replay=True)
-    keys = [(r["workload"], r["runner"], r["devices"], r["policy"]) for r in runs]
-    assert keys == [
-        ("xception", "plain", 1, "global"), ("xception", "kmgpu", 2, "global"),
-        ("xception", "kmgpu", 2, "per_replica"),
-        ("sine", "plain", 1, "global"), ("sine", "kmgpu", 2, "global"),
-        ("sine", "kmgpu", 2, "per_replica"),
-        ("xception", "peer", 2, "global"), ("xception", "kmgpu", 1, "global"),
-        ("sine", "peer", 2, "global"), ("sine", "kmgpu", 1, "global"),
-        ("allreduce", "allreduce", 2, "global"),
-        ("xception", "peer", 2, "per_replica"), ("xception", "peer", 1, "global"),
-        ("xception", "replay", 1, "global"),
-        ("sine", "peer", 2, "per_replica"), ("sine", "peer", 1, "global"),
-        ("sine", "replay", 1, "global")]
+def test_plan_goes_workload_by_workload():
+    """Each workload's runs on every backend before the next workload; the core unit
+    (the leading table's row) first, its extras in a second pass; no peer on one device."""
+    units = plan.units(["jax", "torch"], ["sine", "resnet50"], [1, 2], replay=True)
+    assert [(u["workload"], u["backend"], u["core"]) for u in units] == [
+        ("sine", "jax", True), ("sine", "torch", True), ("resnet50", "jax", True),
+        ("resnet50", "torch", True), ("sine", "jax", False), ("sine", "torch", False),
+        ("resnet50", "jax", False), ("resnet50", "torch", False),
+        ("allreduce", "jax", False), ("allreduce", "torch", False)]
+    # shared process: plain, kmgpu, kmgpu, plain (the replay balances the order)
+    assert [(r["runner"], r["devices"], r["policy"]) for r in units[0]["runs"]] == [
+        ("plain", 1, "global"), ("kmgpu", 1, "global"), ("kmgpu", 2, "global"),
+        ("kmgpu", 2, "per_replica"), ("replay", 1, "global")]
+    assert [(r["runner"], r["devices"], r["policy"]) for r in units[7]["runs"]] == [
+        ("peer", 2, "global"), ("peer", 2, "per_replica"), ("reference", 1, "global")]
+    one = plan.units(["tensorflow", "jax"], ["sine"], [1], replay=True, shared=False)
+    assert [(u["backend"], [r["runner"] for r in u["runs"]]) for u in one] == [
+        ("tensorflow", ["plain", "kmgpu"]), ("jax", ["plain", "kmgpu"]),
+        ("tensorflow", ["replay"]), ("jax", ["replay"])]  # a process per run: balanced
+    assert all(r["runner"] != "peer" for u in one for r in u["runs"])
     lean = plan.plan(["torch"], ["resnet50"], [1, 2], lean=True,
                      runners=("plain", "kmgpu", "peer", "reference"))
     assert [(r["runner"], r["devices"], r["policy"]) for r in lean] == [
-        ("plain", 1, "global"), ("kmgpu", 2, "global"), ("kmgpu", 2, "per_replica"),
-        ("peer", 2, "global"), ("kmgpu", 1, "global"), ("reference", 1, "global")]
-    one = plan.plan(["tensorflow"], ["sine"], [1], policies=("global",))
-    assert [(r["runner"], r["devices"]) for r in one] == [("plain", 1), ("kmgpu", 1),
-                                                          ("peer", 1)]
+        ("plain", 1, "global"), ("kmgpu", 1, "global"), ("kmgpu", 2, "global"),
+        ("kmgpu", 2, "per_replica"), ("peer", 2, "global"), ("reference", 1, "global")]
+
+
+COSTS = {"transformer": 20.0, "cnn32": 8.0, "lstm": 5.0, "sine": 3.0}  # seconds a run
+
+
+def _schedule(backends, names, seconds, shared, slow=None):
+    """The planner against a fake clock: each run takes its workload's seconds (x
+    ``slow[backend]``); returns every run's record and the seconds spent."""
+    now, slow = [0.0], slow or {}
+    budget = plan.Budget(seconds, reserve=10, clock=lambda: now[0], prior=COSTS)
+    units = plan.units(backends, names, [1], replay=True, shared=shared)
+    records, said = [], []
+    for unit, why in plan.Scheduler(units, budget):
+        if why:
+            line, skipped = plan.skipped(unit, why)
+            said.append(line)
+            records += skipped
+            continue
+        for r in unit["runs"]:
+            cost = COSTS[r["workload"]] * slow.get(r["backend"], 1.0)
+            now[0] += cost
+            budget.record(r, cost)
+            records.append(dict(r, status="ok"))
+    return records, now[0], said
+
+
+@pytest.mark.parametrize("backends", [["jax", "torch"], ["tensorflow", "jax", "torch"]])
+@pytest.mark.parametrize("shared", [True, False])
+def test_planner_gives_complete_rows_at_any_budget(backends, shared):
+    """Budgets from tiny to ample, workloads listed largest first: every row is complete
+    or skipped whole (and said once), nothing runs past the budget, and every backend
+    gets a row whenever the budget covers one each."""
+    names = ["transformer", "cnn32", "lstm", "sine"]
+    row_cost = COSTS["sine"] * (3 if shared else 2)  # the cheapest core unit
+    for seconds in [1, 10, 15, 16, 20, 25, 30, 40, 50, 60, 80, 100, 150, 200, 300, 1000]:
+        records, spent, said = _schedule(backends, names, seconds, shared)
+        assert spent <= max(seconds - 10, 0), seconds
+        units = {}
+        for r in records:
+            units.setdefault((r["workload"], r["backend"], r["runner"] == "replay"
+                              and not shared), set()).add(r["status"])
+        assert all(len(s) == 1 for s in units.values()), (seconds, units)  # whole or none
+        assert len(said) == sum(s == {"skipped"} for s in units.values())
+        complete = {b for (w, b, extra), s in units.items() if s == {"ok"} and not extra}
+        if seconds - 10 >= row_cost * len(backends):
+            assert complete == set(backends), (seconds, complete)
+        elif seconds - 10 >= row_cost:
+            assert complete, seconds
+        else:
+            assert not complete, seconds
+        if seconds >= 1000:  # ample: every run
+            assert all(r["status"] == "ok" for r in records)
+
+
+def test_planner_skips_what_does_not_fit_and_says_so():
+    records, _, said = _schedule(["jax", "torch"], ["sine", "transformer"], 70, shared=False)
+    status = {(r["workload"], r["backend"], r["runner"]): r for r in records}
+    assert status[("sine", "jax", "plain")]["status"] == "ok"
+    assert status[("sine", "torch", "kmgpu")]["status"] == "ok"
+    # 48 s left after sine on both (12 s): transformer on jax takes 40, then 8 are left
+    assert status[("transformer", "jax", "kmgpu")]["status"] == "ok"
+    assert said[0] == "transformer on torch: skipped, about 40 s needed, 8 s left"
+    # torch twice as slow as guessed: after its sine runs the guess for lstm doubles (20 s
+    # for two runs, not 10), so lstm on torch is skipped rather than run past the budget
+    records, spent, said = _schedule(["jax", "torch"], ["sine", "lstm"], 55, shared=False,
+                                     slow={"torch": 2.0})
+    assert {(r["workload"], r["backend"]) for r in records if r["status"] == "ok"} == {
+        ("sine", "jax"), ("sine", "torch"), ("lstm", "jax")}
+    assert said[0] == "lstm on torch: skipped, about 20 s needed, 17 s left"
+    assert spent == 28 + 14  # then the extras that fit: the replays
 
 
 def test_time_budget():
@@ -257,13 +334,16 @@ def test_time_budget():
     now[0] = 55.0  # 100 - 10 - 55 = 35 s left
     assert budget.left() == 35.0
     assert budget.refuse([a]) is None
-    assert budget.refuse([a, a]) == "time budget: about 60 s needed, 35 s left"
+    assert budget.refuse([a, a]) == "about 60 s needed, 35 s left"
+    assert budget.refuse([a], kept=10) == ("about 30 s needed, 35 s left (10 s of it kept "
+                                           "for other backends' first rows)")
     now[0] = 95.0
     assert budget.refuse([b]) == "time budget spent"
     assert plan.Budget(None).refuse([a]) is None
-    now[0] = 10.0  # 80 s left for 4 workers: each starts no tier-1/2 run after 20 s
-    assert budget.soft_deadline(4) - time.time() == pytest.approx(20.0, abs=1.0)
-    assert plan.Budget(None).soft_deadline(4) is None
+    guess = plan.Budget(100, clock=lambda: 0.0, prior={"sine": 4.0, "xception": 40.0})
+    assert guess.estimate(b) == 4.0 and guess.estimate({**a, "backend": "torch"}) == 40.0
+    guess.record({"backend": "torch", "workload": "sine"}, 8.0)  # twice its guess
+    assert guess.estimate({**a, "backend": "torch"}) == 80.0 and guess.estimate(a) == 40.0
 
 
 def test_projection_by_hand():
@@ -381,7 +461,7 @@ def _synthetic():
     }
 
 
-def test_report_leads_with_the_speedup_table(tmp_path):
+def test_report_leads_with_the_table_per_model(tmp_path):
     results = _synthetic()
     derive.derive(results)
     runs = derive.index(results)
@@ -393,8 +473,13 @@ def test_report_leads_with_the_speedup_table(tmp_path):
     text = report.markdown(results)
     lines = text.splitlines()
     first_table = next(i for i, line in enumerate(lines) if line.startswith("## "))
-    assert lines[first_table] == ("## 2 H200s vs 1: speedup per workload, backend and batch "
-                                  "policy")
+    assert lines[first_table] == "## kmgpu on 2 H200s, per model and backend"
+    row = next(line for line in lines if line.startswith("| resnet50 | jax | 6,480 |"))
+    assert [c.strip() for c in row.split("|")[1:-1]] == [
+        "resnet50", "jax", "6,480", "0.99x", "1.80x", "0.90", "40.0*", "-", "-", "-"]
+    assert "![samples/s per model and backend](synthetic.png)" in lines
+    second = next(i for i, line in enumerate(lines) if i > first_table and line.startswith("## "))
+    assert lines[second] == "## 2 H200s vs 1: speedup per workload, backend and batch policy"
     row = next(line for line in lines if line.startswith("| resnet50 | jax | global |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[3:9] == ["256 -> 256", "3,600", "6,480", "1.80x", "0.90", "1.08"]
