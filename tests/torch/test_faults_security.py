@@ -259,3 +259,27 @@ def test_models_reach_the_workers_in_safe_mode():
     # files are read as raw arrays, never unpickled (pickles only travel over the pipes
     # between this process and its own workers)
     assert "allow_pickle=True" not in source and "pickle.load(" not in source
+
+
+def test_what_cannot_travel_to_spawned_workers_is_named():
+    """A loss holding a lock cannot be pickled for spawned workers (CUDA): the refusal
+    names it, before any work; forked workers (CPU) inherit it instead."""
+    import threading
+
+    import keras
+
+    from kmgpu.engines.torch import replicas
+
+    class Locked(keras.losses.MeanSquaredError):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lock = threading.Lock()
+
+    model = mlp()
+    model.compile(optimizer="sgd", loss=Locked())
+    spec, inherit = replicas.model_spec(model)
+    assert inherit and spec.objects is None
+    from kmgpu.engines.torch import transport
+
+    names = replicas.unpicklable(transport.INHERITED["objects"])
+    assert names == ["compile loss (Locked)"]

@@ -168,13 +168,15 @@ class PoolLauncher(Launcher):
         self.pool = pool
         return pool
 
-    def _fork_next(self):
-        """Custom objects that cannot be pickled reach workers forked after they exist."""
+    def _fork_next(self, names):
+        """Custom objects that cannot be pickled (``names``) reach workers forked after
+        they exist."""
         if start_method(self.torch_devices[0].startswith("cuda")) != "fork":
             raise TypeError(
-                "kmgpu (torch): the model uses classes or functions that cannot be sent to "
-                "spawned worker processes (defined inside a function or in a notebook). "
-                "Move them to an importable module, or `pip install cloudpickle`.")
+                f"kmgpu (torch): {', '.join(names) or 'the model'} cannot be sent to the "
+                "spawned worker processes (pickled by value). Move what holds an open file, "
+                "a lock or a connection out of the model and its losses and metrics, or "
+                "define the class in an importable module.")
         pool = _SHARED_POOLS.pop(self._key, None)
         if pool is not None:
             pool.close()  # the next pool is forked now, with the objects in memory
@@ -185,7 +187,7 @@ class PoolLauncher(Launcher):
         if pool is None or not pool.alive() or pool.model_key != call.key:  # a new pool needs it
             spec, inherit = replicas.model_spec(template)
             if inherit:
-                self._fork_next()
+                self._fork_next(replicas.unpicklable(transport.INHERITED["objects"]))
         synced = self._synced
         pool = self._ensure_pool()
         clock("pool")

@@ -85,6 +85,8 @@ def unpicklable(objects):
         try:
             pickle.loads(transport.dumps(obj))
         except Exception:
+            if isinstance(obj, user_objects.Shared):
+                obj = obj.obj  # the user's loss
             names.append(f"{name} ({getattr(obj, '__qualname__', type(obj).__name__)})")
     return names
 
