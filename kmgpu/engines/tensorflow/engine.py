@@ -178,8 +178,9 @@ class TensorFlowEngine(InProcessEngine):
         replica._maybe_symbolic_build(data_batch=(first.get("x"), first.get("y"),
                                                   first.get("sample_weight")))
         result = getattr(replica, method)(**dict(kwargs, **placed))
-        if method == "predict_on_batch":
-            return result
+        step = "train_step" if method == "train_on_batch" else "test_step"
+        if method == "predict_on_batch" or keras_fixes.keeps_keras_step(replica, step):
+            return result  # kmgpu's own step returns the global batch's (global_logs)
         # Keras returns the mean of the replicas' own results, wrong for an uneven
         # split: read the metrics as fit does, summed over replicas
         return keras_fixes.metrics_logs(replica, kwargs.get("return_dict", False))
@@ -220,6 +221,7 @@ class TensorFlowEngine(InProcessEngine):
         keras_fixes.per_thread_losses(replica)  # layers run on the global batch all-gather
         keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
         keras_fixes.synced_logs(replica)
+        keras_fixes.global_logs(replica)  # per-batch logs of the global batch
         if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too

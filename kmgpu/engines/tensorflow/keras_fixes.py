@@ -10,7 +10,7 @@ from kmgpu.engines.tensorflow import iterator_keras_fixes, step_keras_fixes
 from kmgpu.engines.tensorflow.iterator_keras_fixes import (  # noqa: F401 (the engine's names)
     park_iterators, untuned_iterators)
 from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engine's names)
-    exact_custom_steps, keeps_keras_step, metrics_logs, per_thread_losses, synced_logs,
+    exact_custom_steps, global_logs, keeps_keras_step, metrics_logs, per_thread_losses, synced_logs,
     test_step, train_step, weigh_output_losses)
 
 KERAS = "3.15.1"

@@ -44,6 +44,11 @@ PATCHES = [
      "only when the step's logs have their keys; a custom step that returns "
      "{m.name: m.result()} (keras.io's guide) nests CompileMetrics' results, so Keras "
      "returns the mean of each replica's own results, wrong when batches split unevenly"),
+    ("keras.src.trainers.trainer", "Trainer.get_metrics_result",
+     "replaced on replicas (global_logs): inside a step each replica reads its own metric "
+     "variables, and Keras's TF trainer hands on_train_batch_end the mean of the replicas' "
+     "results, which differs from one device's when a batch splits unevenly (the loss "
+     "tracker's counts then differ between replicas)"),
 ]
 
 
@@ -216,7 +221,7 @@ def exact_custom_steps(model):
             try:
                 x = keras.utils.unpack_x_y_sample_weight(data)[0]
                 with global_batch.on_global(x, training):
-                    return step(data)
+                    return _global_step_logs(model, step(data))
             finally:
                 inside.pop()
         return run
@@ -272,6 +277,38 @@ def weigh_output_losses(model):
     for metric in compile_loss.metrics:
         metric.update_state = weighed(metric.update_state)
     compile_loss.call, compile_loss._kmgpu_share = weighed_call, True
+
+
+def global_logs(model):
+    """Within a replica's step, ``get_metrics_result`` (what Keras's own steps and
+    ``compute_metrics`` return) reads the metric variables summed over the replicas, in
+    a ``merge_call``: every replica returns the one-device results of the global batches
+    so far, so the per-batch logs callbacks get equal one device's, a partial last batch
+    included. Custom steps that return ``m.result()`` themselves get the same
+    (``exact_custom_steps``). Outside a step Keras's own reading applies."""
+    import tensorflow as tf
+
+    results = model.get_metrics_result
+
+    def get_metrics_result():
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return results()
+        return context.merge_call(lambda _: results())
+
+    model.get_metrics_result = get_metrics_result
+
+
+def _global_step_logs(model, logs):
+    """A custom step's logs, read across replicas (``global_logs``) when they are the
+    metrics' results (the keys test of ``synced_logs``)."""
+    if not isinstance(logs, dict):
+        return logs
+    keys = set()
+    for key, value in logs.items():
+        keys.update(value) if isinstance(value, dict) else keys.add(key)
+    merged = model.get_metrics_result()
+    return merged if set(merged) == keys else logs
 
 
 def synced_logs(model):
