@@ -1,5 +1,5 @@
 """TensorFlow, 4 devices against plain Keras on one: what a callback sees after each
-batch.
+batch, and a loss-scale optimizer whose gradients overflow on one replica only.
 
 45 rows in batches of 12: the last batch of each epoch (9 rows) splits unevenly over
 the 4 replicas, which is where a per-replica mean differs from one device's.
@@ -57,3 +57,42 @@ def test_every_batch_logs_equal_one_device():
         np.testing.assert_allclose(_curves(logs.test)[key], curve, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-6)
     assert rel_diff(plain.get_weights(), model.get_weights()) <= 1e-5
+
+
+def test_loss_scale_skips_a_step_that_overflows_on_another_replica():
+    """mixed_float16: row 5 (replica 1's block of the first batch) has a target whose
+    loss gradient overflows float16 at the scale Keras starts from. One device skips that
+    step and halves the scale (every epoch); 4 devices must do the same, not apply the
+    overflowed replica's inf (NaN weights from then on)."""
+    x, y = data("mlp", ROWS)
+    y[5] = 3000.0
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        runs = {}
+        for name in ("plain", "kmgpu"):
+            keras.utils.set_random_seed(3)
+            # float32 weights (parity to float32 rounding), a float16 output: the float32
+            # loss gradient overflows where it is cast to float16
+            model = keras.Sequential([
+                keras.Input((5,)),
+                keras.layers.Dense(16, activation="relu", dtype="float32"),
+                keras.layers.Dense(1, dtype="float32"),
+                keras.layers.Activation("linear"),
+            ])
+            runner = model if name == "plain" else kmgpu.parallelize(model, gpus=4)
+            runner.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+            with few_steps() if name == "kmgpu" else contextlib.nullcontext():
+                history = runner.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                     verbose=0)
+            runs[name] = (model, history.history["loss"])
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    (plain, plain_loss), (model, loss) = runs["plain"], runs["kmgpu"]
+    assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert np.isfinite(loss).all()
+    assert rel_diff(plain.get_weights(), model.get_weights()) <= 1e-5
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+    assert float(model.optimizer.dynamic_scale.numpy()) == \
+        float(plain.optimizer.dynamic_scale.numpy()) == 2.0 ** 13  # two skipped steps

@@ -64,6 +64,16 @@ PATCHES = [
     ("tensorflow.python.ops.custom_gradient", "_get_dependent_variables", "same"),
     ("tensorflow.python.distribute.distribute_lib", "ReplicaContextBase.all_reduce",
      "its grad_wrapper is what all_reduce_without_walk recognises"),
+    ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer._tf_apply",
+     "replaced on replica loss-scale optimizers (finite_over_replicas): it takes \"the "
+     "gradients are finite\" from the first replica's gradients, before they are summed, "
+     "so another replica's overflow is applied as inf (NaN weights from then on)"),
+    ("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer.check_finite",
+     "same: each replica's flag is all-reduced"),
+    ("keras.src.optimizers.loss_scale_optimizer",
+     "LossScaleOptimizer._stateful_handle_finite_grads", "called as Keras's _tf_apply does"),
+    ("keras.src.optimizers.loss_scale_optimizer",
+     "LossScaleOptimizer._stateful_handle_non_finite_grads", "same"),
     ("tensorflow", "__internal__.distribute.interim.maybe_merge_call",
      "made a direct call in cross-replica context while accumulate_across_replicas runs "
      "the optimizer's apply there (it would ask a missing replica context to merge)"),
@@ -287,6 +297,7 @@ def symbolic_build(self, iterator=None, data_batch=None, feed=None, replica_fixe
     if optimizer is not None:
         accumulate_across_replicas(optimizer)
         reduce_before_clipping(optimizer)
+        finite_over_replicas(optimizer)
 
 
 def _first_batch(strategy, iterator):
@@ -402,3 +413,46 @@ def reduce_before_clipping(optimizer):
     optimizer._clip_gradients, optimizer._all_reduce_sum_gradients = clip_summed, \
         all_reduce_once
     optimizer._kmgpu_clip = True
+
+
+def finite_over_replicas(optimizer):
+    """A ``LossScaleOptimizer`` (``mixed_float16``) applies the update only when the
+    gradients of every replica are finite, and halves its scale otherwise, as one device
+    decides from its whole batch's gradient: each replica's "finite" flag is all-reduced
+    (Keras takes the first replica's flag, before the gradients are summed).
+    """
+    import tensorflow as tf
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    if not isinstance(optimizer, LossScaleOptimizer) or hasattr(optimizer, "_kmgpu_finite"):
+        return
+    check, tf_apply = optimizer.check_finite, optimizer._tf_apply
+
+    def check_finite(grads):
+        finite = check(grads)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite
+        overflowed = context.all_reduce("sum", 1.0 - tf.cast(finite, "float32"))
+        return tf.equal(overflowed, 0.0)
+
+    def apply_if_finite(grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1 or \
+                tf.__internal__.distribute.strategy_supports_no_merge_call():
+            return tf_apply(grads, trainable_variables)  # its check_finite is the one above
+        finite = check_finite(grads)  # the same on every replica
+
+        def cross_replica(strategy, grads, trainable_variables, finite):
+            def apply():
+                strategy.extended.call_for_each_replica(
+                    optimizer._stateful_handle_finite_grads, args=(grads, trainable_variables))
+
+            # a cond in cross-replica context, as Keras's (a branch merges)
+            tf.cond(strategy.experimental_local_results(finite)[0], apply,
+                    optimizer._stateful_handle_non_finite_grads)
+
+        context.merge_call(cross_replica, args=(grads, trainable_variables, finite))
+
+    optimizer.check_finite, optimizer._tf_apply = check_finite, apply_if_finite
+    optimizer._kmgpu_finite = True
