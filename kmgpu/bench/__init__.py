@@ -12,9 +12,10 @@ Results go to the repository's ``benchmarks/results`` in a source checkout, else
 Modules: ``workloads`` and ``models`` (what is trained), ``runners`` and ``ddp`` (kmgpu,
 plain fit, the peers, the torchvision reference), ``allreduce`` (the all-reduce sweep),
 ``flops`` (FLOPs per sample, peaks, MFU), ``worker`` (one backend's runs in one process),
-``plan`` (which runs, in which order, the time budget), ``cli`` (options, workers, progress
-bar), ``derive`` (ratios once all runs are in), ``projection`` (alpha-beta model of more
-GPUs), ``report``, ``tables`` and ``plot`` (JSON -> markdown and PNG), ``paths``.
+``plan`` (units of runs, workload by workload, and the time budget), ``cli`` (options,
+workers, progress bar), ``derive`` (ratios once all runs are in), ``projection``
+(alpha-beta model of more GPUs), ``summary`` (the leading table: per model and backend),
+``report``, ``tables`` and ``figure`` (JSON -> markdown and PNG), ``paths``.
 """
 
 import glob
@@ -65,8 +66,9 @@ def load_results(path=None):
 
 
 def markdown(results):
-    """The results as markdown: the speedup table first, then backends, projection,
-    kmgpu against plain fit and the peer, every run."""
+    """The results as markdown: the table per model and backend first, then (several
+    devices) the speedup table, backends, projection, kmgpu against plain fit and the
+    peer, every run."""
     from kmgpu.bench import report
 
     return report.markdown(results)

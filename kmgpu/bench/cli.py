@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 from kmgpu.bench import derive, paths, plan, report, workers, workloads
 
@@ -125,6 +126,7 @@ def main(argv=None):
 
 
 def _main(argv, child_env):
+    started = time.monotonic()  # the budget counts from the command's start
     args = parse(argv)
     out = args.out or paths.default_out()
     if args.report:
@@ -223,6 +225,7 @@ def _main(argv, child_env):
         "runs": [],
     }
     budget = plan.Budget(seconds, prior=workloads.prior_seconds(args.quick, bool(gpus)))
+    budget.started = started
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, name + ".log")
 
