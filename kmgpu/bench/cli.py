@@ -224,7 +224,9 @@ def _main(argv, child_env):
         "projection": projection_params(args),
         "runs": [],
     }
-    budget = plan.Budget(seconds, prior=workloads.prior_seconds(args.quick, bool(gpus)))
+    # kept for the report: the plot and tables take seconds (a full run's, more)
+    budget = plan.Budget(seconds, reserve=5.0 if args.quick else 15.0,
+                         prior=workloads.prior_seconds(args.quick, bool(gpus)))
     budget.started = started
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, name + ".log")

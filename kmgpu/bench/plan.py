@@ -7,11 +7,12 @@ a budget that ends early leaves complete rows of the first workloads on every ba
 one backend's runs of every workload.
 
 A workload's first unit per backend (``core``) holds what its row of the leading table
-needs: plain fit on 1 device, kmgpu on 1 device, and kmgpu on all devices (batch policies
-global and per_replica) when there are several. Where runs share a process, plain fit runs
+needs: plain fit on 1 device, kmgpu on 1 device, and kmgpu on all devices (global batch)
+when there are several. Where runs share a process, plain fit runs
 again after kmgpu (``replay``: plain, kmgpu, ..., plain), so the comparison is
 order-balanced; with a process per run each run is its process's first and the replay is
-an extra. The extras (the peer on all devices, the torchvision reference, device counts
+an extra. The extras (kmgpu with the per_replica batch policy, the peer on all devices, the
+torchvision reference, device counts
 between 1 and all, the replay with a process per run) come as a second pass over the
 workloads, then the all-reduce sweeps. No peer runs on one device: there it would measure
 plain fit again. ``lean`` (``--lean``, ``--quick``) leaves out the peer's per_replica run.
@@ -54,12 +55,12 @@ def units(backends, names, counts, replay=False, policies=POLICIES, runners=RUNN
             if 1 in counts:
                 runs += run(b, name, "kmgpu", 1)
             if top > 1:
-                runs += run(b, name, "kmgpu", top) + run(b, name, "kmgpu", top, "per_replica")
+                runs += run(b, name, "kmgpu", top)
             more = run(b, name, "replay", 1) if replay else []
             if shared:
                 runs, more = runs + more, []
             if top > 1:
-                more += run(b, name, "peer", top)
+                more += run(b, name, "kmgpu", top, "per_replica") + run(b, name, "peer", top)
                 if not lean:
                     more += run(b, name, "peer", top, "per_replica")
             if name in REFERENCE.get(b, ()):
@@ -159,7 +160,8 @@ class Scheduler:
     """Walks the units in order and says, for each, whether it runs: it fits the time
     left, less what the cheapest core unit of each other backend still without a row
     needs (where that alone fits), so each backend gets a complete row when the budget
-    covers one."""
+    covers one each. Where it covers fewer, a backend's own cheapest row goes first and
+    keeps time only for the others it leaves room for."""
 
     def __init__(self, units, budget):
         self.units, self.budget = list(units), budget
@@ -178,13 +180,18 @@ class Scheduler:
         left = self.budget.left()
         if left is None or not unit["core"]:
             return 0.0
-        kept = 0.0
-        for b in {u["backend"] for u in pending if u["core"]} - self.attempted - {unit["backend"]}:
-            cheapest = min(self.budget.need(u["runs"]) for u in pending
-                           if u["backend"] == b and u["core"])
-            if cheapest <= left:
-                kept += cheapest
-        return kept
+        cheapest = {}
+        for u in pending:
+            if u["core"]:
+                need = self.budget.need(u["runs"])
+                cheapest[u["backend"]] = min(need, cheapest.get(u["backend"], need))
+        mine = self.budget.need(unit["runs"])
+        others = sorted(c for b, c in cheapest.items() if b != unit["backend"]
+                        and b not in self.attempted and c <= left)
+        if unit["backend"] not in self.attempted and mine <= cheapest.get(unit["backend"], mine):
+            while others and mine + sum(others) > left:  # this row first, then who fits
+                others.pop()
+        return sum(others)
 
 
 def skipped(unit, why):

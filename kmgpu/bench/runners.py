@@ -29,7 +29,8 @@ Every Keras-based run is timed after its own warm-up (issue 22): at least
 then the model's weights and optimizer state back to where they were (the compiled step
 stays), then the timed epochs. Its wall time is the run's ``warmup_s`` (the compile
 included); samples/s is the median of the timed epochs. Plain fit and kmgpu then time
-``evaluate`` and ``predict`` over the epoch's samples, each after one untimed call.
+``evaluate`` and ``predict`` over the epoch's samples, each after one untimed call
+(``--quick``: the first call, compile included).
 """
 
 import time
@@ -126,15 +127,17 @@ def _fit(fit, x, y, batch_size, workload, model=None):
     return result
 
 
-def _infer(model, x, y, batch_size):
+def _infer(model, x, y, batch_size, warm=True):
     """Seconds of ``evaluate`` and of ``predict`` over ``x`` (one epoch's samples), each
-    timed on its second call: the first compiles the step."""
+    timed on its second call: the first compiles the step (``warm=False``: the first
+    call, compile included: a CPU code-path check need not pay twice)."""
     seconds = {}
     for name, call in (("evaluate_s", lambda: model.evaluate(x, y, batch_size=batch_size,
                                                              verbose=0)),
                        ("predict_s", lambda: model.predict(x, batch_size=batch_size,
                                                            verbose=0))):
-        call()
+        if warm:
+            call()
         start = time.perf_counter()
         call()
         seconds[name] = time.perf_counter() - start
@@ -149,7 +152,7 @@ def _plain(workload, model, backend, flops):
     result = _fit(model.fit, x, y, workload.batch, workload, model)
     result["weights"] = model.get_weights()
     result["params"] = trainable_count(model)
-    result.update(_infer(model, x, y, workload.batch))
+    result.update(_infer(model, x, y, workload.batch, warm=not workload.quick))
     if flops:  # after training and after the weights are taken: never timed, never kept
         result["flops_per_sample"], result["flops_source"] = flop_count.per_sample(
             model, workload, backend)
@@ -174,7 +177,7 @@ def _kmgpu(workload, n, model, policy):
     try:
         result = _fit(parallel.fit, x, y, workload.batch, workload, model)
         weights = model.get_weights()  # the user's model holds the trained weights
-        result.update(_infer(parallel, x, y, workload.batch))
+        result.update(_infer(parallel, x, y, workload.batch, warm=not workload.quick))
     finally:
         if has_gpu():
             parallel.close()  # free the GPUs for the next run's memory figures

@@ -100,7 +100,7 @@ LEGEND = (
     "in one, averaged); speed-up: kmgpu on N devices over plain fit on one; efficiency: "
     "speed-up / N; 1st epoch: the warm-up's wall time, compilation included (*: the "
     "process had run others before); evaluate, predict: seconds for one epoch's samples, "
-    "each timed on its second call; vs fastest backend: samples/s under kmgpu against the "
+    "each timed on its second call (--quick: its first, compile included); vs fastest backend: samples/s under kmgpu against the "
     "fastest backend's on the same model. A skipped row was skipped whole, for the reason "
     "given.")
 

@@ -44,7 +44,7 @@ BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
 # budget's first guess (plan.Budget scales it by the backend's finished runs).
 GPU_SECONDS = {"sine": 15, "lstm": 15, "cnn32": 20, "transformer": 25,
                "resnet50_small": 30, "resnet50": 40, "xception": 70}
-QUICK_SECONDS = 6  # one --quick run on a 2-core CPU
+QUICK_SECONDS = 4  # one --quick run on a 2-core CPU
 SEED = 1234
 UNIQUE_IMAGES = 256  # big image sets repeat this many random samples (same shapes and cost)
 

@@ -240,9 +240,10 @@ def test_plan_goes_workload_by_workload():
     # shared process: plain, kmgpu, kmgpu, plain (the replay balances the order)
     assert [(r["runner"], r["devices"], r["policy"]) for r in units[0]["runs"]] == [
         ("plain", 1, "global"), ("kmgpu", 1, "global"), ("kmgpu", 2, "global"),
-        ("kmgpu", 2, "per_replica"), ("replay", 1, "global")]
+        ("replay", 1, "global")]
     assert [(r["runner"], r["devices"], r["policy"]) for r in units[7]["runs"]] == [
-        ("peer", 2, "global"), ("peer", 2, "per_replica"), ("reference", 1, "global")]
+        ("kmgpu", 2, "per_replica"), ("peer", 2, "global"), ("peer", 2, "per_replica"),
+        ("reference", 1, "global")]
     one = plan.units(["tensorflow", "jax"], ["sine"], [1], replay=True, shared=False)
     assert [(u["backend"], [r["runner"] for r in u["runs"]]) for u in one] == [
         ("tensorflow", ["plain", "kmgpu"]), ("jax", ["plain", "kmgpu"]),
@@ -253,6 +254,15 @@ def test_plan_goes_workload_by_workload():
     assert [(r["runner"], r["devices"], r["policy"]) for r in lean] == [
         ("plain", 1, "global"), ("kmgpu", 1, "global"), ("kmgpu", 2, "global"),
         ("kmgpu", 2, "per_replica"), ("peer", 2, "global"), ("reference", 1, "global")]
+    # a budget that covers one row, not two: the first backend's row, not neither
+    now = [0.0]
+    tight = plan.Budget(30, reserve=0, clock=lambda: now[0], prior={"sine": 4.0})
+    two = plan.units(["jax", "torch"], ["sine"], [1, 2], replay=True, lean=True)
+    assert [(u["backend"], why) for u, why in plan.Scheduler(two[:2], tight)] == [
+        ("jax", None), ("torch", None)]  # nothing ran on the clock: both fit
+    now[0] = 14.0  # 16 s left for two rows of 16 s
+    assert [(u["backend"], why) for u, why in plan.Scheduler(two[:2], tight)] == [
+        ("jax", None), ("torch", None)]
 
 
 COSTS = {"transformer": 20.0, "cnn32": 8.0, "lstm": 5.0, "sine": 3.0}  # seconds a run
