@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from kmgpu.checks import is_dataset
-from kmgpu.engines.torch import feeds, shuffle, transport
+from kmgpu.engines.torch import feeds, keras_fixes, shuffle, transport
 
 #: the call arguments that hold data
 DATA_KEYS = ("x", "y", "sample_weight", "validation_data")
@@ -71,11 +71,14 @@ def nbytes(kwargs):
 
 def _read_for_ranks(method, kwargs, make_feed, keep, template):
     """Replace the datasets the ranks cannot index (``feeds.reads_itself``) in a call's
-    arguments. In fit, ``make_feed(passes, train, validation)`` returns what replaces
-    the training data (one pass per epoch, not shuffled: Keras does not shuffle these)
-    and the validation data (one pass per validation); ``train`` is (x,
+    arguments. In fit, ``make_feed(passes, train, validation, draws)`` returns what
+    replaces the training data (one pass per epoch, not shuffled: Keras does not
+    shuffle these) and the validation data (one pass per validation); ``train`` is (x,
     steps_per_epoch, template) and ``validation`` (data, validation_steps, the epochs
     that validate, from the fit's first), each None where the ranks index the data.
+    ``draws`` is (``keras_fixes.validation_draws``, the epochs that validate) for
+    arrays validating training data read here (else None): the reader makes Keras's
+    draws from torch's global generator between its passes, in Keras's order.
     evaluate's and predict's ``x`` becomes ``keep(batches)`` of one pass (``steps``
     batches). The user's ``template`` is built from them as Keras's fit and evaluate
     build it."""
@@ -84,15 +87,19 @@ def _read_for_ranks(method, kwargs, make_feed, keep, template):
     if method == "fit" and (feeds.reads_itself(x) or feeds.reads_itself(vd)):
         start = int(kwargs.get("initial_epoch", 0) or 0)
         epochs = int(kwargs.get("epochs", 1))
-        train = validation = None
+        train = validation = draws = None
+        freq, steps = kwargs.get("validation_freq", 1), kwargs.get("validation_steps")
+        validating = [e - start for e in range(start, epochs) if feeds.validates(e, freq)]
         if feeds.reads_itself(x):
             train = (x, out.pop("steps_per_epoch", None), template)
             out["shuffle"] = False
         if feeds.reads_itself(vd):
-            freq = kwargs.get("validation_freq", 1)
-            validation = (vd, kwargs.get("validation_steps"), [
-                e - start for e in range(start, epochs) if feeds.validates(e, freq)])
-        x_out, vd_out = make_feed(max(epochs - start, 1), train, validation)
+            validation = (vd, steps, validating)
+        elif train is not None and vd is not None and not is_dataset(vd):
+            batch = kwargs.get("validation_batch_size") or kwargs.get("batch_size")
+            draws = (keras_fixes.validation_draws(vd, batch, steps,
+                                                  template.steps_per_execution), validating)
+        x_out, vd_out = make_feed(max(epochs - start, 1), train, validation, draws)
         if train is not None:
             out["x"] = x_out
         if validation is not None:
@@ -119,8 +126,8 @@ def ship(kwargs, files, method, template):
     """
     made = []
 
-    def make_feed(passes, train, validation):
-        made.append(feeds.Feed(files, passes, train, validation))
+    def make_feed(passes, train, validation, draws):
+        made.append(feeds.Feed(files, passes, train, validation, draws))
         return tuple(None if r is None else pickle.dumps(r) for r in made[-1].remote())
 
     try:
@@ -177,15 +184,19 @@ def as_numpy(value):
     return keras.tree.map_structure(transport.as_array, value)
 
 
-def local(kwargs, method, template):
+def local(kwargs, method, template, host):
     """In-process: a call's arguments for this rank: arrays as NumPy, datasets other
-    than a PyDataset read here (each process has the same data)."""
-    def make_feed(passes, train, validation):
-        return (None if train is None else feeds.LocalStream(*train),
+    than a PyDataset read here (each process has the same data), drawing on ``host``
+    (a ``feeds.KerasDraws``)."""
+    def make_feed(passes, train, validation, draws):
+        return (None if train is None else feeds.LocalStream(
+                    train[0], host, *train[1:], draws=draws),
                 None if validation is None else feeds.LocalStream(
-                    *validation[:2], validation=True))
+                    validation[0], host, validation[1], validation=True))
 
-    out = _read_for_ranks(method, kwargs, make_feed, feeds.Batches, template)
+    reads = any(feeds.reads_itself(kwargs.get(k)) for k in ("x", "validation_data"))
+    with host.active(reads):
+        out = _read_for_ranks(method, kwargs, make_feed, feeds.Batches, template)
     return {k: (as_numpy(v) if k in DATA_KEYS else v) for k, v in out.items()}
 
 

@@ -18,6 +18,7 @@ replayed before it continues). The batches become a PyDataset the ranks cut as u
   passes when it needs them (``LocalStream``).
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -25,6 +26,7 @@ import time
 
 import keras
 import numpy as np
+import torch
 
 from kmgpu.engines.torch import keras_fixes, transport
 
@@ -191,29 +193,78 @@ class NextPass(keras.callbacks.Callback):
             self.x.next_pass()
 
 
+class KerasDraws:
+    """In-process: torch's global random state as plain Keras's reads leave it.
+
+    What a rank reads itself (and the draws of fit's validations over arrays beside
+    them) draws on this state, in Keras's order; the rank's own Keras iterating over
+    what was read (a PyDataset's DataLoader, whose seeds Keras's fit on the data
+    itself would not draw) draws on the process's. ``settle`` then leaves the process
+    where plain Keras leaves it, as a pool's driver, which reads for its workers.
+    """
+
+    def __init__(self):
+        self.state, self.used, self._active = torch.get_rng_state(), False, False
+
+    @contextlib.contextmanager
+    def active(self, use=True):
+        """Draw on this state within the block (nested blocks: the outer one's)."""
+        if not use or self._active:
+            yield
+            return
+        self.used, self._active = True, True
+        own = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(own)
+            self._active = False
+
+    def settle(self):
+        """After the call: the process's state is Keras's (if anything was read)."""
+        if self.used:
+            torch.set_rng_state(self.state)
+
+
 class LocalStream(_Passes):
     """In-process: this rank reads every pass itself (every process has the same data).
 
     Args:
         x: the dataset or generator.
+        host: the rank's ``KerasDraws`` (every read draws on it).
         steps: fit's steps_per_epoch or validation_steps (None: a whole pass).
         build: the user's model (Keras's fit builds it from the iterator first).
         validation: fit's validation data: passes of any length, each read from the
             iterator reset (Keras's evaluate).
+        draws: (a function, the epochs that validate) for arrays validating this
+            training data: it draws what such a validation draws, after its epoch's
+            pass, as Keras's fit does.
     """
 
-    def __init__(self, x, steps=None, build=None, validation=False):
-        self._iterator = keras_fixes.epoch_iterator(x, steps, build)
-        self._first, self._fresh = read_pass(self._iterator), validation
+    def __init__(self, x, host, steps=None, build=None, validation=False, draws=None):
+        self._host, self._draws = host, draws
+        with host.active():
+            self._iterator = keras_fixes.epoch_iterator(x, steps, build)
+            self._first, self._fresh = read_pass(self._iterator), validation
+            self._validation_draws(0)
         if not self._first and not validation:
             raise ValueError("kmgpu (torch): the training data yielded no batch.")
         super().__init__(None if validation else len(self._first))
+
+    def _validation_draws(self, epoch):
+        if self._draws is not None and epoch in self._draws[1]:
+            self._draws[0]()
 
     def _load(self, index):
         if index == 0:
             first, self._first = self._first, None
             return first
-        return read_pass(self._iterator, self._fresh)
+        with self._host.active():
+            batches = read_pass(self._iterator, self._fresh)
+            self._validation_draws(index)
+        return batches
 
 
 class StreamedBatches(_Passes):
@@ -307,15 +358,20 @@ class Feed:
             (Keras's fit builds the model from its iterator first).
         validation: (validation_data, validation_steps, the epochs that validate,
             counted from the fit's first) or None.
+        draws: (a function, the epochs that validate) for arrays validating the
+            training data (the ranks index them): it draws from torch's global
+            generator what such a validation draws in Keras, after its epoch's pass
+            (``keras_fixes.validation_draws``); or None.
     """
 
-    def __init__(self, files, passes, train=None, validation=None):
+    def __init__(self, files, passes, train=None, validation=None, draws=None):
         self.path = os.path.join(files.path, "feed")
         os.mkdir(self.path, 0o700)
         self.passes, self.steps = passes, None
         self.train = self.validation = self._thread = None
         self._stop = threading.Event()
         self._later = []  # the epochs after the first that read validation data
+        self._draw, self._drawn = draws if draws is not None else (None, [])
         try:
             if train is not None:
                 x, steps_per_epoch, build = train
@@ -330,6 +386,8 @@ class Feed:
                     data, steps), "the validation data for validation", True)
                 self.validation.read()
                 self._later = list(epochs)[1:]
+            if 0 in self._drawn:
+                self._draw()
         except BaseException:
             self.close()
             raise
@@ -360,6 +418,8 @@ class Feed:
                 for stream in (self.train, self.validation if epoch in self._later else None):
                     if stream is not None:
                         stream.read()
+                if epoch in self._drawn:
+                    self._draw()
         except BaseException as e:  # the ranks raise it when they reach this pass
             if not self._stop.is_set() and stream is not None:
                 try:

@@ -67,6 +67,11 @@ PATCHES = [
      "exactly as Keras's torch fit takes it (steps_per_epoch continues one iterator; "
      "a DataLoader's iterator is made at each epoch end too, which draws from its "
      "generator)"),
+    ("keras.src.trainers.epoch_iterator", "EpochIterator._enumerate_iterator",
+     "enumerated alone (batches are fetched in __next__) over the arrays validating a "
+     "dataset fit: it makes the DataLoader iterators of one of fit's validations where "
+     "Keras makes them, each drawing a seed from torch's global generator, and reads "
+     "no batch"),
     ("keras.src.trainers.trainer", "Trainer._symbolic_build",
      "run on the user's model with that iterator, as Keras's fit and evaluate do first: "
      "it builds the compile metrics and, the first time, starts (and drops) one pass"),
@@ -230,3 +235,35 @@ def epoch_iterator(x, steps_per_epoch=None, build=None):
         build._symbolic_build(iterator=iterator)
     iterator.reset()
     return iterator
+
+
+def validation_draws(validation_data, batch_size, steps, steps_per_execution):
+    """A function that draws from torch's global generator what one of Keras's fit
+    validations over arrays draws, reading no batch.
+
+    Keras's evaluate over fit's cached ``TorchEpochIterator`` resets it and makes a
+    DataLoader iterator when the pass starts and another once it has taken every
+    batch; each draws a base seed from the global generator (arrays in order draw
+    nothing else). Enumerating the same iterator's epoch without fetching makes
+    those iterators at the same points.
+
+    Args:
+        validation_data: fit's validation arrays, (x, y) or (x, y, sample_weight).
+        batch_size: the validation batch Keras takes (None: its default).
+        steps: validation_steps.
+        steps_per_execution: the model's.
+    """
+    import keras
+    from keras.src.backend.torch.trainer import TorchEpochIterator
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+    iterator = TorchEpochIterator(x=x, y=y, sample_weight=sample_weight,
+                                  batch_size=batch_size, steps_per_epoch=steps,
+                                  shuffle=False, steps_per_execution=steps_per_execution)
+
+    def draw():
+        iterator.reset()
+        for _ in iterator._enumerate_iterator():
+            pass
+
+    return draw

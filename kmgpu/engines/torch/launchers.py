@@ -362,13 +362,15 @@ class InProcessLauncher(Launcher):
         self.copied_in = len(self._candidate) if state_in else 0
         s.write_state_rows(replica, call.rnn_states)
         clock("replica")
-        kwargs = data.local(call.kwargs, call.method, template)
+        host = feeds.KerasDraws()  # from the random states every rank now shares
+        kwargs = data.local(call.kwargs, call.method, template, host)
         self._live = True
         before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
         result = s.run(replica, call.method, kwargs, hooks=hooks,
                        relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
                        fit_callbacks=[feeds.NextPass(kwargs.get("x"),
                                                      kwargs.get("validation_data"))])
+        host.settle()  # where plain Keras's reads leave torch's random state
         rows = [[]] * s.world
         if models.stateful_layers(template):  # every rank's rows, in rank order, everywhere
             rows = collectives.all_gather_object(s.state_rows(replica))
