@@ -101,6 +101,15 @@ class ParallelModel:
         self._require_compiled("fit")
         user_batch = call.get("batch_size")
         call = self._globalise(call, ("batch_size", "validation_batch_size"))
+        vd = call.get("validation_data")
+        if (call.get("validation_batch_size") is None and checks.is_dataset(call.get("x"))
+                and vd is not None and not checks.is_dataset(vd)
+                and not call.get("validation_steps")):
+            # arrays validating a dataset: Keras batches them by its default, a
+            # per-device batch under batch="per_replica" (with validation_steps Keras
+            # splits the rows into that many batches instead)
+            call["validation_batch_size"] = plan.global_batch(self._options, None,
+                                                              self.num_replicas)
         call = self._fixed_batches("fit", call, user_batch)
         samples = _num_samples(call.get("x"))
         steps = call.get("steps_per_epoch") or _steps(call.get("x"), samples, call.get("batch_size"))
