@@ -5,7 +5,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv || exit 1
 fi
 . .venv/bin/activate
-if ! python -c "import kmgpu, keras, tensorflow, jax, torch, cloudpickle, pytest, nbclient, matplotlib, pynvml, hypothesis" 2>/dev/null; then
+if ! python -c "import kmgpu, keras, tensorflow, jax, torch, cloudpickle, pytest, nbclient, matplotlib, pynvml, hypothesis, sybil, mkdocs, material, mkdocstrings, mkdocstrings_handlers.python" 2>/dev/null; then
   echo "kmgpu: installing torch==2.13.0 (CPU build) ..."
   python -m pip install -q torch==2.13.0 || exit 1
   echo "kmgpu: installing kmgpu[all,test] (keras, tensorflow-cpu, jax, ...) ..."
