@@ -113,11 +113,29 @@ def _examples():
             continue
         document = SYBIL.parse(path)
         _setup(document.namespace)
-        for example in document:
-            if example.region.evaluator is _check_shell and BACKEND != backends[0]:
-                continue
-            params.append(pytest.param(page, example, id=f"{page}:{example.line}"))
+        examples = [e for e in document
+                    if e.region.evaluator is not _check_shell or BACKEND == backends[0]]
+        if examples:
+            LAST.add(id(examples[-1]))
+        params += [pytest.param(page, e, id=f"{page}:{e.line}") for e in examples]
     return params
+
+
+LAST = set()  # the last example of each page: its ParallelModels are closed after it
+
+
+def _close_page(namespace):
+    """Release the page's devices and torch workers, so later tests of the session
+    find no worker pool of the docs alive."""
+    import gc
+
+    import kmgpu
+
+    for value in list(namespace.values()):
+        if isinstance(value, kmgpu.ParallelModel):
+            value.close()
+    namespace.clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +166,6 @@ def test_code_block(page, example, workdir):
             example.evaluate()
         except unittest.SkipTest as e:
             pytest.skip(str(e))
+        finally:
+            if id(example) in LAST:
+                _close_page(example.namespace)
