@@ -87,18 +87,20 @@ def test_a_changed_input_is_not_reused():
 
 def test_shuffled_fits_keep_plain_keras_order():
     """shuffle=True under a global seed: plain Keras's new pipeline per call draws its
-    first permutation again at every call; an iterator kept across calls would draw the
-    next permutation instead. kmgpu keeps none for shuffled data and gives plain Keras's
-    weights after each call."""
+    first permutation again at every call. kmgpu feeds the arrays in that permutation
+    (read once), unshuffled, so the calls read one kept iterator and each gives plain
+    Keras's weights."""
     x, y = data("mlp", ROWS)
     reference, parallel = _pair(seed=5, optimizer="sgd")
+    iterators = []
     for _ in range(3):
         keras.utils.set_random_seed(11)
         reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=True, verbose=0)
         keras.utils.set_random_seed(11)
         parallel.fit(x, y, batch_size=BATCH, epochs=1, shuffle=True, verbose=0)
         assert rel_diff(reference.get_weights(), parallel.model.get_weights()) <= TOL
-        assert _live(parallel) is None
+        iterators.append(_live(parallel))
+    assert iterators[0] is not None and all(it is iterators[0] for it in iterators)
 
 
 class _StopAfter(keras.callbacks.Callback):

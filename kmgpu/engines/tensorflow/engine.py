@@ -52,6 +52,7 @@ class TensorFlowEngine(InProcessEngine):
             # NCCL serves GPUs; logical CPU devices need a plain reduction.
             ops = tf.distribute.ReductionToOneDevice() if kind == "CPU" else None
             self.strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
+        self._pair_functions = _PairFunctions(self.strategy)
         # fit's training arrays, kept across calls (one worker, several replicas)
         self._kept = kept_input.KeptInput(self.strategy) if self._single_worker() else None
 
@@ -156,17 +157,23 @@ class TensorFlowEngine(InProcessEngine):
 
     def copy_back(self, pairs):
         """The replica's trained state into the template, TF variable to TF variable (the
-        replica's first copy: the replicas of a MirroredVariable are equal). Through NumPy,
-        each value was copied twice more on the host: 0.29 s of a 1.4 s one-step ``fit``
-        of a 34M-parameter MLP with Adam (``benchmarks/per_call.py``, issue 30)."""
-        for r, t in pairs:
-            t.assign(r.value)
+        replica's first copy: the replicas of a MirroredVariable are equal), all in one
+        traced function: an eager assign per variable was a large part of what a loop of
+        ``train_on_batch`` calls paid at every call."""
+        self._pair_functions.run("copy", [(r, t) for r, t in pairs], _copy_fn)
 
     def same_values(self, pairs):
         """TF variables are mutable (a graph assigns them without Python seeing it): the
         template is compared with the replica's first copy, bit for bit, on the device
-        (one fused comparison per call; the replicas of a MirroredVariable are equal)."""
-        return _same_values(self.strategy, pairs)
+        (one traced comparison per call; the replicas of a MirroredVariable are equal)."""
+        usable = [i for i, (t, r) in enumerate(pairs)
+                  if tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype]
+        out = [False] * len(pairs)
+        if usable:
+            same = self._pair_functions.run("same", [pairs[i] for i in usable], _same_fn)
+            for i, ok in zip(usable, same.numpy()):
+                out[i] = bool(ok)
+        return out
 
     def run_on_batch(self, replica, method, kwargs):
         """Keras hands the whole batch to every replica (``strategy.run`` of plain
@@ -190,17 +197,16 @@ class TensorFlowEngine(InProcessEngine):
         template gets their mean over the replicas (what torch's engine gives), not
         replica 0's statistics of 1/N of the data."""
         import keras
-        import numpy as np
 
         from kmgpu import models
 
         moving = {id(v) for layer in replica._flatten_layers()
                   if isinstance(layer, keras.layers.BatchNormalization)
                   for v in (layer.moving_mean, layer.moving_variance) if v is not None}
-        for r, t in zip(models.weights(replica), models.weights(template)):
-            if id(r) in moving:
-                parts = self.strategy.experimental_local_results(r.value)
-                t.assign(np.mean([np.asarray(p) for p in parts], axis=0))
+        pairs = [(r, t) for r, t in zip(models.weights(replica), models.weights(template))
+                 if id(r) in moving]
+        if pairs:  # one traced function for all of them
+            self._pair_functions.run("mean", pairs, _mean_fn)
 
     def prepare_replica(self, replica, template):
         import keras
@@ -222,6 +228,7 @@ class TensorFlowEngine(InProcessEngine):
         keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
         keras_fixes.synced_logs(replica)
         keras_fixes.global_logs(replica)  # per-batch logs of the global batch
+        keras_fixes.traced_reset_metrics(replica)
         if keras_fixes.keeps_keras_step(template):
             replica.train_step = types.MethodType(keras_fixes.train_step, replica)
         if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
@@ -253,20 +260,56 @@ def _per_replica(strategy, batch):
     return first, placed
 
 
-def _same_values(strategy, pairs):
-    """Whether each (template variable, replica variable) pair holds the same bits: one
-    ``tf.function`` over all pairs, against each replica variable's first copy."""
+class _PairFunctions:
+    """One traced function per kind of work over (Keras variable, Keras variable) pairs,
+    kept while the pairs stay the same variables: calls in a loop then run one graph
+    instead of an eager op per variable (and trace nothing new). ``make`` gets each
+    pair as the lists of its variables' copies (``_copies``)."""
+
+    def __init__(self, strategy):
+        self.strategy, self._made = strategy, {}
+        self.traces = 0  # functions made, for tests
+
+    def _copies(self, variable):
+        """The TF variables of a Keras variable: each replica's copy, or the one."""
+        import tensorflow as tf
+
+        value = variable.value
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self.strategy.experimental_local_results(value)
+        return [value]
+
+    def run(self, kind, pairs, make):
+        import tensorflow as tf
+
+        key = tuple((id(a), id(b)) for a, b in pairs)
+        made = self._made.get(kind)
+        if made is None or made[0] != key:
+            copies = [(self._copies(a), self._copies(b)) for a, b in pairs]
+            self._made[kind] = made = (key, tf.function(make(copies), autograph=False),
+                                       pairs)  # the pairs: their ids stay theirs
+            self.traces += 1
+        return made[1]()
+
+
+def _copy_fn(copies):
+    """Each pair's first variable (its first copy: the copies of a MirroredVariable are
+    equal) assigned to its second (a template variable)."""
+    def copy():
+        for sources, (target,) in copies:
+            target.assign(sources[0].read_value())
+    return copy
+
+
+def _mean_fn(copies):
+    """Each pair's second variable (a template variable) assigned the mean of the first
+    one's copies (a replica variable kept per replica, as local BatchNorm's statistics)."""
     import tensorflow as tf
 
-    todo = [(i, t.value, strategy.experimental_local_results(r.value)[0])
-            for i, (t, r) in enumerate(pairs)
-            if tuple(t.shape) == tuple(r.shape) and t.dtype == r.dtype]
-    out = [False] * len(pairs)
-    if todo:
-        same = _SAME([a for _, a, _ in todo], [b for _, _, b in todo]).numpy()
-        for (i, _, _), ok in zip(todo, same):
-            out[i] = bool(ok)
-    return out
+    def mean():
+        for sources, (target,) in copies:
+            target.assign(tf.reduce_mean(tf.stack([s.read_value() for s in sources]), 0))
+    return mean
 
 
 def _bits(a):
@@ -277,23 +320,12 @@ def _bits(a):
     return a
 
 
-def _same(xs, ys):
+def _same_fn(copies):
+    """Whether each pair's variables (their first copies) hold the same bits."""
     import tensorflow as tf
 
-    return tf.stack([tf.reduce_all(tf.equal(_bits(tf.convert_to_tensor(x)),
-                                            _bits(tf.convert_to_tensor(y))))
-                     for x, y in zip(xs, ys)])
-
-
-class _Lazy:
-    fn = None
-
-    def __call__(self, xs, ys):
-        import tensorflow as tf
-
-        if self.fn is None:
-            self.fn = tf.function(_same)
-        return self.fn(xs, ys)
-
-
-_SAME = _Lazy()
+    def same():
+        return tf.stack([tf.reduce_all(tf.equal(_bits(a[0].read_value()),
+                                                _bits(b[0].read_value())))
+                         for a, b in copies])
+    return same

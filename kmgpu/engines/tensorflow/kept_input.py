@@ -11,10 +11,12 @@ when that call's batches are provably those a fresh pipeline would give:
 - the arrays hold the same bits, shapes and dtypes as the tensors the pipeline was built
   from (compared at every call, on the host: an array changed in place, or another one,
   builds a new pipeline);
-- the same batch size and class weights, and ``shuffle=False``: a shuffled pass draws its
-  permutation from the pipeline's random state, so a continued iterator draws the next
-  one where a fresh pipeline (plain Keras, each call) draws the first one again under a
-  global seed;
+- the same batch size, class weights and shuffling. Under a global seed a shuffled fit
+  comes here unshuffled, its arrays in the order of Keras's first pass (the same at every
+  call: ``keras_fixes.first_pass_order``); a pipeline that shuffles is kept only without a
+  global seed, where its next pass draws a new permutation as a fresh pipeline would (with
+  one, a continued iterator would draw the next permutation where plain Keras draws the
+  first one again);
 - every earlier call read whole passes from the iterator (returned normally, no
   ``stop_training``, no ``keras.config.max_steps_per_epoch``), so its next element is
   the first batch of a pass. A call that raised or stopped early drops the iterator; the
@@ -42,6 +44,7 @@ class KeptInput:
         self._slot = []  # the live iterator, if any (parked when this object goes)
         weakref.finalize(self, iterator_keras_fixes.park, self._slot)
         self._clear()
+        self.builds = 0  # distributed datasets made, for tests
 
     def _clear(self):
         self._dataset = self._signature = self._tensors = self._settings = None
@@ -58,7 +61,8 @@ class KeptInput:
 
         Args:
             arrays: (x, y, sample_weight), each a structure of arrays or None.
-            shuffle: fit's ``shuffle``; anything but False is never kept.
+            shuffle: how the pipeline shuffles (fit's ``shuffle``); anything but False is
+                kept only without a global seed.
             settings: what else decides the batches (batch size, class weights),
                 compared with ``==``.
             build: (x, y, sample_weight) as TensorFlow tensors -> (a repeating
@@ -66,14 +70,17 @@ class KeptInput:
 
         Returns:
             (distributed dataset, batches per pass), or None when these arrays are not
-            kept (shuffled, or not all NumPy arrays of numbers): build as before.
+            kept (shuffled under a global seed, or not all NumPy arrays of numbers):
+            build as before.
         """
         import keras
         import numpy as np
         import tensorflow as tf
+        from tensorflow.python.eager import context
 
         leaves = [a for a in keras.tree.flatten(arrays) if a is not None]
-        if shuffle is not False or not leaves or not all(
+        seeded = shuffle is not False and context.global_seed() is not None
+        if seeded or not leaves or not all(
                 isinstance(a, np.ndarray) and a.dtype.kind in "biufc" and a.ndim
                 for a in leaves):
             self.drop()
@@ -88,6 +95,7 @@ class KeptInput:
         tensors = keras.tree.map_structure(
             lambda a: None if a is None else tf.convert_to_tensor(a), arrays)
         repeated, steps = build(*tensors)
+        self.builds += 1
         self.first = next(iter(repeated.take(1)))
         self._dataset = self.strategy.experimental_distribute_dataset(repeated)
         self._tensors = [t for t in keras.tree.flatten(tensors) if t is not None]

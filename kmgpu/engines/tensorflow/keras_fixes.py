@@ -11,7 +11,7 @@ from kmgpu.engines.tensorflow.iterator_keras_fixes import (  # noqa: F401 (the e
     park_iterators, untuned_iterators)
 from kmgpu.engines.tensorflow.step_keras_fixes import (  # noqa: F401 (the engine's names)
     exact_custom_steps, global_logs, keeps_keras_step, metrics_logs, per_thread_losses, synced_logs,
-    test_step, train_step, weigh_output_losses)
+    test_step, traced_reset_metrics, train_step, weigh_output_losses)
 
 KERAS = "3.15.1"
 
@@ -198,9 +198,18 @@ def first_pass_order(arrays, batch_size, shuffle):
     if (not shuffle or context.global_seed() is None or not leaves
             or not all(isinstance(a, np.ndarray) for a in leaves)):
         return None
-    indices = array_data_adapter.ArrayDataAdapter(
-        np.arange(len(leaves[0])), batch_size=batch_size, shuffle=shuffle)
-    return np.concatenate([np.asarray(b).reshape(-1) for b in indices.get_tf_dataset()])
+    key = (context.global_seed(), len(leaves[0]), batch_size, shuffle)
+    if key not in _ORDERS:  # a function of the key alone (the pipeline's op seeds are
+        # fixed by its graph): read once, not at every call
+        _ORDERS.clear()
+        indices = array_data_adapter.ArrayDataAdapter(
+            np.arange(len(leaves[0])), batch_size=batch_size, shuffle=shuffle)
+        _ORDERS[key] = np.concatenate([np.asarray(b).reshape(-1)
+                                       for b in indices.get_tf_dataset()])
+    return _ORDERS[key]
+
+
+_ORDERS = {}  # first_pass_order's last pass: (global seed, rows, batch size, shuffle) -> order
 
 
 def repeating_datasets(kwargs, kept=None):
@@ -234,19 +243,21 @@ def repeating_datasets(kwargs, kept=None):
     kw["validation_split"] = 0.0
     batch_size, shuffle, class_weight = (kw.get("batch_size") or 32, kw.get("shuffle", True),
                                          kw.get("class_weight"))
+    order = first_pass_order((x, y, weights), batch_size, shuffle)
+    if order is not None:  # every epoch reads that pass, as on one device
+        x, y, weights = keras.tree.map_structure(
+            lambda a: None if a is None else a[order], (x, y, weights), none_is_leaf=True)
+        shuffle = False
 
     def build(x, y, weights):
-        order = first_pass_order((x, y, weights), batch_size, shuffle)
-        if order is not None:  # every epoch reads that pass, as on one device
-            x, y, weights = keras.tree.map_structure(
-                lambda a: None if a is None else a[order], (x, y, weights), none_is_leaf=True)
         train = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=weights, batch_size=batch_size,
-            shuffle=shuffle if order is None else False, class_weight=class_weight)
+            x, y, sample_weight=weights, batch_size=batch_size, shuffle=shuffle,
+            class_weight=class_weight)
         return train.get_tf_dataset().repeat(), train.num_batches
 
     made = None if kept is None else kept.dataset(
-        (x, y, weights), shuffle, (batch_size, None if class_weight is None else dict(class_weight)), build)
+        (x, y, weights), shuffle,
+        (batch_size, shuffle, None if class_weight is None else dict(class_weight)), build)
     dataset, steps = made or build(x, y, weights)
     kw.update(x=dataset, y=None, sample_weight=None, shuffle=False, class_weight=None,
               batch_size=None, steps_per_epoch=steps)

@@ -44,6 +44,10 @@ PATCHES = [
      "only when the step's logs have their keys; a custom step that returns "
      "{m.name: m.result()} (keras.io's guide) nests CompileMetrics' results, so Keras "
      "returns the mean of each replica's own results, wrong when batches split unevenly"),
+    ("keras.src.trainers.trainer", "Trainer.reset_metrics",
+     "replaced on replicas whose metrics are all Keras's own (traced_reset_metrics): "
+     "under tf.distribute each metric variable's reset is eager, an assign to every "
+     "replica's copy and a read summed over them; train_on_batch resets at every call"),
     ("keras.src.trainers.trainer", "Trainer.get_metrics_result",
      "replaced on replicas (global_logs): inside a step each replica reads its own metric "
      "variables, and Keras's TF trainer hands on_train_batch_end the mean of the replicas' "
@@ -297,6 +301,33 @@ def global_logs(model):
         return context.merge_call(lambda _: results())
 
     model.get_metrics_result = get_metrics_result
+
+
+def traced_reset_metrics(model):
+    """``model.reset_metrics`` runs as one traced function when every metric it resets is
+    Keras's own (their ``reset_state`` only assigns their variables; a user's metric
+    may keep Python state, which a traced function would reset once): one call instead
+    of an eager assign and read per variable and replica."""
+    import tensorflow as tf
+    from keras.src.trainers.trainer import Trainer
+
+    def keras_own(metric):
+        return type(metric).__module__.startswith("keras.") and all(
+            keras_own(m) for m in getattr(metric, "metrics", ()) or () if m is not None)
+
+    if type(model).reset_metrics is not Trainer.reset_metrics:
+        return
+    reset, traced = model.reset_metrics, {}
+
+    def reset_metrics():
+        if not all(keras_own(m) for m in model.metrics):
+            return reset()
+        key = tuple(id(v) for v in model.metrics_variables)  # a metric built since: anew
+        if traced.get("key") != key:
+            traced.update(key=key, fn=tf.function(reset, autograph=False))
+        return traced["fn"]()
+
+    model.reset_metrics = reset_metrics
 
 
 def _global_step_logs(model, logs):
