@@ -9,7 +9,8 @@ from kmgpu import checks, connector, environment, lr, models, plan
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
                 sync_batchnorm=False, reset_states="epoch", drop_remainder=False,
                 shard_optimizer=False, tf32=True):
-    """Wrap a built Keras model so fit / evaluate / predict run on several devices.
+    """Wrap a Keras model (built, or a Sequential built by its first batch) so fit /
+    evaluate / predict run on several devices.
 
     Args:
         model: a ``keras.Model`` (Sequential, functional, or subclassed with
@@ -75,7 +76,12 @@ def _keras_signature(name):
 
 
 class ParallelModel:
-    """The user's model on N replicas; everything not defined here is the model's own."""
+    """The user's model on N replicas; everything not defined here is the model's own.
+
+    Attributes:
+        model: the user's own Keras model; it holds the trained weights after every fit.
+        num_replicas: the number of devices the model runs on (N).
+    """
 
     def __init__(self, model, engine, options, backend, gpus=None):
         self.__dict__.update(model=model, _engine=engine, _options=options, _backend=backend,
@@ -84,6 +90,7 @@ class ParallelModel:
     # -- the contract -------------------------------------------------------------
     @property
     def num_replicas(self):
+        """N, the number of devices (replicas) fit, evaluate and predict run on."""
         if self._engine is None:  # an unbuilt model: the devices it will use
             from kmgpu import hardware
 

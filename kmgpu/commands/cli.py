@@ -15,6 +15,14 @@ COMMANDS = {
 
 
 def main(argv=None):
+    """Run ``kmgpu COMMAND [options]``: ``demo``, ``bench`` or ``launch``.
+
+    Args:
+        argv: the arguments after ``kmgpu`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: the subcommand's, or 2 for an unknown or missing command.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:<7} {text}" for name, (_, text) in COMMANDS.items()]

@@ -49,6 +49,16 @@ def parse(argv):
 
 
 def main(argv=None):
+    """``kmgpu demo``: the reference sine-wave LSTM trained on one device and through
+    kmgpu on N (simulated where there are no GPUs), with the naive batch x N beside
+    them; prints the RMSE table and writes a PNG.
+
+    Args:
+        argv: the command's arguments (``kmgpu demo --help``).
+
+    Returns:
+        The exit status.
+    """
     args = parse(sys.argv[1:] if argv is None else argv)
     backend = args.backend or os.environ.get("KERAS_BACKEND") or "tensorflow"
     if backend == "all":
@@ -96,6 +106,14 @@ def _quiet_tensorflow_import():
 
 
 def run(backend, n, epochs, out):
+    """The demo on one backend, in this process.
+
+    Args:
+        backend: the Keras backend this process runs.
+        n: the number of devices for kmgpu.
+        epochs: epochs of each fit.
+        out: the folder for the table and the PNG.
+    """
     _quiet_tensorflow_import()
     import kmgpu
 

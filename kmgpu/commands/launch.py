@@ -82,6 +82,15 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    """``kmgpu launch``: run a training script on several processes or hosts through the
+    backend's own runtime (torchrun, TF_CONFIG, jax.distributed); ``kmgpu launch --help``.
+
+    Args:
+        argv: the command's arguments.
+
+    Returns:
+        The exit status: the script's, or 2 for bad arguments.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)

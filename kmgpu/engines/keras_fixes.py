@@ -1,10 +1,9 @@
 """Keras internals every backend's engine uses, in one place.
 
-Each entry of ``PATCHES`` names a Keras internal kmgpu reads or replaces, the Keras
-version it was written against and the upstream issue it works around.
-``tests/unit/test_keras_fixes.py`` imports every one, so moving the ``keras<3.16``
-pin says at once what broke. Backend-specific ones live in
-``kmgpu/engines/<backend>/keras_fixes.py``.
+Each entry of ``PATCHES`` is (module, attribute, why): a Keras internal kmgpu reads or
+replaces, and the Keras behaviour that makes it necessary. ``KERAS`` is the Keras
+release they were checked against; ``tests/unit/test_structure.py`` imports every one.
+Backend-specific ones live in ``kmgpu/engines/<backend>/keras_fixes.py``.
 """
 
 import sys
