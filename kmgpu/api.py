@@ -3,7 +3,8 @@
 import inspect
 import warnings
 
-from kmgpu import checks, connector, environment, lr, models, plan
+from kmgpu import checks, connector, environment, models, plan
+from kmgpu.engines import datasets, lr
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
@@ -109,8 +110,8 @@ class ParallelModel:
         user_batch = call.get("batch_size")
         call = self._globalise(call, ("batch_size", "validation_batch_size"))
         vd = call.get("validation_data")
-        if (call.get("validation_batch_size") is None and checks.is_dataset(call.get("x"))
-                and vd is not None and not checks.is_dataset(vd)
+        if (call.get("validation_batch_size") is None and datasets.is_dataset(call.get("x"))
+                and vd is not None and not datasets.is_dataset(vd)
                 and not call.get("validation_steps")):
             # arrays validating a dataset: Keras batches them by its default, a
             # per-device batch under batch="per_replica" (with validation_steps Keras
@@ -196,7 +197,7 @@ class ParallelModel:
                 "(the states of one fixed batch would have to travel per call): use "
                 "parallel.fit / evaluate / predict, which carry them, or call the model's "
                 f"own parallel.model.{method}(...) on one device.")
-        if checks.is_dataset(x):
+        if datasets.is_dataset(x):
             raise TypeError(f"{method}() takes one batch as arrays (x, y), not a "
                             f"{type(x).__name__}: use fit / evaluate / predict for a dataset.")
         if self._engine is None:
@@ -334,7 +335,7 @@ class ParallelModel:
                 if size is not None and (isinstance(size, bool) or not isinstance(size, int)
                                          or size < 1):
                     raise ValueError(f"{key}={size!r}: pass a positive int.")
-                if size is None and checks.is_dataset(call.get("x")):
+                if size is None and datasets.is_dataset(call.get("x")):
                     continue  # the dataset brings its own batches
                 call[key] = plan.global_batch(self._options, size, self.num_replicas)
         return call
@@ -369,7 +370,7 @@ def _steps(x, samples, global_batch):
 def _num_samples(x):
     import keras
 
-    if x is None or checks.is_dataset(x):
+    if x is None or datasets.is_dataset(x):
         return None
     leaves = keras.tree.flatten(x)
     return int(leaves[0].shape[0]) if leaves and hasattr(leaves[0], "shape") else None

@@ -104,6 +104,10 @@ class GPUMonitor(keras.callbacks.Callback):
     worker processes and this callback here).
     """
 
+    # it reads the clock, NVML and the allocator's peak, never the weights: the torch
+    # engine's callback relay need not load rank 0's state for its hooks
+    _kmgpu_weight_free = True
+
     def __init__(self, gpus=None, interval=0.5, verbose=1):
         super().__init__()
         if interval <= 0:
@@ -286,6 +290,10 @@ class EpochTimer(keras.callbacks.Callback):
     Args:
         samples: samples per epoch, for ``samples_per_s``.
     """
+
+    # it reads the clock, NVML and the allocator's peak, never the weights: the torch
+    # engine's callback relay need not load rank 0's state for its hooks
+    _kmgpu_weight_free = True
 
     def __init__(self, samples=None):
         super().__init__()

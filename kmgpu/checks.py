@@ -16,6 +16,8 @@ import numbers
 
 import numpy as np
 
+from kmgpu.engines import datasets
+
 _VERBOSE = ("auto", 0, 1, 2)
 _SPECIAL_METRICS = ("accuracy", "acc", "crossentropy", "ce")
 _SCAN_ELEMENTS = 1 << 22  # rows are scanned for NaN/inf in blocks of about this size
@@ -130,7 +132,7 @@ def call(method, model, call):
                 f"{n - train} for validation: pick a split that leaves at least one sample "
                 "on each side, or pass validation_data=... instead.")
     vd = call.get("validation_data")
-    if vd is not None and not is_dataset(vd):
+    if vd is not None and not datasets.is_dataset(vd):
         if not isinstance(vd, (tuple, list)) or not 2 <= len(vd) <= 3:
             raise ValueError(
                 "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) "
@@ -188,17 +190,6 @@ def _callbacks(callbacks):
                             "instances, e.g. callbacks=[keras.callbacks.EarlyStopping()].")
 
 
-def is_dataset(x):
-    """The one rule for what a dataset is, which every part of kmgpu uses: data that
-    brings its own batches (a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a
-    Python generator or iterator, a torch ``DataLoader``), as opposed to arrays
-    (anything with a ``shape`` or ``__array__``: NumPy, torch, TF, JAX) and lists,
-    tuples and dicts of them. Strings, bytes and numbers are neither (refused as data).
-    """
-    return (x is not None and not hasattr(x, "shape") and not hasattr(x, "__array__")
-            and not isinstance(x, (list, tuple, dict, str, bytes, numbers.Number)))
-
-
 def _data(model, method, x, y, sw, finite, names=("x", "y", "sample_weight")):
     """Check arrays; return the number of samples (None for a dataset)."""
     import keras
@@ -206,7 +197,7 @@ def _data(model, method, x, y, sw, finite, names=("x", "y", "sample_weight")):
     if x is None:
         raise ValueError(f"{method}() got {names[0]}=None: pass the input data (a NumPy "
                          "array, a list or dict of arrays for several inputs, or a dataset).")
-    if is_dataset(x):
+    if datasets.is_dataset(x):
         if y is not None:
             raise ValueError(f"{names[0]} is a dataset, which yields (x, y) batches itself: "
                              f"leave {names[1]} out.")
@@ -218,7 +209,7 @@ def _data(model, method, x, y, sw, finite, names=("x", "y", "sample_weight")):
         if isinstance(value, (str, bytes)):
             raise TypeError(f"{name} is a {type(value).__name__} ({value[:40]!r}): pass the "
                             "data itself as an array (load the file first, e.g. np.load).")
-        if is_dataset(value):
+        if datasets.is_dataset(value):
             raise TypeError(f"{name} is a {type(value).__name__} while {names[0]} holds "
                             "arrays: pass arrays for both, or a dataset that yields (x, y) "
                             f"as {names[0]} alone.")

@@ -92,11 +92,11 @@ def build_from(model, x):
     ``x`` that is not data is left alone (the checks refuse it)."""
     import keras
 
-    from kmgpu import checks
+    from kmgpu.engines import datasets
 
     if model.built or x is None or isinstance(x, (str, bytes)):
         return
-    if checks.is_dataset(x):
+    if datasets.is_dataset(x):
         x = _first_inputs(x)
 
     def symbolic(leaf):

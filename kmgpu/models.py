@@ -265,7 +265,7 @@ def scale_schedule(args, lr_scale):
     """``compile()`` arguments whose optimizer's LearningRateSchedule is wrapped in
     ``lr.ScaledSchedule`` when ``lr_scale`` = (factor, warmup_steps) asks for scaling
     (a float rate is scaled by ``lr.LRScaling``, a callback)."""
-    from kmgpu import lr
+    from kmgpu.engines import lr
 
     optimizer = args.get("optimizer")
     factor, warmup_steps = lr_scale

@@ -129,7 +129,7 @@ def first_batch(kwargs, whole=False):
 
     import keras
 
-    from kmgpu.checks import is_dataset
+    from kmgpu.engines.datasets import is_dataset
 
     x = kwargs.get("x")
     if x is None:

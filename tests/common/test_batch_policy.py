@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import lr, sine
+from kmgpu import sine
+from kmgpu.engines import lr
 from tests.helpers import data, few_steps, mlp, rel_diff
 
 TOL = 1e-5

@@ -131,10 +131,11 @@ def test_one_rule_says_what_a_dataset_is():
     import torch
 
     from kmgpu import api, checks
+    from kmgpu.engines.datasets import is_dataset
     from kmgpu.engines.torch import data as torch_data
 
-    assert torch_data.is_dataset is checks.is_dataset
-    assert not hasattr(api, "_is_dataset") and not hasattr(checks, "_is_dataset")
+    assert torch_data.is_dataset is is_dataset
+    assert not any(hasattr(m, n) for m in (api, checks) for n in ("is_dataset", "_is_dataset"))
 
     class Batches(keras.utils.PyDataset):
         def __len__(self):
@@ -149,5 +150,5 @@ def test_one_rule_says_what_a_dataset_is():
                 torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 5)))]
     arrays = [x, torch.zeros(4, 5), tf.zeros((4, 5)), [x, x], (x,), {"a": x}, None, "x.npy",
               b"x", 3, 2.5, memoryview(b"ab")]
-    assert all(checks.is_dataset(d) for d in datasets)
-    assert not any(checks.is_dataset(a) for a in arrays)
+    assert all(is_dataset(d) for d in datasets)
+    assert not any(is_dataset(a) for a in arrays)

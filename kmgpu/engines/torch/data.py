@@ -11,7 +11,7 @@ of it (sizes differ by at most one row). Every rank therefore runs the same numb
 of steps. A rank whose slice of a small last batch is empty gets one stand-in row
 and a weight of zero, so it still joins every collective.
 
-What a dataset is follows kmgpu's one rule (``checks.is_dataset``). A
+What a dataset is follows kmgpu's one rule (``datasets.is_dataset``). A
 ``keras.utils.PyDataset`` is indexed by every rank; any other dataset (``tf.data``, a
 generator, a DataLoader) is read for the ranks by ``feeds``; everything else must be
 arrays (NumPy, torch tensors, or lists/dicts of them).
@@ -23,7 +23,7 @@ import pickle
 import keras
 import numpy as np
 
-from kmgpu.checks import is_dataset
+from kmgpu.engines.datasets import is_dataset
 from kmgpu.engines.torch import feeds, keras_fixes, shuffle, transport
 
 #: the call arguments that hold data

@@ -1,7 +1,7 @@
 """Datasets the torch ranks cannot index, read for them: ``tf.data``, generators, DataLoaders.
 
 A ``keras.utils.PyDataset`` is indexed batch by batch on every rank (``data``).
-Anything else that brings its own batches (``checks.is_dataset``) is read here with
+Anything else that brings its own batches (``datasets.is_dataset``) is read here with
 Keras's own ``TorchEpochIterator``, so every pass holds exactly the batches Keras's
 fit on one device would take (a ``tf.data`` shuffle reshuffled each pass, a
 DataLoader's generator advanced as Keras advances it, a generator continued from
@@ -33,7 +33,7 @@ from kmgpu.engines.torch import keras_fixes, transport
 
 def reads_itself(x):
     """True for a dataset kmgpu reads for the ranks (a dataset, not a PyDataset)."""
-    from kmgpu.checks import is_dataset
+    from kmgpu.engines.datasets import is_dataset
 
     return is_dataset(x) and not isinstance(x, keras.utils.PyDataset)
 

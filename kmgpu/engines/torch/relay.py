@@ -17,6 +17,7 @@ import keras
 import torch
 import torch.distributed as dist
 
+from kmgpu.engines import lr
 from kmgpu.engines.torch import keras_fixes
 from kmgpu.engines.torch.messages import Event, HistoryRecord, Reply
 
@@ -184,29 +185,29 @@ def _weight_free(callback):
                              cbs.LearningRateScheduler, cbs.ReduceLROnPlateau,
                              cbs.TerminateOnNaN, cbs.RemoteMonitor)):
         return True
-    if _kmgpu_measuring(callback):
+    if _declared_weight_free(callback):
         return True
-    return type(callback).__module__ == "kmgpu.lr"  # kmgpu's learning-rate scaling
+    return type(callback).__module__ == lr.__name__  # kmgpu's learning-rate scaling
 
 
-def _kmgpu_measuring(callback):
-    """kmgpu's EpochTimer and GPUMonitor read the clock, NVML and the allocator's peak,
-    never the weights; a subclass stays weight-free only while every hook it implements
-    is theirs (one that overrides a hook may read the weights there).
+def _declared_weight_free(callback):
+    """A callback whose class says it never reads the weights (``_kmgpu_weight_free =
+    True``: kmgpu's EpochTimer and GPUMonitor read the clock, NVML and the allocator's
+    peak); a subclass stays weight-free only while every hook it implements comes from
+    the declaring class's module (one that overrides a hook may read the weights there).
 
-    Without this, timing a fit with them made the driver load rank 0's whole state
-    (weights + optimizer state) at every epoch end, and rank 0 snapshot it for that:
-    ~280 MB for ResNet-50 with Adam, ~0.5 s per epoch on 2 H200s
-    (``benchmarks/profiles/torch/RESULTS.md`` section 7)."""
-    from kmgpu.callbacks import EpochTimer, GPUMonitor
-
-    if not isinstance(callback, (EpochTimer, GPUMonitor)):
+    Without this, timing a fit with them would make the driver load rank 0's whole state
+    (weights and optimizer state) at every epoch end, and rank 0 snapshot it for that:
+    for a large model with Adam, a measurable share of each epoch on a GPU."""
+    owner = next((cls for cls in type(callback).__mro__ if "_kmgpu_weight_free" in vars(cls)),
+                 None)
+    if owner is None or vars(owner)["_kmgpu_weight_free"] is not True:
         return False
     for hook in TRAIN_HOOKS + TEST_HOOKS + PREDICT_HOOKS + tuple(_ALIASES):
         method = getattr(callback, hook, None)
         if method is None or keras_fixes.is_default(method):
             continue
-        if getattr(getattr(method, "__func__", None), "__module__", None) != "kmgpu.callbacks":
+        if getattr(getattr(method, "__func__", None), "__module__", None) != owner.__module__:
             return False
     return True
 
