@@ -80,6 +80,7 @@ class JaxEngine(InProcessEngine):
         if not self.options.sync_batchnorm and self.num_replicas > 1:
             self._bn = keras_fixes.local_batchnorm(replica, d)
         keras_fixes.track_states(replica, d)  # stateful RNNs: carried through the jit
+        keras_fixes.fresh_loss_ids(replica)  # a step's own losses, every trace
         if self.multiprocess:
             keras_fixes.replicated_predictions(replica, d.device_mesh.backend_mesh)
 

@@ -39,6 +39,12 @@ PATCHES = [
      "(donated arguments) gets that buffer twice: XLA refuses, and with several devices the "
      "process dies (SIGSEGV). separate_ema_overwrite wraps it on the replica's optimizer "
      "(instance attribute) to give each variable a copy"),
+    ("keras.src.layers.layer", "Layer._clear_losses",
+     "a layer keeps the id() of each loss it adds inside a traced step (_loss_ids) after "
+     "the trace ends; in a later trace (a new batch shape: the last partial batch) another "
+     "layer's new loss may get a stale id, and _clear_losses removes it from the step (or "
+     "_get_own_losses counts it twice): fresh_loss_ids clears the ids before each trace "
+     "(wraps stateless_call on the replica, an instance attribute)"),
 ]
 
 
@@ -227,3 +233,28 @@ def separate_ema_overwrite(optimizer):
                 v.assign(jnp.copy(v.value))
 
         object.__setattr__(opt, name, overwrite)
+
+
+def fresh_loss_ids(model):
+    """Each trace of ``model``'s step starts with no loss ids left from an earlier trace.
+
+    Inside a traced step a layer's ``add_loss`` records the loss's ``id()`` in the layer's
+    ``_loss_ids``, which outlives the trace; the loss itself does not. A later trace (a
+    new batch shape, e.g. a last partial batch) makes new losses that may reuse such an
+    address: a layer's ``_clear_losses`` (run as its call begins) then removes another
+    layer's loss from the step, or ``_get_own_losses`` claims it too. That step's loss
+    silently lacks (or doubles) one term, depending on where objects happened to land.
+    Wraps ``stateless_call`` (the entry of the JAX trainer's train, test and predict
+    steps) on ``model`` by an instance attribute.
+    """
+    if getattr(model, "_kmgpu_fresh_loss_ids", False):
+        return
+    original = model.stateless_call
+
+    def stateless_call(*args, **kwargs):
+        for layer in model._flatten_layers(include_self=True):
+            layer._loss_ids.clear()
+        return original(*args, **kwargs)
+
+    object.__setattr__(model, "stateless_call", stateless_call)
+    object.__setattr__(model, "_kmgpu_fresh_loss_ids", True)
