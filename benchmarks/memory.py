@@ -122,7 +122,7 @@ def _per_device(variables):
 def memory(width, depth):
     import numpy as np
 
-    from kmgpu import models
+    from kmgpu.engines import replication
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 8)).astype("float32")
@@ -137,12 +137,12 @@ def memory(width, depth):
                 parallel.fit(x, y, batch_size=64, epochs=1, verbose=0)
             live = parallel._engine.replica if n > 1 else model
             params = sum(int(np.prod(v.shape)) for v in live.trainable_variables)
-            w = _per_device(models.weights(live)) / params
+            w = _per_device(replication.weights(live)) / params
             g = sum(v.value.nbytes for v in live.trainable_variables) / params
-            o = _per_device(models.optimizer_state(live.optimizer)) / params
+            o = _per_device(replication.optimizer_state(live.optimizer)) / params
             b = w + g + o
             # device 0 also holds your own model's weights and optimizer state, whole
-            mine = models.weights(model) + models.optimizer_state(model.optimizer)
+            mine = replication.weights(model) + replication.optimizer_state(model.optimizer)
             first = parallel._engine.replica.weights[0].value.addressable_shards[0].device \
                 if n > 1 else None
             b0 = b + (_on_devices(mine).get(first, 0) / params if n > 1 else 0)

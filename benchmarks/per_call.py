@@ -138,7 +138,7 @@ def copy_back(rows, rounds):
     import jax
     import keras
 
-    from kmgpu import models
+    from kmgpu.engines import replication
     from kmgpu.engines.jax import engine
 
     rng = np.random.default_rng(0)
@@ -151,7 +151,7 @@ def copy_back(rows, rounds):
         warnings.simplefilter("ignore")
         parallel.fit(x, y, batch_size=rows, epochs=1, shuffle=False, verbose=0)
     eng, reuse = parallel._engine, engine.REUSE_BYTES
-    back = models.state_pairs(eng.replica, model)
+    back = replication.state_pairs(eng.replica, model)
     times = {"fresh buffers (before)": [], "template's own buffers (now)": []}
     ways = list(times)
     for i in range(rounds + 1):

@@ -15,12 +15,8 @@ __all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebat
 
 
 def __getattr__(name):
-    if name in ("parallelize", "ParallelModel"):
+    if name in ("parallelize", "ParallelModel", "rebatch"):
         from kmgpu import api
 
         return getattr(api, name)
-    if name == "rebatch":
-        from kmgpu import models
-
-        return models.rebatch
     raise AttributeError(f"module 'kmgpu' has no attribute {name!r}")

@@ -1,10 +1,10 @@
-"""``parallelize`` and ``ParallelModel``: the backend-neutral front."""
+"""``parallelize``, ``ParallelModel`` and ``rebatch``: the backend-neutral front."""
 
 import inspect
 import warnings
 
-from kmgpu import checks, connector, environment, models, plan
-from kmgpu.engines import datasets, lr
+from kmgpu import checks, connector, environment, plan
+from kmgpu.engines import datasets, lr, replication
 
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
@@ -191,7 +191,7 @@ class ParallelModel:
     def _on_batch(self, method, x, y, sample_weight):
         """Checks shared by the ``*_on_batch`` methods: arrays, not a dataset; no stateful
         RNN (refused before anything runs, the model untouched)."""
-        if models.stateful_layers(self.model):
+        if replication.stateful_layers(self.model):
             raise ValueError(
                 f"kmgpu: {method} on a model with stateful RNN layers is not supported "
                 "(the states of one fixed batch would have to travel per call): use "
@@ -210,7 +210,7 @@ class ParallelModel:
 
     def reset_states(self):
         """Zero the states of the model's stateful RNN layers (on every replica)."""
-        models.reset_states(self.model)  # the engines take the states from the user's model
+        replication.reset_states(self.model)  # the engines take the states from the user's model
 
     def save(self, filepath, *args, **kwargs):
         """Save the user's model: a plain Keras file, loadable without kmgpu.
@@ -244,10 +244,10 @@ class ParallelModel:
                              stateful=self._stateful_text())
 
     def _stateful_text(self):
-        found = models.stateful_layers(self.model)
+        found = replication.stateful_layers(self.model)
         if not found:
             return "none"
-        b, n = models.fixed_batch(self.model), self.num_replicas
+        b, n = replication.fixed_batch(self.model), self.num_replicas
         reset = ("zeroed each epoch and each evaluate/predict"
                  if self._options.reset_states == "epoch" else "never zeroed by kmgpu")
         return (f"{len(found)} layer(s), fixed global batch {b}, replica r keeps rows "
@@ -316,7 +316,7 @@ class ParallelModel:
 
     def _fixed_batches(self, method, call, user_batch):
         """Stateful RNNs need whole, fixed, unshuffled batches that split evenly."""
-        if not models.stateful_layers(self.model):
+        if not replication.stateful_layers(self.model):
             return call
         return plan.stateful_call(method, self.model, call, self.num_replicas,
                                      self._options, user_batch)
@@ -374,3 +374,45 @@ def _num_samples(x):
         return None
     leaves = keras.tree.flatten(x)
     return int(leaves[0].shape[0]) if leaves and hasattr(leaves[0], "shape") else None
+
+
+def rebatch(model, batch_size):
+    """A copy of a stateful model with another fixed batch size and the same weights.
+
+    For example ``rebatch(model, 1)`` to predict one sequence step by step after
+    training at batch 64. The copy is compiled like ``model`` (with a fresh
+    optimizer) when ``model`` is compiled; its states start at zero.
+
+    Args:
+        model: a built Sequential or functional ``keras.Model``.
+        batch_size: the new fixed batch size, an int >= 1.
+
+    Returns:
+        A new ``keras.Model``.
+    """
+    import keras
+
+    from kmgpu.engines import keras_fixes
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"rebatch(model, batch_size): batch_size must be an int >= 1, "
+                        f"got {batch_size!r}.")
+    if batch_size < 1:
+        raise ValueError(f"rebatch(model, batch_size): batch_size must be >= 1, got {batch_size}.")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"rebatch(model, batch_size) takes a keras.Model, got "
+                        f"{type(model).__name__}.")
+    if not model.built:
+        raise ValueError("rebatch(model, batch_size) needs a built model: give it a "
+                         "keras.Input(batch_size=...) first.")
+    if not keras_fixes.is_functional(model):
+        raise TypeError(
+            f"rebatch needs a Sequential or functional model (its Input fixes the batch); "
+            f"{type(model).__name__} is subclassed: create a new instance built for batch "
+            f"{batch_size} and copy the weights with new.set_weights(model.get_weights())."
+        )
+    new = replication.clone_at(model, batch_size)
+    new.set_weights(model.get_weights())
+    if model.compiled:
+        replication.compile_like(new, model)
+    return new

@@ -24,6 +24,34 @@ _SCAN_ELEMENTS = 1 << 22  # rows are scanned for NaN/inf in blocks of about this
 
 
 # -- compile ---------------------------------------------------------------------------
+def check_model(model):
+    """Raise TypeError unless ``model`` is a built Keras model kmgpu can re-create."""
+    import keras
+
+    from kmgpu.engines import keras_fixes
+
+    keras_fixes.serialize_without_tensorflow()
+    if not isinstance(model, keras.Model):
+        what = type(model).__name__
+        hint = " Wrap your layer in keras.Sequential([...]) first." if isinstance(
+            model, keras.layers.Layer
+        ) else ""
+        raise TypeError(f"kmgpu.parallelize needs a keras.Model, got a {what}.{hint}")
+    if not model.built:
+        raise ValueError(
+            "kmgpu.parallelize needs a built model: give it an Input(shape=...), or call "
+            "model.build(input_shape) or model(x) once before wrapping it."
+        )
+    try:
+        model.get_config()
+    except NotImplementedError:
+        raise TypeError(
+            f"{type(model).__name__} has no get_config(): kmgpu re-creates the model on "
+            "each device from its config. Implement get_config() (and from_config() if "
+            "__init__ takes non-serialisable arguments) on your subclassed model."
+        ) from None
+
+
 def compile_args(model, args, kwargs):
     """Check ``ParallelModel.compile(*args, **kwargs)`` before the model is touched."""
     import keras
@@ -112,9 +140,8 @@ def call(method, model, call):
     # evaluate's (and fit's validation_data's) y and sample_weight (one value or row per
     # sample). evaluate's, predict's and validation_data's x is not scanned: it trains
     # nothing, a NaN there shows in the metrics or predictions as in plain Keras, and the
-    # scan of a large x (images) cost evaluate more than the host work of the evaluation
-    # itself (ResNet-50 64x64, 4,096 rows, one H200: issue 29; EfficientNetB0 224's
-    # validation_data, 640 rows, 385 MB: ~12-25 ms of a 0.35 s validated epoch)
+    # scan of a large x (images) would cost evaluate more than the host work of the
+    # evaluation itself on a GPU
     n = _data(model, method, x, y if method != "predict" else None,
               sw if method != "predict" else None,
               finite={"fit": True, "evaluate": "labels"}.get(method, False))
@@ -353,8 +380,8 @@ def _finite(path, leaf):
 
 def _all_finite(arr, step):
     """Whether every value is finite, the blocks scanned on several threads (NumPy lets
-    go of the GIL: the scan is memory-bound, ~20 ms for 200 MB on one core, a tenth of
-    a ResNet-50 epoch's time per row on one H200, paid at every fit / evaluate call)."""
+    go of the GIL: the scan is memory-bound, and on one core a sizeable share of a fast
+    GPU epoch's time per row, paid at every fit / evaluate call)."""
     import concurrent.futures
     import os
 

@@ -5,8 +5,8 @@ The front (``api.py``) never asks which backend runs; each engine lives in
 ``kmgpu/engines/<backend>/`` and is imported only here.
 """
 
-from kmgpu import environment, hardware, models, plan
-from kmgpu.engines import engine_class
+from kmgpu import checks, environment, hardware, plan
+from kmgpu.engines import engine_class, replication
 
 #: backends whose engine has no sharded optimizer state (``shard_optimizer=True``): why
 NO_SHARDED_OPTIMIZER = {
@@ -30,11 +30,11 @@ def connect(model, gpus, options):
         TypeError / ValueError / NotImplementedError, saying what to do instead;
         nothing of the model is changed.
     """
-    models.check_model(model)
+    checks.check_model(model)
     backend = hardware.backend_name()
     _check_options(options, backend)
     cls = engine_class(backend)
-    if models.stateful_layers(model) and not cls.supports_stateful:
+    if replication.stateful_layers(model) and not cls.supports_stateful:
         raise NotImplementedError(
             f"{model.name} has stateful RNN layers, which kmgpu's {backend} engine does not "
             "support yet: use the tensorflow or jax backend, or stateful=False.")
@@ -72,7 +72,7 @@ def check_unbuilt(model, gpus, options):
     try:
         model.get_config()
     except NotImplementedError:
-        models.check_model(model)  # says what to implement
+        checks.check_model(model)  # says what to implement
     if not isinstance(model, keras.Sequential) and not getattr(model, "_is_graph_network",
                                                                  False):
         raise ValueError(

@@ -7,7 +7,9 @@ says who prints and saves, ``for_this_process()`` trims a call for the others.
 Simulated devices (``kmgpu.simulate_devices``) are part of the environment too:
 child processes read their count from ``SIMULATE_ENV``.
 
-Nothing here imports a backend at module import time.
+Nothing here imports a backend at module import time. A leaf: it imports nothing from
+kmgpu, so the front and the engines (each backend's runtime and launchers) both read it
+without an engine importing the front (``tests/unit/test_structure.py`` checks both).
 """
 
 import json

@@ -11,8 +11,7 @@ import dataclasses
 import math
 import warnings
 
-from kmgpu import models
-from kmgpu.engines import global_losses, keras_fixes
+from kmgpu.engines import global_losses, keras_fixes, replication
 
 BATCH_POLICIES = ("global", "per_replica")
 RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
@@ -151,10 +150,10 @@ def _memory(engine, options, template, grads):
     """Bytes per device of the weights, the gradients and the optimizer state, with
     ``shard_optimizer`` and without (activations and temporaries not counted)."""
     n = engine.num_replicas
-    w = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in models.weights(template))
+    w = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in replication.weights(template))
     text = f"weights {_bytes(w)}, gradients {_bytes(grads)} (whole on every device), optimizer "
     opt = getattr(template, "optimizer", None)
-    whole = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in models.optimizer_state(
+    whole = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in replication.optimizer_state(
         opt)) if opt is not None and opt.built else None
     shard = engine.optimizer_bytes(template) if n > 1 else None
     if shard is None and whole is None:
@@ -191,7 +190,7 @@ def _bytes(n):
 def check_stateful_split(model, num_replicas):
     """Raise unless a stateful model can be split into per-replica row blocks: a
     Sequential or functional model (re-created at B/N rows) whose B splits over N."""
-    b, n = models.fixed_batch(model), num_replicas
+    b, n = replication.fixed_batch(model), num_replicas
     if b is not None and not keras_fixes.is_functional(model):
         raise TypeError(
             f"{model.name} is a subclassed model with stateful RNN layers: kmgpu re-creates "
@@ -228,7 +227,7 @@ def stateful_call(method, template, call, num_replicas, options, user_batch):
     Raises:
         ValueError: sizes that do not split, saying which would.
     """
-    b = models.fixed_batch(template)
+    b = replication.fixed_batch(template)
     n = num_replicas
     per_replica = options.batch == "per_replica"
     if user_batch is None:

@@ -16,7 +16,7 @@ weights and the optimizer state in ``template``.
 import abc
 import contextlib
 
-from kmgpu import models
+from kmgpu.engines import replication
 
 
 class Engine(abc.ABC):
@@ -62,7 +62,7 @@ class Engine(abc.ABC):
             kwargs: Keras keyword arguments, batch sizes already global; for fit,
                 ``callbacks`` already holds kmgpu's learning-rate callbacks.
             lr_scale: (factor, warmup_steps) for a LearningRateSchedule optimizer:
-                pass it to ``models.compile_args``.
+                pass it to ``replication.compile_args``.
 
         Returns:
             What Keras returns: a History, a loss/metrics list or dict, or predictions.
@@ -130,11 +130,11 @@ class InProcessEngine(Engine):
         """The replica's stateful RNN states as arrays of all B rows, replica 0's first."""
         import keras
 
-        return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(replica)]
+        return [keras.ops.convert_to_numpy(v.value) for v in replication.state_variables(replica)]
 
     def write_states(self, replica, arrays):
         """Set the replica's stateful RNN states from arrays of all B rows."""
-        for v, a in zip(models.state_variables(replica), arrays):
+        for v, a in zip(replication.state_variables(replica), arrays):
             v.assign(a)
 
     def same_values(self, pairs):
@@ -169,16 +169,16 @@ class InProcessEngine(Engine):
         return getattr(replica, method)(**kwargs)
 
     def _ensure_replica(self, template, lr_scale):
-        key = (models.identity(template), lr_scale)
+        key = (replication.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             self.replica, self._built_from = None, None
-            with self.scope(), models.host_random_kept():
-                fixed = models.fixed_batch(template)
-                replica = models.replica_of(
+            with self.scope(), replication.host_random_kept():
+                fixed = replication.fixed_batch(template)
+                replica = replication.replica_of(
                     template, None if fixed is None else self.replica_batch(fixed))
                 self.prepare_replica(replica, template)
                 if template.compiled:
-                    models.compile_like(replica, template, lr_scale)
+                    replication.compile_like(replica, template, lr_scale)
             self.replica, self._built_from = replica, key
         return self.replica
 
@@ -191,20 +191,20 @@ class InProcessEngine(Engine):
 
         replica = self._ensure_replica(template, lr_scale)
         on_batch = method in ON_BATCH
-        states = models.state_variables(template)
+        states = replication.state_variables(template)
         if states and self.options.reset_states == "epoch" and not on_batch:
-            models.reset_states(template)
+            replication.reset_states(template)
             if method == "fit":
-                kwargs = dict(kwargs, callbacks=[models.reset_callback(replica)]
+                kwargs = dict(kwargs, callbacks=[replication.reset_callback(replica)]
                               + list(kwargs.get("callbacks") or []))
         with self.scope():
-            pairs = models.state_pairs(template, replica)
+            pairs = replication.state_pairs(template, replica)
             skip = self.same_values(pairs)
             self.copied_in = skip.count(False)  # for tests and benchmarks
-            models.copy_state(template, replica, pairs, skip=skip)
+            replication.copy_state(template, replica, pairs, skip=skip)
             self.note_synced(pairs)
             if method == "train_on_batch":  # fit sets it from its callbacks
-                models.copy_lr(template, replica)
+                replication.copy_lr(template, replica)
             if states:
                 self.write_states(replica, [keras.ops.convert_to_numpy(v.value) for v in states])
         try:
@@ -216,7 +216,7 @@ class InProcessEngine(Engine):
         finally:
             self.settle(replica)
             if method in TRAINING:
-                back = models.state_pairs(replica, template)
+                back = replication.state_pairs(replica, template)
                 self.copy_back(back)
                 self.note_synced([(t, r) for r, t in back])
             for v, a in zip(states, self.read_states(replica) if states else ()):

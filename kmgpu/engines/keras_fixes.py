@@ -10,7 +10,7 @@ import sys
 import threading
 
 from kmgpu.engines import state_keras_fixes
-from kmgpu.engines.state_keras_fixes import (  # noqa: F401 (models.py's names)
+from kmgpu.engines.state_keras_fixes import (  # noqa: F401 (replication.py's names)
     apply_optimizer_settings, keeps_own_state, load_own_state, optimizer_settings, own_state)
 
 KERAS = "3.15.1"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import models
+from kmgpu.engines import replication
 from tests.helpers import data, mlp, rel_diff
 
 TOL = 1e-5
@@ -57,12 +57,12 @@ def _raising(hook, when, error):
 
 
 def _state(model):
-    return model.get_weights() + [v.numpy() for v in models.optimizer_state(model.optimizer)]
+    return model.get_weights() + [v.numpy() for v in replication.optimizer_state(model.optimizer)]
 
 
 def _reset(model, weights):
     model.set_weights(weights)
-    for v in models.optimizer_state(model.optimizer):
+    for v in replication.optimizer_state(model.optimizer):
         v.assign(np.zeros(v.shape, v.dtype))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import models
+from kmgpu.engines import replication
 from tests.helpers import children, data, mlp
 
 # -- the catalogue --------------------------------------------------------------------
@@ -322,7 +322,7 @@ def model_state(model):
         "optimizer": id(opt),
         "optimizer_state": [np.array(v.numpy()) for v in opt.variables] if opt.built else None,
         "states": [np.array(_keras().ops.convert_to_numpy(v.value))
-                   for v in models.state_variables(model)],
+                   for v in replication.state_variables(model)],
     }
 
 

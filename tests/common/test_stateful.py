@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import models
+from kmgpu.engines import replication
 from tests.helpers import few_steps, one_device, rel_diff
 
 B, CHUNK, CHUNKS, FEATURES = 8, 3, 4, 2
@@ -54,7 +54,7 @@ def _unchunked(cell):
     direct.set_weights(whole.get_weights())
     for k in range(CHUNKS):
         direct(chunked(seqs)[k * B:(k + 1) * B])
-    expect = keras.ops.convert_to_numpy(models.state_variables(direct)[0].value)
+    expect = keras.ops.convert_to_numpy(replication.state_variables(direct)[0].value)
     return whole.get_weights(), ref, expect
 
 
@@ -76,7 +76,7 @@ def test_state_carries_from_chunk_to_chunk(cell, gpus):
     # the user's model holds the state rows afterwards, replica by replica
     import keras
 
-    state = keras.ops.convert_to_numpy(models.state_variables(model)[0].value)
+    state = keras.ops.convert_to_numpy(replication.state_variables(model)[0].value)
     np.testing.assert_allclose(state, expect, atol=1e-5)
 
 
@@ -175,7 +175,7 @@ def test_rebatch_to_one_keeps_the_weights_and_predicts_step_by_step():
     model, _, _, _ = _fit_once(4, "Adam")
     batched = kmgpu.parallelize(model, gpus=4).predict(chunked(seqs), batch_size=B, verbose=0)
     single = kmgpu.rebatch(model, 1)
-    assert models.fixed_batch(single) == 1 and single.compiled
+    assert replication.fixed_batch(single) == 1 and single.compiled
     for a, b in zip(single.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     with one_device():
@@ -205,7 +205,8 @@ def test_states_reset_each_epoch_or_never_and_are_not_saved(tmp_path):
     keep.save(path)
     loaded = keras.saving.load_model(path)
     assert len(loaded.weights) == len(model.weights)  # states are not weights
-    assert np.abs(keras.ops.convert_to_numpy(models.state_variables(loaded)[0].value)).max() == 0
+    states = replication.state_variables(loaded)
+    assert np.abs(keras.ops.convert_to_numpy(states[0].value)).max() == 0
 
 
 def test_sizes_that_do_not_fit_say_what_would():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import models
+from kmgpu.engines import replication
 from tests.helpers import listed_batches, one_device, rel_diff
 
 B, STEPS, FEATURES, BATCHES = 8, 3, 2, 4
@@ -97,8 +97,8 @@ def test_own_losses_equal_one_device(sum_fits):
     np.testing.assert_allclose(h4.history["loss"], h1.history["loss"], rtol=1e-5)
     # the state rows came back too, replica by replica
     np.testing.assert_allclose(
-        keras.ops.convert_to_numpy(models.state_variables(four)[0].value),
-        keras.ops.convert_to_numpy(models.state_variables(one)[0].value), atol=1e-5)
+        keras.ops.convert_to_numpy(replication.state_variables(four)[0].value),
+        keras.ops.convert_to_numpy(replication.state_variables(one)[0].value), atol=1e-5)
 
 
 def _later_batch_with_differing_output_weights_stops_there():

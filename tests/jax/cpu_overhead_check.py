@@ -35,7 +35,8 @@ def main(argv=None):
     import keras
     import numpy as np
 
-    from kmgpu import checks, models
+    from kmgpu import checks
+    from kmgpu.engines import replication
 
     batch = 8 * args.devices
     rng = np.random.default_rng(0)
@@ -64,8 +65,8 @@ def main(argv=None):
 
         setattr(owner, name, wrapper)
 
-    timed(models, "identity", "model identity (config json)")
-    timed(models, "copy_state", "weights + optimizer state in/out")
+    timed(replication, "identity", "model identity (config json)")
+    timed(replication, "copy_state", "weights + optimizer state in/out")
     timed(checks, "call", "argument and data checks")
 
     class Timer(keras.callbacks.Callback):

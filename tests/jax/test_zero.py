@@ -158,11 +158,11 @@ def test_save_load_and_a_second_fit_continue_exactly(tmp_path):
 def test_optimizer_bytes_per_device_are_one_nth():
     """From the replica's arrays' addressable shards: each device holds 1/4 of every
     variable with a dimension 4 divides and the rest whole; describe() says so."""
-    from kmgpu import models
+    from kmgpu.engines import replication
     from kmgpu.engines.jax import zero
 
     parallel = _SHARDED.get(ALL) or _fit(ALL, n=4, shard=True)[1]
-    state = models.optimizer_state(parallel._engine.replica.optimizer)
+    state = replication.optimizer_state(parallel._engine.replica.optimizer)
     per_device = {}
     for v in state:
         for shard in v.value.addressable_shards:

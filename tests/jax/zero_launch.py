@@ -19,7 +19,8 @@ without_tensorflow()  # seeding would import it (5 s) only to seed it
 
 
 def main():
-    from kmgpu import environment, models
+    from kmgpu import environment
+    from kmgpu.engines import replication
     from kmgpu.engines.jax import zero
 
     x, y = data("mlp", 64)
@@ -30,7 +31,7 @@ def main():
     parallel = kmgpu.parallelize(model, shard_optimizer=True)
     parallel.compile(optimizer="adam", loss="mse")
     parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    state = models.optimizer_state(parallel._engine.replica.optimizer)
+    state = replication.optimizer_state(parallel._engine.replica.optimizer)
     result = {
         "replicas": parallel.num_replicas,
         "weights": rel_diff(ref.get_weights(), model.get_weights()),

@@ -69,11 +69,11 @@ def _stateful_carry():
     rank's model in rank order. Returns (last chunk vs stateless, state rows) errors."""
     import keras
 
-    from kmgpu import models
+    from kmgpu.engines import replication
     from tests.common.test_stateful import B, CHUNK, CHUNKS, chunked, make, sequences
 
     seqs, state = sequences(), lambda m: keras.ops.convert_to_numpy(
-        models.state_variables(m)[0].value)
+        replication.state_variables(m)[0].value)
     whole = make("LSTM", batch=None, steps=CHUNK * CHUNKS, is_stateful=False)
     model, direct = make("LSTM"), make("LSTM")
     model.set_weights(whole.get_weights())

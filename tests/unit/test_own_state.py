@@ -6,7 +6,7 @@ Normalization layer, 28M weights) evaluated 0.22x plain Keras on one H200."""
 import keras
 import numpy as np
 
-from kmgpu import models
+from kmgpu.engines import replication
 from kmgpu.engines import keras_fixes
 
 
@@ -45,8 +45,8 @@ def test_no_assets_walk_without_a_layer_that_has_assets(monkeypatch):
 
 def test_a_replica_gets_the_adapted_state_through_the_nested_model():
     model, x = _model()
-    replica = models.clone(model)
+    replica = replication.clone(model)
     replica.set_weights(model.get_weights())
-    models.load_carried(replica, models.carried(model))
+    replication.load_carried(replica, replication.carried(model))
     np.testing.assert_allclose(keras.ops.convert_to_numpy(replica(x)),
                                keras.ops.convert_to_numpy(model(x)), rtol=1e-6, atol=1e-6)

@@ -26,28 +26,34 @@ def _modules():
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def _imports(source, name, package, modules):
+    """The kmgpu modules ``source`` (module ``name`` in ``package``) imports, at module
+    level or inside functions."""
+    edges = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            # "from a import b" imports a.b when b is a module, else a
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        edges.update(t for t in targets if t in modules and t != name)
+    return edges
+
+
 def import_graph():
     """module -> the kmgpu modules it imports, at module level or inside functions."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
-                                    + ([base] if base else []))
-                # "from a import b" imports a.b when b is a module, else a
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                           for a in node.names]
-            else:
-                continue
-            edges.update(t for t in targets if t in modules and t != name)
-        graph[name] = edges
+        graph[name] = _imports(path.read_text(), name, package, modules)
     return graph
 
 
@@ -85,8 +91,47 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_import_cycle_anywhere_in_kmgpu():
     graph = import_graph()
     assert "kmgpu.engines.torch.engine" in graph  # the walk sees the backend folders
-    assert "kmgpu.models" in graph["kmgpu.connector"]
+    assert "kmgpu.engines.replication" in graph["kmgpu.connector"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+#: modules outside kmgpu/engines that import nothing from kmgpu, so an engine may read them
+LEAVES = {"kmgpu.environment"}
+
+
+def _is_engine(name):
+    return name == "kmgpu.engines" or name.startswith("kmgpu.engines.")
+
+
+def engines_importing_the_front(graph):
+    """"engine -> front module" for each import from kmgpu/engines of a module outside it
+    (the package ``kmgpu`` itself and ``LEAVES`` allowed)."""
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() if _is_engine(name)
+                  for target in targets
+                  if not _is_engine(target) and target not in LEAVES and target != "kmgpu")
+
+
+def test_engines_import_only_engine_code_and_leaves():
+    """The front imports ``kmgpu.engines``, never the other way: no module under
+    kmgpu/engines imports a front module (api, connector, plan, checks, callbacks...),
+    at module level or inside a function."""
+    graph = import_graph()
+    for leaf in LEAVES:
+        assert not graph[leaf], f"{leaf} is a leaf: it may import nothing from kmgpu"
+    wrong = engines_importing_the_front(graph)
+    assert not wrong, "engines importing the front: " + ", ".join(wrong)
+
+
+def test_the_import_rule_sees_a_lazy_import_of_the_front():
+    modules = _modules()
+    lazy = ("import keras\nfrom kmgpu.engines import lr\n\n\ndef f():\n"
+            "    from kmgpu import plan, environment\n    import kmgpu.callbacks\n"
+            "    from ... import checks\n")
+    name = "kmgpu.engines.torch.example"
+    graph = {name: _imports(lazy, name, "kmgpu.engines.torch", modules)}
+    assert engines_importing_the_front(graph) == [
+        f"{name} -> kmgpu.callbacks", f"{name} -> kmgpu.checks", f"{name} -> kmgpu.plan"]
+    assert "kmgpu.environment" in graph[name] and "kmgpu.engines.lr" in graph[name]
 
 
 def test_no_module_over_500_lines():

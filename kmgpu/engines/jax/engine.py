@@ -58,10 +58,10 @@ class JaxEngine(InProcessEngine):
         # Keras's own JAX fit drops stateful RNN states: those need the engine.
         import jax
 
-        from kmgpu import models
+        from kmgpu.engines import replication
 
         return (list(device_ids) == [0] and jax.process_count() == 1
-                and not models.stateful_layers(model))
+                and not replication.stateful_layers(model))
 
     def scope(self):
         return self.distribution.scope()

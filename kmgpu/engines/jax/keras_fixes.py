@@ -145,10 +145,10 @@ def track_states(replica, distribution):
     """
     import keras
 
-    from kmgpu import models
+    from kmgpu.engines import replication
 
     d = distribution
-    for layer in models.stateful_layers(replica):
+    for layer in replication.stateful_layers(replica):
         locked = layer._tracker.locked
         layer._tracker.unlock()
         for v in keras.tree.flatten(layer.states):

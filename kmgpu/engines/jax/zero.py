@@ -102,12 +102,12 @@ def planned_bytes(variables, n):
 def state_bytes(replica, template, distribution, sharded):
     """``Engine.optimizer_bytes``: measured on ``replica`` when its optimizer is sharded
     and built, else planned from whichever optimizer is built (None if neither is)."""
-    from kmgpu import models
+    from kmgpu.engines import replication
 
     n = distribution.num_model_replicas
     for model, measure in ((replica, sharded), (template, False)):
         opt = getattr(model, "optimizer", None)
         if opt is not None and opt.built:
-            state = models.optimizer_state(opt)
+            state = replication.optimizer_state(opt)
             return measured_bytes(state) if measure else planned_bytes(state, n)
     return None

@@ -71,18 +71,18 @@ class TensorFlowEngine(InProcessEngine):
     def read_states(self, replica):
         import numpy as np
 
-        from kmgpu import models
+        from kmgpu.engines import replication
 
         return [np.concatenate([np.asarray(c) for c in
                                 self.strategy.experimental_local_results(v.value)])
-                for v in models.state_variables(replica)]
+                for v in replication.state_variables(replica)]
 
     def write_states(self, replica, arrays):
         import numpy as np
 
-        from kmgpu import models
+        from kmgpu.engines import replication
 
-        for v, a in zip(models.state_variables(replica), arrays):
+        for v, a in zip(replication.state_variables(replica), arrays):
             components = self.strategy.experimental_local_results(v.value)
             for component, rows in zip(components, np.split(a, len(components))):
                 component.assign(rows)
@@ -158,8 +158,8 @@ class TensorFlowEngine(InProcessEngine):
     def copy_back(self, pairs):
         """The replica's trained state into the template, TF variable to TF variable (the
         replica's first copy: the replicas of a MirroredVariable are equal), all in one
-        traced function: an eager assign per variable was a large part of what a loop of
-        ``train_on_batch`` calls paid at every call."""
+        traced function: an eager assign per variable would be a large part of what a loop
+        of ``train_on_batch`` calls pays at every call."""
         self._pair_functions.run("copy", [(r, t) for r, t in pairs], _copy_fn)
 
     def same_values(self, pairs):
@@ -198,13 +198,13 @@ class TensorFlowEngine(InProcessEngine):
         replica 0's statistics of 1/N of the data."""
         import keras
 
-        from kmgpu import models
+        from kmgpu.engines import replication
 
         moving = {id(v) for layer in replica._flatten_layers()
                   if isinstance(layer, keras.layers.BatchNormalization)
                   for v in (layer.moving_mean, layer.moving_variance) if v is not None}
-        pairs = [(r, t) for r, t in zip(models.weights(replica), models.weights(template))
-                 if id(r) in moving]
+        pairs = [(r, t) for r, t in zip(replication.weights(replica),
+                                        replication.weights(template)) if id(r) in moving]
         if pairs:  # one traced function for all of them
             self._pair_functions.run("mean", pairs, _mean_fn)
 

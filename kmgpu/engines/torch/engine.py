@@ -14,7 +14,7 @@ result come back to the user's model.
 """
 
 
-from kmgpu import models
+from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
@@ -41,7 +41,7 @@ class TorchEngine(Engine):
     def plain_fit_serves(cls, model, device_ids):
         # Keras's own torch fit crashes on stateful LSTMs: those need the engine.
         return (list(device_ids) == [0] and not launchers.in_distributed_job()
-                and not models.stateful_layers(model))
+                and not replication.stateful_layers(model))
 
     # -- the Engine interface ---------------------------------------------------------
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
@@ -58,10 +58,10 @@ class TorchEngine(Engine):
             kwargs = batch_checks.check_weighable(template, kwargs, method)  # before any work
             if self.options.shard_optimizer:
                 zero.check(template.optimizer)
-        resets = (bool(models.stateful_layers(template)) and self.options.reset_states == "epoch"
-                  and not method.endswith("_on_batch"))
+        resets = (bool(replication.stateful_layers(template))
+                  and self.options.reset_states == "epoch" and not method.endswith("_on_batch"))
         if resets:
-            models.reset_states(template)  # what the ranks start from; they reset each epoch
+            replication.reset_states(template)  # what the ranks start from; they reset each epoch
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
         launcher, clock = self.launcher, timing.Clock("parent")
@@ -184,7 +184,7 @@ class TorchLocalEngine(LocalEngine):
         return graphs.available(graphs.device_of(template))
 
     def train_step_mode(self, template):
-        step = self._step if self._key == models.identity(template) else None
+        step = self._step if self._key == replication.identity(template) else None
         text = graphs.describe(template, self._on_gpu(template), 1,
                                graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
         if self._on_gpu(template) and not template.run_eagerly:
@@ -202,7 +202,7 @@ class TorchLocalEngine(LocalEngine):
         if kind == graphs.OWN and self._on_gpu(template) and self._said != id(template):
             self._said = id(template)
             print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
-        key = models.identity(template)
+        key = replication.identity(template)
         if key != self._key:  # graphs live across calls on one model
             self.close()
             self._key = key

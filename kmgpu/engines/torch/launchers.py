@@ -23,7 +23,7 @@ import datetime
 import os
 import sys
 
-from kmgpu import models
+from kmgpu.engines import replication
 from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, shuffle, transport
 from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.pool import WorkerPool, start_method
@@ -333,12 +333,12 @@ class InProcessLauncher(Launcher):
 
     def _replica_for(self, call, template):
         if self.replica is None or call.key != self._built_key:
-            with models.host_random_kept():
-                fixed = models.fixed_batch(template)
-                replica = models.replica_of(
+            with replication.host_random_kept():
+                fixed = replication.fixed_batch(template)
+                replica = replication.replica_of(
                     template, None if fixed is None else fixed // self.strategy.world)
                 if template.compiled:
-                    models.compile_like(replica, template, call.lr_scale)
+                    replication.compile_like(replica, template, call.lr_scale)
                 self.strategy.tf32 = call.tf32
                 self.strategy.shard_optimizer = call.shard_optimizer
                 self.replica, self._built_key = self.strategy.prepare(replica), call.key
@@ -372,7 +372,7 @@ class InProcessLauncher(Launcher):
                                                      kwargs.get("validation_data"))])
         host.settle()  # where plain Keras's reads leave torch's random state
         rows = [[]] * s.world
-        if models.stateful_layers(template):  # every rank's rows, in rank order, everywhere
+        if replication.stateful_layers(template):  # every rank's rows, in rank order, everywhere
             rows = collectives.all_gather_object(s.state_rows(replica))
         if call.method == "fit":  # rank 0's History on every rank
             record = None
@@ -394,13 +394,13 @@ class InProcessLauncher(Launcher):
     def load_state(self, template):
         if not self._live:
             return False
-        models.copy_state(self.replica, template)
+        replication.copy_state(self.replica, template)
         replicas.copy_lr(self.replica, template)
         self._candidate = replicas.marks(template)
         return True
 
     def push_state(self, template):
-        models.copy_state(template, self.replica)
+        replication.copy_state(template, self.replica)
         replicas.copy_lr(template, self.replica)
 
     def end_call(self, failed, touched=False):

@@ -31,7 +31,8 @@ class ModelSpec:
     config: dict
     build_config: Optional[dict]
     objects: Optional[bytes]
-    carried: tuple = (None, None)  # models.carried(template): adapted layers, optimizer settings
+    #: replication.carried(template): adapted layers, optimizer settings
+    carried: tuple = (None, None)
 
 
 @dataclass(frozen=True)

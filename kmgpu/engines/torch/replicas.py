@@ -1,6 +1,6 @@
 """The user's model (the template) and its torch replicas: what must travel between them.
 
-``kmgpu.models`` copies state between two models in one process; a pool worker's
+``replication`` copies state between two models in one process; a pool worker's
 replica lives in another process, so here the same things become data:
 
 - ``replica_key``: whether a rank's cached replica still matches the template;
@@ -18,7 +18,7 @@ import pickle
 import keras
 import numpy as np
 
-from kmgpu import models
+from kmgpu.engines import replication
 from kmgpu.engines import global_losses, user_objects
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.messages import ModelSpec, StateLayout
@@ -27,7 +27,7 @@ from kmgpu.engines.torch.messages import ModelSpec, StateLayout
 def replica_key(template, sync_batchnorm, lr_scale):
     """What a rank's cached replica must match to be reused for ``template``.
 
-    ``models.identity`` (as every engine), plus what a torch replica is built with
+    ``replication.identity`` (as every engine), plus what a torch replica is built with
     (sync BatchNorm, LR scaling), the model's class and its compile config: a pool
     outlives the template and serves every ParallelModel on its devices, so an
     optimizer's ``id()`` may come back for another model.
@@ -38,7 +38,7 @@ def replica_key(template, sync_batchnorm, lr_scale):
     compiled = (json.dumps(template.get_compile_config(), sort_keys=True, default=repr)
                 if template.compiled else None)
     cls = f"{type(template).__module__}.{type(template).__qualname__}"
-    return (models.identity(template), cls, compiled, bool(sync_batchnorm), tuple(lr_scale))
+    return (replication.identity(template), cls, compiled, bool(sync_batchnorm), tuple(lr_scale))
 
 
 # -- the model as config, with the user's objects --------------------------------------
@@ -58,7 +58,7 @@ def model_spec(template):
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)
     config, live = user_objects.live_config(template, serialized)
-    custom = {**models.custom_objects(template), **live}
+    custom = {**replication.custom_objects(template), **live}
     with keras.saving.custom_object_scope(custom):
         recipe = user_objects.compile_recipe(template) if template.compiled else None
     objects = {"custom": custom, "compile": recipe}
@@ -68,7 +68,7 @@ def model_spec(template):
     except Exception:
         blob = None
     spec = ModelSpec(config=config, build_config=template.get_build_config(),
-                     objects=blob, carried=models.carried(template))
+                     objects=blob, carried=replication.carried(template))
     if blob is None:
         transport.INHERITED["objects"] = objects
     return spec, blob is None
@@ -110,15 +110,15 @@ def build(spec, world, lr_scale):
         replica = keras.saving.deserialize_keras_object(spec.config)
         if not replica.built and spec.build_config:
             replica.build_from_config(spec.build_config)
-        models.load_carried(replica, spec.carried)
-        fixed = models.fixed_batch(replica)
+        replication.load_carried(replica, spec.carried)
+        fixed = replication.fixed_batch(replica)
         if fixed is not None:  # this rank's B/N state rows
-            replica = models.clone_at(replica, fixed // world)
+            replica = replication.clone_at(replica, fixed // world)
         global_losses.install(replica)  # layers adding losses: on the global batch
         if objects["compile"] is not None:
             args = user_objects.compile_args(objects["compile"])
-            replica.compile(**models.scale_schedule(args, lr_scale))
-            models.load_carried(replica, spec.carried, compiled=True)
+            replica.compile(**replication.scale_schedule(args, lr_scale))
+            replication.load_carried(replica, spec.carried, compiled=True)
     return replica
 
 
@@ -143,7 +143,7 @@ def state_of(model, with_optimizer):
     if with_optimizer and opt is not None:
         if not opt.built:
             opt.build(model.trainable_variables)
-        n_opt = len(models.optimizer_state(opt))
+        n_opt = len(replication.optimizer_state(opt))
         has_lr = _lr_variable(model) is not None
     n_weights = len(model.weights)  # what get_weights() returns
     arrays = model_arrays(model, StateLayout((), n_weights, n_opt, has_lr))
@@ -160,7 +160,7 @@ def state_variables(model, layout):
     """The Keras variables whose values ``layout``'s arrays are, in its order."""
     variables = list(model.weights)
     if layout.n_optimizer:
-        variables += list(models.optimizer_state(model.optimizer))
+        variables += list(replication.optimizer_state(model.optimizer))
     if layout.has_lr:
         variables.append(model.optimizer._learning_rate)
     return variables
@@ -245,7 +245,7 @@ def load_arrays(model, arrays, layout):
     if no and opt is not None:
         if not opt.built:
             opt.build(model.trainable_variables)
-        variables = models.optimizer_state(opt)
+        variables = replication.optimizer_state(opt)
         if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
             for v, a in zip(variables, arrays[nw:nw + no]):
                 _copy_in(v, a)
@@ -281,7 +281,7 @@ def unchanged(model, old):
 # -- stateful RNN rows ------------------------------------------------------------------
 def states_of(template):
     """The template's stateful RNN states, all B rows each (empty list: none)."""
-    return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(template)]
+    return [keras.ops.convert_to_numpy(v.value) for v in replication.state_variables(template)]
 
 
 def states_back(template, rows):
@@ -291,5 +291,5 @@ def states_back(template, rows):
         template: the user's model.
         rows: per rank, the list of its state arrays (B/N rows each).
     """
-    for i, v in enumerate(models.state_variables(template)):
+    for i, v in enumerate(replication.state_variables(template)):
         v.assign(np.concatenate([r[i] for r in rows]))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kmgpu import models
+from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.torch import collectives, data, keras_fixes, resident
 from kmgpu.engines.torch.messages import Aborted, Predictions
@@ -82,14 +82,14 @@ class DDPStrategy(RankSteps):
             replica: this rank's replica.
             arrays: the template's states, all B rows each.
         """
-        for v, a in zip(models.state_variables(replica), arrays):
+        for v, a in zip(replication.state_variables(replica), arrays):
             b = int(v.shape[0])
             v.assign(np.asarray(a)[self.rank * b:(self.rank + 1) * b])
 
     @staticmethod
     def state_rows(replica):
         """This rank's stateful RNN state rows, as arrays (empty list: none)."""
-        return [keras.ops.convert_to_numpy(v.value) for v in models.state_variables(replica)]
+        return [keras.ops.convert_to_numpy(v.value) for v in replication.state_variables(replica)]
 
     # -- the replica --------------------------------------------------------------------
     def prepare(self, replica):
@@ -116,7 +116,7 @@ class DDPStrategy(RankSteps):
             averaged = [v for layer in bn_layers for v in layer.non_trainable_weights
                         if "float" in str(v.dtype)]
         self._offset_seeds(replica)
-        for layer in models.stateful_layers(replica):
+        for layer in replication.stateful_layers(replica):
             keras_fixes.copy_states_in(layer)
         from kmgpu.engines.torch import eval_steps, graphs
 
@@ -236,8 +236,8 @@ class DDPStrategy(RankSteps):
 
             callbacks.insert(0, zero.GatherBack(self.sharded, self.gather_everywhere))
         if reset_states:
-            models.reset_states(replica)
-            callbacks.insert(0, models.reset_callback(replica))
+            replication.reset_states(replica)
+            callbacks.insert(0, replication.reset_callback(replica))
         guard = batch_checks.guard(replica, method, self.world)  # each batch of a dataset
         try:
             if method == "fit":

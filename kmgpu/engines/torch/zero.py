@@ -301,7 +301,7 @@ def state_bytes(template, world):
     other scalars), from the layout ``Shards`` makes (each variable 256-byte aligned, each
     dtype padded to ``world`` equal pieces); None when the optimizer is not built or not
     shardable."""
-    from kmgpu import models
+    from kmgpu.engines import replication
 
     opt = getattr(template, "optimizer", None)
     if opt is None or not opt.built:
@@ -309,7 +309,7 @@ def state_bytes(template, world):
     inner = flat_optim.scaler(opt)[1]
     if not flat_optim.supported(inner, template.trainable_weights)[0]:
         return None
-    state = models.optimizer_state(opt)
+    state = replication.optimizer_state(opt)
     whole = sum(v.value.numel() * v.value.element_size() for v in state)
     by_dtype = {}
     for v in template.trainable_weights:

@@ -1,5 +1,6 @@
-"""The user's model and its copies: check, clone, rebatch, compile settings, and the
-weights, optimizer state and stateful RNN state rows that travel between them.
+"""Replicas of the user's model: clone, compile settings, the identity that says when a
+replica still matches, and the weights, optimizer state and stateful RNN state rows copied
+between the user's model and its replicas.
 
 Keras fixes a variable's placement when it is created, so an engine re-creates
 the user's model (the *template*) inside its own scope and copies weights and
@@ -20,30 +21,6 @@ import sys
 import keras
 
 from kmgpu.engines import global_losses, keras_fixes, user_objects
-
-
-def check_model(model):
-    """Raise TypeError unless ``model`` is a built Keras model kmgpu can re-create."""
-    keras_fixes.serialize_without_tensorflow()
-    if not isinstance(model, keras.Model):
-        what = type(model).__name__
-        hint = " Wrap your layer in keras.Sequential([...]) first." if isinstance(
-            model, keras.layers.Layer
-        ) else ""
-        raise TypeError(f"kmgpu.parallelize needs a keras.Model, got a {what}.{hint}")
-    if not model.built:
-        raise ValueError(
-            "kmgpu.parallelize needs a built model: give it an Input(shape=...), or call "
-            "model.build(input_shape) or model(x) once before wrapping it."
-        )
-    try:
-        model.get_config()
-    except NotImplementedError:
-        raise TypeError(
-            f"{type(model).__name__} has no get_config(): kmgpu re-creates the model on "
-            "each device from its config. Implement get_config() (and from_config() if "
-            "__init__ takes non-serialisable arguments) on your subclassed model."
-        ) from None
 
 
 def identity(template):
@@ -357,44 +334,6 @@ def reset_states(model):
     """Zero every state row of ``model``."""
     for layer in stateful_layers(model):
         layer.reset_state()
-
-
-def rebatch(model, batch_size):
-    """A copy of a stateful model with another fixed batch size and the same weights.
-
-    For example ``rebatch(model, 1)`` to predict one sequence step by step after
-    training at batch 64. The copy is compiled like ``model`` (with a fresh
-    optimizer) when ``model`` is compiled; its states start at zero.
-
-    Args:
-        model: a built Sequential or functional ``keras.Model``.
-        batch_size: the new fixed batch size, an int >= 1.
-
-    Returns:
-        A new ``keras.Model``.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-        raise TypeError(f"rebatch(model, batch_size): batch_size must be an int >= 1, "
-                        f"got {batch_size!r}.")
-    if batch_size < 1:
-        raise ValueError(f"rebatch(model, batch_size): batch_size must be >= 1, got {batch_size}.")
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"rebatch(model, batch_size) takes a keras.Model, got "
-                        f"{type(model).__name__}.")
-    if not model.built:
-        raise ValueError("rebatch(model, batch_size) needs a built model: give it a "
-                         "keras.Input(batch_size=...) first.")
-    if not keras_fixes.is_functional(model):
-        raise TypeError(
-            f"rebatch needs a Sequential or functional model (its Input fixes the batch); "
-            f"{type(model).__name__} is subclassed: create a new instance built for batch "
-            f"{batch_size} and copy the weights with new.set_weights(model.get_weights())."
-        )
-    new = clone_at(model, batch_size)
-    new.set_weights(model.get_weights())
-    if model.compiled:
-        compile_like(new, model)
-    return new
 
 
 def clone_at(model, batch_size):
