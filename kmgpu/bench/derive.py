@@ -67,7 +67,7 @@ def _arr_index(key):
 
 def rel_diff(a_weights, b_weights):
     """Largest relative difference between two weight lists (max |a-b| / max |a|, per
-    tensor), as tests/helpers.rel_diff."""
+    tensor), as ``rel_diff`` in tests/helpers.py."""
     import numpy as np
 
     if len(a_weights) != len(b_weights):

@@ -13,7 +13,7 @@ from kmgpu.bench import summary, tables
 from kmgpu.bench.tables import BACKEND_ORDER, fmt, mem, pct, workload_rank
 
 RUNNER_ORDER = {"plain": 0, "replay": 1, "reference": 2, "kmgpu": 3, "peer": 4}
-# Targets of issue 6, on one device.
+# The targets kmgpu is held to, on one device.
 OVERHEAD_TARGET = 0.01  # kmgpu's time per epoch at most 1% above plain model.fit
 PEER_TARGET = 1.0  # kmgpu samples/s at least the peer's
 

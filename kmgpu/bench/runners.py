@@ -23,11 +23,11 @@ Every run starts from the same initial weights (the workload's seed), sees the s
 in the same order (``shuffle=False``) and records each epoch's wall time, peak memory, the
 last loss and the final weights.
 
-Every Keras-based run is timed after its own warm-up (issue 22): at least
-``WARMUP_STEPS`` untimed steps (whole epochs of the run's own data) through the same
-``fit`` (it compiles the step, fills the caches),
-then the model's weights and optimizer state back to where they were (the compiled step
-stays), then the timed epochs. Its wall time is the run's ``warmup_s`` (the compile
+Every Keras-based run is timed after its own warm-up, so its timed epochs hold no
+compile: at least ``WARMUP_STEPS`` untimed steps (whole epochs of the run's own data)
+through the same ``fit`` (it compiles the step, fills the caches), then the model's
+weights and optimizer state back to where they were (the compiled step stays), then the
+timed epochs. Its wall time is the run's ``warmup_s`` (the compile
 included); samples/s is the median of the timed epochs. Plain fit and kmgpu then time
 ``evaluate`` and ``predict`` over the epoch's samples, each after one untimed call
 (``--quick``: the first call, compile included).

@@ -2,7 +2,7 @@
 the right shapes, the batch, epochs, steps per epoch and loss, in full size (GPUs) or
 ``quick`` size (a 2-core CPU, for CI).
 
-Models people train (issue 14):
+Models people train:
     xception        keras.applications.Xception, 224x224x3, 1000 classes; 32 samples per
                     GPU: global batch 32 x the largest device count (64 on 2 GPUs).
     resnet50        keras.applications.ResNet50, 224x224x3, 1000 classes, batch 256.

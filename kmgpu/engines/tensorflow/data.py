@@ -226,5 +226,5 @@ def checked_dataset(dataset, guard, what):
             return tf.nest.map_structure(tf.identity, element)
 
     # no autograph: ``each`` branches with tf.cond itself, and autograph's conversion of it
-    # (and of what it calls) once took 134 s of a suite run
+    # (and of what it calls) is slow, paid for every dataset mapped here
     return dataset.enumerate().map(tf.autograph.experimental.do_not_convert(each))

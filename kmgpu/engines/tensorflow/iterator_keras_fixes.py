@@ -118,9 +118,8 @@ def park_iterators():
     at each ``reset``), often while the per-device prefetch is still fetching the next
     batch, and destroying a
     ``MultiDeviceIterator`` then sometimes segfaults (TensorFlow 2.21). Kept one call
-    only: live iterators' prefetch threads slow the next call down (a test file of
-    one-epoch fits took 28 s instead of 18 s when two calls' iterators lived on; 20 s
-    against 20 s with one).
+    only: live iterators' prefetch threads slow the next call down, measurably with two
+    calls' iterators alive, not with one.
     """
     import atexit
 

@@ -1,10 +1,9 @@
 """fit's training arrays kept across calls: one distributed dataset and its live iterator.
 
-Each ``fit`` on arrays used to build its ``tf.data`` pipeline again, distribute it, and
-have tf.distribute make a ``MultiDeviceIterator`` for it, tracing that iterator's
-per-device functions again: ~0.45 s of a 1.5 s one-step ``fit`` of the 34M-parameter MLP
-on 4 CPU devices (``benchmarks/per_call.py``, issue 30), where plain Keras on one device
-makes a plain iterator. A loop of ``fit(epochs=1)`` calls paid it every call, one
+Building a ``fit``'s ``tf.data`` pipeline for arrays, distributing it, and having
+tf.distribute make a ``MultiDeviceIterator`` for it traces that iterator's per-device
+functions: a large share of a short ``fit`` (plain Keras on one device makes a plain
+iterator), paid by a loop of ``fit(epochs=1)`` calls at every call and by one
 ``fit(epochs=10)`` once. Here the pipeline and its iterator live on to the next call
 when that call's batches are provably those a fresh pipeline would give:
 

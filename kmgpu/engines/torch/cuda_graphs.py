@@ -157,8 +157,8 @@ def matmul_precision(tf32):
 def precision_words(tf32):
     """describe()'s words for the policy."""
     if tf32 is False:
-        return ("float32 matmuls and convolutions in full float32 (tf32=False; TF32 would be "
-                "up to 1.8x faster on transformers)")
+        return ("float32 matmuls and convolutions in full float32 (tf32=False; TF32 with "
+                "parallelize(..., tf32=True), the default)")
     return ("float32 matmuls and convolutions in TF32 inside kmgpu's steps, as JAX and "
             "TensorFlow do on GPUs (about 1e-3 relative per product; full float32 with "
             "parallelize(..., tf32=False))")

@@ -1,5 +1,5 @@
-"""Keras's torch convolutions and poolings without the two layout copies of their input
-(issue 31), inside kmgpu's steps on CUDA (``fast_keras_fixes``: switch
+"""Keras's torch convolutions and poolings without the two layout copies of their input,
+inside kmgpu's steps on CUDA (``fast_keras_fixes``: switch
 ``KMGPU_TORCH_FAST_CONV``, "0" keeps Keras's).
 
 Keras 3.15.1 (``keras/src/backend/torch/nn.py``) moves a ``channels_last`` input's channel
@@ -9,9 +9,9 @@ a copy of the whole activation into NCHW. ``conv`` then converts that copy to to
 copy, back into the layout the activation had to begin with. The permuted view of a
 contiguous NHWC tensor already *is* torch's channels_last format, so ``spatial_inputs``
 returns it uncopied: the convolution sees the same values in the same memory format (cuDNN
-runs the same kernels on them), the poolings torch's channels-last kernels. On one H200,
-ResNet-50 64x64 had 216 strided copy kernels per step (3.1 ms of 15.6;
-``benchmarks/results/torch-fast-ops-h200.md``).
+runs the same kernels on them), the poolings torch's channels-last kernels. Each copy is a
+strided kernel per convolution, a measurable share of a convolutional network's step on a
+GPU.
 """
 
 import torch

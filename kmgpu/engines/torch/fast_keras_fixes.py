@@ -1,6 +1,6 @@
 """Keras internals swapped for ``fast_layers``' Dense and sparse cross-entropy,
 ``fast_conv``'s convolution inputs and ``fast_rnn``'s masked GRU/LSTM while kmgpu's step runs
-on CUDA (issue 31; split from ``graph_keras_fixes`` by role, which keeps the BatchNormalization
+on CUDA (apart from ``graph_keras_fixes`` by role, which keeps the BatchNormalization
 swap).
 ``keras_fixes.PATCHES`` includes these rows, so ``tests/unit/test_structure.py`` checks them.
 """
@@ -19,16 +19,16 @@ PATCHES = [
      "keeps Keras's): Keras 3.15.1 moves the class axis to position 1 (movedim) before "
      "F.cross_entropy, so (batch, seq, classes) logits reach torch as a strided tensor it "
      "copies contiguous and runs its spatial log-softmax / nll_loss2d kernels over, forward "
-     "and backward (the bench's transformer on one H200: 14 ms of its 31.5 ms step); "
-     "fast_layers takes F.cross_entropy over the contiguous (rows, classes) view: the same "
-     "losses, that step 16.5 ms (benchmarks/results/torch-fast-ops-h200.md; Keras's code for "
-     "what it does not cover: probabilities, a class axis not last, rank 2)"),
+     "and backward (a large share of a transformer's step on a GPU); fast_layers takes "
+     "F.cross_entropy over the contiguous (rows, classes) view: the same losses, measurably "
+     "faster (Keras's code for what it does not cover: probabilities, a class axis not "
+     "last, rank 2)"),
     ("keras.src.layers.core.dense", "Dense.call",
      "swapped likewise (KMGPU_TORCH_FAST_DENSE=0 keeps Keras's): Keras 3.15.1 runs matmul "
      "then a separate add of the bias over the whole output; fast_layers.dense_call runs "
      "F.linear (addmm, the bias in cuBLAS's epilogue), then the activation: the same values "
-     "up to float32 rounding; on one H200 the transformer's step 16.5 -> 15.6 ms, a BERT-style "
-     "encoder's 3.95 -> 3.78 ms (Keras's call for quantized layers, no bias, other dtypes)"),
+     "up to float32 rounding, one kernel fewer per layer (Keras's call for quantized "
+     "layers, no bias, other dtypes)"),
     ("keras.src.backend.torch.nn", "_transpose_spatial_inputs",
      "swapped likewise (KMGPU_TORCH_FAST_CONV=0 keeps Keras's): Keras 3.15.1 moves a "
      "channels_last input's channel axis with permute + .contiguous() (a copy into NCHW) "
@@ -39,14 +39,12 @@ PATCHES = [
     ("keras.src.layers.rnn.gru", "GRU.inner_loop",
      "swapped likewise (KMGPU_TORCH_FAST_RNN=0 keeps Keras's): Keras 3.15.1's torch gru() "
      "raises NotImplementedError for any mask, so a masked GRU runs the generic rnn() "
-     "loop, one Python iteration and a dozen kernels per timestep (a bidirectional GRU 128 "
-     "over Embedding(mask_zero=True), seq 128, batch 128, on one H200: 16.0k kernels, "
-     "32.5 ms per captured step, 2.65x Keras-JAX's fit); fast_rnn moves each row's valid "
+     "loop, one Python iteration and a dozen kernels per timestep (thousands of kernels per "
+     "step for a bidirectional GRU over 128 steps); fast_rnn moves each row's valid "
      "steps to the front on the device (cumsum, gather: no host read, capturable) and "
      "runs the unmasked cuDNN GRU Keras runs without a mask, then maps back: the generic "
-     "loop's outputs, states and last_output for any mask: that step 2.54 ms (250 "
-     "kernels), its fit 0.27x Keras-JAX's (benchmarks/results/torch-fast-rnn-h200.md; "
-     "Keras's code for what it does not cover: fast_rnn.why_not)"),
+     "loop's outputs, states and last_output for any mask, in a few hundred kernels "
+     "(Keras's code for what it does not cover: fast_rnn.why_not)"),
     ("keras.src.layers.rnn.lstm", "LSTM.inner_loop",
      "swapped likewise: Keras 3.15.1's torch lstm() raises NotImplementedError for any "
      "mask (the generic per-timestep loop); fast_rnn runs the compacted sequence through "
@@ -82,10 +80,8 @@ def fast_ops(device):
     (``fast_layers``), convolutions and poolings read a channels_last input uncopied
     (``fast_conv``), and a masked GRU/LSTM runs cuDNN over the compacted sequence
     (``fast_rnn``); each has its switch (``fast_layers.SWITCHES``: "0" keeps Keras's).
-    On one H200 the bench's transformer 2.03k -> 4.10k samples/s, within 1.14x of Keras-JAX's
-    step (benchmarks/results/torch-fast-ops-h200.md); a masked bidirectional GRU's step
-    32.5 -> 2.54 ms (torch-fast-rnn-h200.md); ResNet-50 15.7k -> 18.7k samples/s
-    (torch-fast-conv-h200.md). Elsewhere Keras's own. Re-entrant."""
+    Each is measurably faster on a GPU (see docs/backends.md). Elsewhere Keras's own.
+    Re-entrant."""
     return _FAST_OPS if on_cuda(device) else contextlib.nullcontext()
 
 

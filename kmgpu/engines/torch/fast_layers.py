@@ -1,13 +1,13 @@
-"""Keras layers and ops on torch's fused kernels (issue 31): BatchNormalization, Dense and
+"""Keras layers and ops on torch's fused kernels: BatchNormalization, Dense and
 the sparse categorical cross-entropy from logits (the last two: ``dense_call`` and
 ``sparse_categorical_crossentropy`` below, with their own switches).
 
 Keras 3.15.1's ``BatchNormalization.call`` on torch is a chain of separate ops: the
 moments (two means, a square, a subtraction), the normalisation (subtract, add, rsqrt,
 two multiplies, add), the two moving-average updates, and autograd's backward of each:
-about 48 kernels per layer per training step on an H200, 55 % of ResNet-50's GPU time
-(``benchmarks/results/torch-kernels-h200.md``), where torch's own batch norm is one
-kernel each way. ``batch_norm_call`` computes the same layer with torch's batch norm:
+dozens of kernels per layer per training step, a large share of a BatchNorm-heavy
+network's GPU time, where torch's own batch norm is one kernel each way.
+``batch_norm_call`` computes the same layer with torch's batch norm:
 
 - the channel axis is moved to dimension 1 as a view (a ``channels_last`` Keras tensor
   is then torch's channels_last memory format: no copy);
@@ -16,18 +16,17 @@ kernel each way. ``batch_norm_call`` computes the same layer with torch's batch 
   scaled back to Keras's biased one by (n-1)/n); Keras's moving averages
   ``moving * momentum + batch * (1 - momentum)`` are then one ``lerp`` each, ``assign``-ed
   to Keras's variables (so a stateless scope and save/load see Keras's own variables).
-  (Letting the kernel update copies of the moving statistics, scaled by n/(n-1) before
-  and back after, left 2 more roundings on them than Keras's formula);
+  (letting the kernel update copies of the moving statistics, scaled by n/(n-1) before
+  and back after, would leave 2 more roundings on them than Keras's formula);
 - inference uses the moving statistics, like Keras;
 - float16/bfloat16 inputs are computed in float32 and cast back, as Keras does;
 - the kernel (``kernel``): on CUDA torch's own batch-norm kernels
   (``torch.native_batch_norm``: Welford's method in float32, tree reductions), not the
   cuDNN one ``F.batch_norm`` picks, in cuDNN's persistent mode for channels-last training
-  (this layer before; ``benchmarks/torch_bn_parity.py`` measures both against float64 and
-  for speed). On a CPU ``F.batch_norm`` on a copy that holds each channel's values
-  together: torch's CPU kernel adds a channels-last or (batch, features) input row by row,
-  in sequence, 3-10x farther from float64 than Keras's layer; a channel's contiguous
-  values it sums pairwise.
+  (``benchmarks/torch_bn_parity.py`` measures both against float64 and for speed). On a
+  CPU ``F.batch_norm`` on a copy that holds each channel's values together: torch's CPU
+  kernel adds a channels-last or (batch, features) input row by row, in sequence, 3-10x
+  farther from float64 than Keras's layer; a channel's contiguous values it sums pairwise.
 
 Against float64 (``reference_call``) this layer is as close as Keras's or closer on a CPU
 (``tests/torch/test_fused_bn_precision.py``): torch computes the variance with Welford's
@@ -42,9 +41,8 @@ installed: ``keras_fixes`` decides that.
 the layer in float64. Keras's own layer cannot be: Keras 3.15.1 computes
 BatchNormalization in float32 even in a float64 model (``backend.result_type`` turns
 float64 into float32 on torch and JAX), so a "float64" Keras run shares Keras's float32
-BatchNorm arithmetic, and measured against it Keras's float32 layer looked closer than it
-is: the "4x farther" of this layer on a CPU and, at least in part, the "4-12x" on an H200
-(``benchmarks/results/torch-fused-bn-h200.md``).
+BatchNorm arithmetic, and measured against it Keras's float32 layer looks closer than it
+is.
 """
 
 import os

@@ -1,12 +1,12 @@
 """Keras's GRU and LSTM with a mask on torch's fused RNN kernel (cuDNN on CUDA), exact and
-without a host read (issue 31). ``fast_keras_fixes`` installs ``inner_loop_method`` in
+without a host read. ``fast_keras_fixes`` installs ``inner_loop_method`` in
 place of ``GRU.inner_loop`` / ``LSTM.inner_loop`` inside kmgpu's steps on CUDA.
 
 Keras 3.15.1's torch ``gru()`` / ``lstm()`` raise NotImplementedError whenever a mask is
 given, so a masked layer (``Embedding(mask_zero=True)`` before it) runs Keras's generic
 ``rnn()`` loop: one Python iteration per timestep, each gate a separate kernel, forward
-and backward (a bidirectional GRU 128 over 128 steps: 16.0k kernels per step on one H200,
-2.65x Keras-JAX's step). torch's packed sequences need the lengths on the host, which
+and backward (thousands of kernels per step for a bidirectional GRU over 128 steps).
+torch's packed sequences need the lengths on the host, which
 kmgpu's captured step cannot read. This module computes what the generic loop computes,
 for any mask (right- or left-padded, holes, fully masked rows), on the device:
 

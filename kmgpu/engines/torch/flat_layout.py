@@ -1,5 +1,5 @@
-"""The flat buffers of ``flat_optim`` (issue 31): one zero-padded tensor per dtype holding
-many variables, each an aligned view of it (split from ``flat_optim`` by role: the
+"""The flat buffers of ``flat_optim``: one zero-padded tensor per dtype holding
+many variables, each an aligned view of it (apart from ``flat_optim`` by role: the
 layout here, the update there). ``split_step``'s gradient buffers and ``zero``'s
 shards use the same layout (``offsets``)."""
 

@@ -1,4 +1,4 @@
-"""Keras's optimizer update over flat buffers (issue 31): one update for all variables.
+"""Keras's optimizer update over flat buffers: one update for all variables.
 
 Keras 3.15.1 on torch updates the trainable variables with ``torch._foreach_*`` ops over
 Python lists of per-variable tensors (``TorchParallelOptimizer``), after a per-variable

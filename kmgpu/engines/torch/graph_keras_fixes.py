@@ -50,11 +50,11 @@ PATCHES = [
      "device, then Keras's own code runs on the cropped images"),
     ("keras.src.layers.normalization.batch_normalization", "BatchNormalization.call",
      "swapped while kmgpu's step runs on a CUDA device (fused_batchnorm; "
-     "KMGPU_TORCH_FUSED_BN=0 keeps Keras's layer; on one H200 as close to a float64 layer "
-     "as Keras's or closer, benchmarks/results/torch-fused-bn-h200.md): Keras 3.15.1's "
-     "torch BatchNormalization is ~48 kernels per layer per training step (moments, "
-     "normalisation, moving averages and their backward: 55% of ResNet-50's GPU time, "
-     "benchmarks/results/torch-kernels-h200.md); fast_layers.batch_norm_call computes the "
+     "KMGPU_TORCH_FUSED_BN=0 keeps Keras's layer; as close to a float64 layer as Keras's or "
+     "closer, benchmarks/torch_bn_parity.py): Keras 3.15.1's torch BatchNormalization is "
+     "dozens of kernels per layer per training step (moments, normalisation, moving "
+     "averages and their backward: a large share of a BatchNorm-heavy network's GPU "
+     "time); fast_layers.batch_norm_call computes the "
      "same layer with torch's fused batch norm (Keras's own call for what it does not "
      "cover: masks, renorm, synchronized, kmgpu's global-batch moments)"),
     ("keras.src.random.seed_generator", "global_seed_generator",
@@ -404,11 +404,10 @@ _FUSED_BATCHNORM = _Swap(lambda: _swap_batchnorm(True), lambda: _swap_batchnorm(
 def fused_batchnorm(device):
     """Within the block, on a CUDA ``device``, Keras's ``BatchNormalization`` runs on
     torch's fused batch norm (``fast_layers``: torch's native kernel, one each way instead
-    of ~48 per layer; ResNet-50 64x64 8.3k -> 14.7k samples/s, EfficientNetB0 128x128
-    2.8k -> 5.1k on one H200), measured on that GPU as close to a float64 layer as Keras's
-    own or closer (benchmarks/torch_bn_parity.py; benchmarks/results/
-    torch-fused-bn-h200.md). ``KMGPU_TORCH_FUSED_BN=0`` keeps Keras's layer. Elsewhere
-    Keras's own call. Re-entrant."""
+    of dozens per layer: measurably faster on a GPU, see docs/backends.md), as close to a
+    float64 layer as Keras's own or closer (benchmarks/torch_bn_parity.py).
+    ``KMGPU_TORCH_FUSED_BN=0`` keeps Keras's layer. Elsewhere Keras's own call.
+    Re-entrant."""
     from kmgpu.engines.torch import fast_layers
 
     on = fast_layers.enabled()

@@ -1,8 +1,8 @@
 """The captured train step: kmgpu's default torch step on CUDA devices (``plan``).
 
-Keras 3.15.1's eager torch step is mostly host work (68-83 % of the step on an H200:
-``benchmarks/profiles/torch/RESULTS.md``), and Keras's own meaning of ``jit_compile=True`` on
-torch, ``torch.compile`` of the step, was measured 0.73x of eager. On CUDA devices
+Keras 3.15.1's eager torch step is mostly host work (launching kernels one by one, on a
+GPU most of the step), and Keras's own meaning of ``jit_compile=True`` on torch,
+``torch.compile`` of the step, runs measurably slower than eager on a GPU. On CUDA devices
 kmgpu runs each replica's step as CUDA graphs unless the model was compiled with
 ``run_eagerly=True``; ``jit_compile=True`` also asks for it on a CPU, where it runs
 eagerly. The step has three stages (``SplitStep``):
@@ -51,10 +51,6 @@ WARMUP_STEPS = 2
 MAX_GRAPHS = 2
 #: captures tried (each after a warm-up) before the step stays eager
 CAPTURE_TRIES = 2
-#: what describe() states as measured (benchmarks/profiles/torch/RESULTS.md, section 6; H200s)
-MEASURED = ("vs Keras's fit on one H200: 2.8x-15x on 13 keras.applications models at "
-            "128x128, LSTM 3.8x, transformer 1.1x (GPU-bound): "
-            "benchmarks/results/torch-default-h200.md")
 
 
 def available(device):
@@ -130,8 +126,8 @@ def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
     held = (f"; its graphs hold {graph_bytes / 2**20:.0f} MiB of GPU memory until close()"
             if graph_bytes else "; the graphs' memory is freed by close()")
     return (f"captured: {what} as CUDA graphs after {WARMUP_STEPS} warm-up steps, random "
-            f"layers included; other batch shapes eager; off with compile(run_eagerly=True) "
-            f"(measured {MEASURED}){held}")
+            f"layers included; other batch shapes eager; off with compile(run_eagerly=True)"
+            f"{held}")
 
 
 def _fill(static, batch):

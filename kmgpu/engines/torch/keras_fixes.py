@@ -59,8 +59,8 @@ PATCHES = [
      "which hooks a user's callback implements (the test Keras's CallbackList uses)"),
     ("keras.src.trainers.trainer", "Trainer.jit_compile",
      "read on a compiled model (graphs.plan): True asks kmgpu's torch engines for the "
-     "split step on a CPU too (Keras's meaning, torch.compile, measured 0.73x of eager: "
-     "benchmarks/profiles/torch/RESULTS.md); set False on the model that runs kmgpu's step, so Keras "
+     "split step on a CPU too (Keras's meaning, torch.compile of the step, runs measurably "
+     "slower than eager on a GPU); set False on the model that runs kmgpu's step, so Keras "
      "never wraps it in torch.compile"),
     ("keras.src.backend.torch.trainer", "TorchEpochIterator",
      "a tf.data.Dataset, generator or DataLoader read on the driver epoch by epoch "

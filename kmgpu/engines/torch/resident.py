@@ -1,14 +1,14 @@
-"""Arrays kept on the GPU for a call (split from ``data`` by role): a one-device fit,
+"""Arrays kept on the GPU for a call (apart from ``data`` by role): a one-device fit,
 evaluate or predict (``device_feed``, ``device_eval_feed``) and a rank's training arrays
 (``on_device``) read every batch from a copy on the device, not from the host.
 
 The copy runs beside the steps. A call's arrays cross to the GPU from pageable host
-memory at a few GB/s (385 MB of 224x224 images: 71 ms on one H200, ~7 ms per batch of
-64, before any step could start). ``DeviceArraySource`` copies them in row chunks of
+memory at a few GB/s: copied whole before the call, a large image array would hold back
+the first step by many batches' worth of steps. ``DeviceArraySource`` copies them in row chunks of
 about ``CHUNK_BYTES`` on a thread with its own CUDA stream, in order, and a batch waits
 only for the chunks that hold its rows (a shuffled batch, for all of them): the first
 step starts after the first chunk, and the rest of the copy overlaps the steps. Arrays
-of one chunk or less are copied before the call, as before.
+of one chunk or less are copied whole before the call.
 """
 
 import contextlib
