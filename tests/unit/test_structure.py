@@ -150,7 +150,7 @@ UPSTREAM = re.compile(r"(keras|jax|tensorflow|torch|pytorch|xla|numpy|[\w.-]+/[\
                       re.IGNORECASE)
 #: lines in files another change holds (kmgpu/engines/jax/engine.py's docstring): each one
 #: exact, so a new reference there fails too; rewrite them, then empty this
-KNOWN = {("kmgpu/engines/jax/engine.py", "issue 22"), ("kmgpu/engines/jax/engine.py", "issue 29")}
+KNOWN = set()
 
 
 def history_references(text):
@@ -179,7 +179,7 @@ def test_no_issue_numbers_or_dates_in_the_code():
 
 
 #: a cited test file that another change holds (kmgpu/engines/jax/keras_fixes.py's docstring)
-MISSING_CITED = {("kmgpu/engines/jax/keras_fixes.py", "tests/unit/test_keras_fixes.py")}
+MISSING_CITED = set()
 
 
 def test_every_test_file_the_code_cites_exists():

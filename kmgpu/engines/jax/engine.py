@@ -11,7 +11,8 @@ small all-reduce per layer that the step does not wait on). ``sync_batchnorm=Tru
 Keras's own layer under SPMD computes the moments over the sharded global batch,
 exactly as on one device, at the price of an all-reduce in the forward and one in
 the backward pass of every BatchNormalization, one after the other on the critical
-path (ResNet-50 at 64x64 on 2 GPUs ran at 0.58x of one GPU that way).
+path (a network with many BatchNormalizations can then run slower on several GPUs than
+on one).
 
 Keras 3 raises ``IndivisibleError`` for a batch whose size the device count does
 not divide. kmgpu places such a batch (the last partial one, or a batch smaller
@@ -21,11 +22,9 @@ With local BatchNorm such a batch normalises with the moments of the whole batch
 (every device holds all of it; still no collective).
 
 The train step is Keras's own jitted step, on one device (the user's own ``fit``) and
-on several. A step that passed the model state as a few flat arrays (``packed.py``,
-issue 22) was measured order-balanced and removed (issue 29): its compile made the first
-epoch 7 s longer on ResNet-50 64x64 on one H200 (9-35 s on CPU), and the step gained
-1.13-1.45x there (host-bound) and lost 3% on a BERT-style encoder
-(``benchmarks/results/jax-balanced-h200.md``).
+on several: a step that passes the model state as a few flat arrays gains on host-bound
+models but its extra compile lengthens the first epoch and it loses on others, so
+Keras's step is kept.
 """
 
 import contextlib

@@ -1,7 +1,7 @@
 """Keras internals the JAX engine uses or replaces, in one place.
 
 Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
-``tests/unit/test_keras_fixes.py`` checks every name still exists.
+``tests/unit/test_structure.py`` checks every name still exists.
 """
 
 import contextlib
