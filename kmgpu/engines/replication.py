@@ -300,11 +300,17 @@ def copy_state(src, dst, pairs=None, skip=None):
             d.assign(keras.ops.convert_to_numpy(s.value))
 
 
+def lr_variable(model):
+    """The variable ``model``'s optimizer holds its learning rate in (None: no optimizer,
+    or a schedule)."""
+    lr = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
+    return lr if isinstance(lr, keras.Variable) else None
+
+
 def copy_lr(src, dst):
     """Copy the learning rate ``src``'s optimizer holds in a variable to ``dst``'s."""
-    a = getattr(getattr(src, "optimizer", None), "_learning_rate", None)
-    b = getattr(getattr(dst, "optimizer", None), "_learning_rate", None)
-    if isinstance(a, keras.Variable) and isinstance(b, keras.Variable) and a is not b:
+    a, b = lr_variable(src), lr_variable(dst)
+    if a is not None and b is not None and a is not b:
         b.assign(keras.ops.convert_to_numpy(a.value))
 
 

@@ -24,10 +24,11 @@ import os
 import sys
 
 from kmgpu.engines import replication
+from kmgpu.engines.base import ON_BATCH
 from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, shuffle, transport
 from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.pool import WorkerPool, start_method
-from kmgpu.engines.torch.strategy import ON_BATCH, DDPStrategy
+from kmgpu.engines.torch.strategy import DDPStrategy
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
 MAX_POOLS = 2  # live pools kept; the least recently used beyond that is closed
@@ -395,13 +396,13 @@ class InProcessLauncher(Launcher):
         if not self._live:
             return False
         replication.copy_state(self.replica, template)
-        replicas.copy_lr(self.replica, template)
+        replication.copy_lr(self.replica, template)
         self._candidate = replicas.marks(template)
         return True
 
     def push_state(self, template):
         replication.copy_state(template, self.replica)
-        replicas.copy_lr(template, self.replica)
+        replication.copy_lr(template, self.replica)
 
     def end_call(self, failed, touched=False):
         self._live = False

@@ -123,11 +123,6 @@ def build(spec, world, lr_scale):
 
 
 # -- weights, optimizer state, learning rate as arrays ----------------------------------
-def _lr_variable(model):
-    lr = getattr(getattr(model, "optimizer", None), "_learning_rate", None)
-    return lr if isinstance(lr, keras.Variable) else None
-
-
 def state_of(model, with_optimizer):
     """``model``'s state as arrays, and their layout.
 
@@ -144,7 +139,7 @@ def state_of(model, with_optimizer):
         if not opt.built:
             opt.build(model.trainable_variables)
         n_opt = len(replication.optimizer_state(opt))
-        has_lr = _lr_variable(model) is not None
+        has_lr = replication.lr_variable(model) is not None
     n_weights = len(model.weights)  # what get_weights() returns
     arrays = model_arrays(model, StateLayout((), n_weights, n_opt, has_lr))
     return StateLayout(tuple((a.shape, a.dtype.str) for a in arrays), n_weights, n_opt,
@@ -153,11 +148,13 @@ def state_of(model, with_optimizer):
 
 def model_arrays(model, layout):
     """``model``'s weights (+ optimizer state and learning rate, as ``layout`` says)."""
-    return [np.asarray(v.numpy()) for v in state_variables(model, layout)]
+    return [np.asarray(v.numpy()) for v in transfer_variables(model, layout)]
 
 
-def state_variables(model, layout):
-    """The Keras variables whose values ``layout``'s arrays are, in its order."""
+def transfer_variables(model, layout):
+    """The Keras variables whose values ``layout``'s arrays are, in its order: the weights,
+    the optimizer state, the learning rate (what travels between the driver and a worker;
+    ``replication.state_variables`` are the stateful RNN rows, which travel apart)."""
     variables = list(model.weights)
     if layout.n_optimizer:
         variables += list(replication.optimizer_state(model.optimizer))
@@ -186,7 +183,7 @@ def write_state(state, slot, model, layout, seq=1, epoch=-1):
     """
     import torch
 
-    variables = state_variables(model, layout)
+    variables = transfer_variables(model, layout)
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
@@ -251,13 +248,6 @@ def load_arrays(model, arrays, layout):
                 _copy_in(v, a)
     if layout.has_lr and opt is not None:
         opt._learning_rate.assign(arrays[-1])
-
-
-def copy_lr(src, dst):
-    """Copy the learning rate ``src``'s optimizer holds in a variable to ``dst``'s."""
-    a, b = _lr_variable(src), _lr_variable(dst)
-    if a is not None and b is not None and a is not b:
-        b.assign(a.numpy())
 
 
 def marks(model):

@@ -26,13 +26,11 @@ import torch.distributed as dist
 
 from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
+from kmgpu.engines.base import ON_BATCH
 from kmgpu.engines.torch import collectives, data, keras_fixes, resident
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.rank_steps import RankSteps
 from kmgpu.engines.torch.relay import Abort, SyncCallback
-
-#: the methods that run one batch (as ``kmgpu.engines.base.ON_BATCH``)
-ON_BATCH = ("train_on_batch", "test_on_batch", "predict_on_batch")
 
 
 class DDPStrategy(RankSteps):

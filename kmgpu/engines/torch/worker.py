@@ -328,11 +328,12 @@ class _Snapshots:
         """True when the newest snapshot is ``model``'s state but for the learning rate
         (the driver's scaling callbacks set it again at train end): that one array is
         written and the snapshot relabelled ``epoch``."""
+        from kmgpu.engines import replication
         from kmgpu.engines.torch import replicas
 
         if self.marks is None:
             return False
-        lr = replicas._lr_variable(model)
+        lr = replication.lr_variable(model)
         lr = lr.value if lr is not None else None
         now = replicas.marks(model)
         if len(now) != len(self.marks):
