@@ -120,7 +120,8 @@ class InProcessEngine(Engine):
         return contextlib.nullcontext()
 
     def prepare_replica(self, replica, template):
-        """Hook: adjust a freshly cloned replica (sync BatchNorm, custom steps)."""
+        """Hook: adjust a freshly cloned replica before it is compiled (sync BatchNorm,
+        custom steps): ``replication.make_replica``'s ``prepare``."""
 
     def replica_batch(self, global_batch):
         """The batch a stateful replica model is built for (default: the global batch)."""
@@ -172,13 +173,10 @@ class InProcessEngine(Engine):
         key = (replication.identity(template), lr_scale)
         if self.replica is None or key != self._built_from:
             self.replica, self._built_from = None, None
-            with self.scope(), replication.host_random_kept():
-                fixed = replication.fixed_batch(template)
-                replica = replication.replica_of(
-                    template, None if fixed is None else self.replica_batch(fixed))
-                self.prepare_replica(replica, template)
-                if template.compiled:
-                    replication.compile_like(replica, template, lr_scale)
+            with self.scope():
+                replica = replication.make_replica(
+                    template, rows=self.replica_batch, lr_scale=lr_scale,
+                    prepare=lambda replica: self.prepare_replica(replica, template))
             self.replica, self._built_from = replica, key
         return self.replica
 

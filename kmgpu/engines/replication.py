@@ -1,5 +1,6 @@
-"""Replicas of the user's model: clone, compile settings, the identity that says when a
-replica still matches, and the weights, optimizer state and stateful RNN state rows copied
+"""Replicas of the user's model: the one factory every engine makes them with
+(``make_replica``), clone, compile settings, the identity that says when a replica still
+matches, and the weights, optimizer state, learning rate and stateful RNN state rows copied
 between the user's model and its replicas.
 
 Keras fixes a variable's placement when it is created, so an engine re-creates
@@ -149,20 +150,88 @@ def _clone_layer(layer, custom):
         return layer.__class__.from_config(config)
 
 
-def replica_of(template, rows=None):
-    """A replica of ``template`` (``clone``; ``clone_at`` ``rows`` for a stateful RNN
-    model's fixed batch): its layers that add a loss run on the global batch inside
-    kmgpu's steps (``global_losses.install``)."""
-    replica = clone(template) if rows is None else clone_at(template, rows)
-    global_losses.install(replica)
+# -- the one replica factory ------------------------------------------------------------
+class FromTemplate:
+    """The user's model as the source of a replica in this process.
+
+    A source is what ``make_replica`` reads: ``model(rows)`` an uncompiled copy (for a
+    stateful RNN model built for B rows, rebuilt for ``rows(B)``), ``compile_args()``
+    the compile() arguments with fresh optimizer and metric objects, ``compiled`` and
+    ``carried`` (``carried``). A pool worker's source is the template sent as data
+    (``engines.torch.replicas.FromSpec``).
+    """
+
+    def __init__(self, template):
+        self.template = template
+        self.compiled = template.compiled
+        self._carried = None
+
+    @property
+    def carried(self):
+        if self._carried is None:
+            self._carried = carried(self.template)
+        return self._carried
+
+    def model(self, rows):
+        """``clone``, or ``clone_at`` ``rows(B)`` for a stateful RNN model built for B."""
+        fixed = fixed_batch(self.template)
+        return clone(self.template) if fixed is None else clone_at(self.template, rows(fixed))
+
+    def compile_args(self):
+        return compile_args(self.template)
+
+
+def make_replica(source, rows=None, lr_scale=(1.0, 0), prepare=None, finish=None,
+                 keep_host_random=True):
+    """A replica, the one way every engine makes one: TensorFlow's and JAX's in this
+    process, a torch rank's under torchrun, a torch pool worker's.
+
+    The uncompiled copy comes from ``source``; its layers that add a loss run on the
+    global batch inside kmgpu's steps (``global_losses.install``); ``prepare`` adjusts
+    it; it is compiled as the template is (``compile_like``, the learning rate scaled
+    as ``lr_scale`` says); ``finish`` turns it into the engine's replica.
+
+    Args:
+        source: the user's model (the template), or a source made from it elsewhere
+            (``FromTemplate`` says what a source holds).
+        rows: for a stateful RNN model built for the global batch B, the rows this
+            replica keeps, as a function of B (None: all B).
+        lr_scale: (factor, warmup_steps) for a LearningRateSchedule (``scale_schedule``).
+        prepare: the engine's hook on the uncompiled replica (per-replica or synchronised
+            BatchNorm, its own steps); returns nothing.
+        finish: the engine's hook on the compiled replica; returns the replica.
+        keep_host_random: make it inside ``host_random_kept`` (the user's process: a
+            seeded script's draws stay as they were; a pool worker's are its own).
+
+    Returns:
+        The replica (its weights come next, copied from the template).
+    """
+    if isinstance(source, keras.Model):
+        source = FromTemplate(source)
+    with host_random_kept() if keep_host_random else contextlib.nullcontext():
+        replica = source.model(rows or (lambda batch: batch))
+        global_losses.install(replica)
+        if prepare is not None:
+            prepare(replica)
+        if source.compiled:
+            compile_like(replica, source, lr_scale)
+        if finish is not None:
+            replica = finish(replica)
     return replica
 
 
-def compile_like(replica, template, lr_scale=(1.0, 0)):
-    """Compile ``replica`` as ``template`` is compiled (``compile_args``), its optimizer
-    with the template's settings outside the config (``carried``)."""
-    replica.compile(**compile_args(template, lr_scale))
-    load_carried(replica, carried(template), compiled=True)
+def compile_like(replica, source, lr_scale=(1.0, 0)):
+    """Compile ``replica`` as the template is compiled (``compile_args``), its optimizer's
+    LearningRateSchedule scaled as ``lr_scale`` says (``scale_schedule``) and with the
+    template's settings outside the config (``carried``).
+
+    Args:
+        source: the template, or a source made from it (``FromTemplate``).
+    """
+    if isinstance(source, keras.Model):
+        source = FromTemplate(source)
+    replica.compile(**scale_schedule(source.compile_args(), lr_scale))
+    load_carried(replica, source.carried, compiled=True)
 
 
 def custom_objects(template):
@@ -227,15 +296,14 @@ def custom_objects(template):
     return custom
 
 
-def compile_args(template, lr_scale=(1.0, 0)):
+def compile_args(template):
     """The template's compile() arguments, with fresh optimizer and metric objects.
 
     An optimizer or metric instance belongs to one model, so the replica gets new ones
     (``user_objects.compile_recipe``); losses are the user's own objects.
     """
     with keras.saving.custom_object_scope(custom_objects(template)):
-        args = user_objects.compile_args(user_objects.compile_recipe(template))
-    return scale_schedule(args, lr_scale)
+        return user_objects.compile_args(user_objects.compile_recipe(template))
 
 
 def scale_schedule(args, lr_scale):

@@ -334,15 +334,15 @@ class InProcessLauncher(Launcher):
 
     def _replica_for(self, call, template):
         if self.replica is None or call.key != self._built_key:
-            with replication.host_random_kept():
-                fixed = replication.fixed_batch(template)
-                replica = replication.replica_of(
-                    template, None if fixed is None else fixed // self.strategy.world)
-                if template.compiled:
-                    replication.compile_like(replica, template, call.lr_scale)
+            def finish(replica):  # the compiled replica becomes this rank's
                 self.strategy.tf32 = call.tf32
                 self.strategy.shard_optimizer = call.shard_optimizer
-                self.replica, self._built_key = self.strategy.prepare(replica), call.key
+                return self.strategy.prepare(replica)
+
+            replica = replication.make_replica(
+                template, rows=lambda batch: batch // self.strategy.world,
+                lr_scale=call.lr_scale, finish=finish)
+            self.replica, self._built_key = replica, call.key
         return self.replica
 
     def launch(self, call, template, driver, clock):

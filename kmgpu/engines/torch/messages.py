@@ -21,7 +21,7 @@ END_MARK = b"\x1e\x1fkmgpu-call-end\x1f\x1e"
 # -- what describes a model and its state ---------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model as config, for a worker to re-create it (``replicas.build``).
+    """A model as config, for a worker to re-create it (``replicas.FromSpec``).
 
     ``objects`` is the pickled {"custom": {name: class or function} the config needs,
     "compile": the compile recipe or None}, or None when they could not be pickled:

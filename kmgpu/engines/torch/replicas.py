@@ -4,8 +4,9 @@
 replica lives in another process, so here the same things become data:
 
 - ``replica_key``: whether a rank's cached replica still matches the template;
-- ``model_spec`` / ``build``: the model as config (+ compile config, custom
-  objects) on the driver, a replica made from it in a worker;
+- ``model_spec`` / ``FromSpec``: the model as config (+ compile config, custom
+  objects) on the driver, the source a worker's replica is made from
+  (``replication.make_replica``, as every engine's);
 - ``state_of`` / ``model_arrays`` / ``load_arrays``: weights, optimizer state and
   learning rate as one flat list of arrays (the ``transport.StateFile``'s slots);
 - ``states_of`` / ``states_back``: stateful RNN rows, all B in the template, B/N
@@ -18,8 +19,7 @@ import pickle
 import keras
 import numpy as np
 
-from kmgpu.engines import replication
-from kmgpu.engines import global_losses, user_objects
+from kmgpu.engines import replication, user_objects
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.messages import ModelSpec, StateLayout
 
@@ -91,35 +91,39 @@ def unpicklable(objects):
     return names
 
 
-def build(spec, world, lr_scale):
-    """In a worker: a compiled replica from a ModelSpec, with this rank's B/N state rows.
+class FromSpec:
+    """In a worker: a ModelSpec as the source ``replication.make_replica`` makes this
+    rank's replica from (``replication.FromTemplate`` says what a source holds).
 
     Args:
-        spec: the ModelSpec.
-        world: the number of ranks (a stateful model is built for B/N rows).
-        lr_scale: (factor, warmup_steps) for a LearningRateSchedule.
-
-    Returns:
-        The replica (its weights come next, from the state file).
+        spec: the ModelSpec (``model_spec``).
     """
-    if spec.objects is not None:
-        objects = pickle.loads(spec.objects)
-    else:  # they could not be pickled: this worker was forked after they existed
-        objects = transport.INHERITED["objects"]
-    with keras.saving.custom_object_scope(objects["custom"]):
-        replica = keras.saving.deserialize_keras_object(spec.config)
-        if not replica.built and spec.build_config:
-            replica.build_from_config(spec.build_config)
-        replication.load_carried(replica, spec.carried)
-        fixed = replication.fixed_batch(replica)
-        if fixed is not None:  # this rank's B/N state rows
-            replica = replication.clone_at(replica, fixed // world)
-        global_losses.install(replica)  # layers adding losses: on the global batch
-        if objects["compile"] is not None:
-            args = user_objects.compile_args(objects["compile"])
-            replica.compile(**replication.scale_schedule(args, lr_scale))
-            replication.load_carried(replica, spec.carried, compiled=True)
-    return replica
+
+    def __init__(self, spec):
+        self.spec, self.carried = spec, spec.carried
+        if spec.objects is not None:
+            self.objects = pickle.loads(spec.objects)
+        else:  # they could not be pickled: this worker was forked after they existed
+            self.objects = transport.INHERITED["objects"]
+        self.compiled = self.objects["compile"] is not None
+
+    def model(self, rows):
+        """The model from its config, uncompiled; for a stateful RNN model built for B
+        rows, rebuilt for ``rows(B)``, this rank's."""
+        spec = self.spec
+        with keras.saving.custom_object_scope(self.objects["custom"]):
+            replica = keras.saving.deserialize_keras_object(spec.config)
+            if not replica.built and spec.build_config:
+                replica.build_from_config(spec.build_config)
+            replication.load_carried(replica, spec.carried)
+            fixed = replication.fixed_batch(replica)
+            if fixed is not None:
+                replica = replication.clone_at(replica, rows(fixed))
+        return replica
+
+    def compile_args(self):
+        with keras.saving.custom_object_scope(self.objects["custom"]):
+            return user_objects.compile_args(self.objects["compile"])
 
 
 # -- weights, optimizer state, learning rate as arrays ----------------------------------

@@ -219,6 +219,7 @@ class Worker:
         return reply
 
     def _replica(self, call):
+        from kmgpu.engines import replication
         from kmgpu.engines.torch import replicas
 
         if call.key == self.key and self.replica is not None:
@@ -228,8 +229,10 @@ class Worker:
         self.replica, self.key = None, None
         self.strategy.sync_batchnorm, self.strategy.tf32 = call.sync_batchnorm, call.tf32
         self.strategy.shard_optimizer = call.shard_optimizer
-        replica = replicas.build(call.model, self.world, call.lr_scale)
-        self.strategy.prepare(replica)
+        # this process's random generators are its own: nothing to keep
+        replica = replication.make_replica(
+            replicas.FromSpec(call.model), rows=lambda batch: batch // self.world,
+            lr_scale=call.lr_scale, finish=self.strategy.prepare, keep_host_random=False)
         self.replica, self.key = replica, call.key
         return replica
 
