@@ -7,6 +7,25 @@ import numpy as np
 from kmgpu.bench.common import without_tensorflow  # noqa: F401
 
 
+def batch_logs():
+    """A Keras callback keeping the logs of every train and test batch end, in order (what a
+    LossHistory or TensorBoard with update_freq="batch" records): ``.train``, ``.test``."""
+    import keras
+
+    class BatchLogs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.train, self.test = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.train.append(dict(logs))
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.test.append(dict(logs))
+
+    return BatchLogs()
+
+
 def rel_diff(a_weights, b_weights):
     """Largest relative difference between two weight lists: per tensor max|a-b| / max|a|.
 

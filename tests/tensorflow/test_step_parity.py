@@ -11,23 +11,9 @@ import keras
 import numpy as np
 
 import kmgpu
-from tests.helpers import data, few_steps, mlp, rel_diff
+from tests.helpers import batch_logs, data, few_steps, mlp, rel_diff
 
 ROWS, BATCH = 45, 12
-
-
-class BatchLogs(keras.callbacks.Callback):
-    """The logs of every train and test batch, in order (a LossHistory)."""
-
-    def __init__(self):
-        super().__init__()
-        self.train, self.test = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.train.append(dict(logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.test.append(dict(logs))
 
 
 def _curves(logs):
@@ -43,7 +29,7 @@ def test_every_batch_logs_equal_one_device():
         model = mlp(seed=2)
         runner = model if name == "plain" else kmgpu.parallelize(model, gpus=4)
         runner.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-        logs = BatchLogs()
+        logs = batch_logs()
         with few_steps() if name == "kmgpu" else contextlib.nullcontext():
             history = runner.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                                  verbose=0, callbacks=[logs])

@@ -22,30 +22,14 @@ Three fits per side serve every test: a DataLoader fit, a generator-validation f
 a fit on a DataLoader without its own generator (per_replica).
 """
 
-import keras
 import numpy as np
 import pytest
 import torch
 
 import kmgpu
-from tests.helpers import data, few_steps, mlp, rel_diff
+from tests.helpers import batch_logs, data, few_steps, mlp, rel_diff
 
 TOL = 1e-5
-
-
-class BatchLogs(keras.callbacks.Callback):
-    """Every batch end's logs (what a LossHistory or TensorBoard with
-    update_freq="batch" records)."""
-
-    def __init__(self):
-        super().__init__()
-        self.train, self.test = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.train.append(dict(logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.test.append(dict(logs))
 
 
 def _loader(x, y):
@@ -68,7 +52,7 @@ def _fit(parallel, kind):
     model = mlp()
     target = kmgpu.parallelize(model, gpus=4) if parallel else model
     target.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    logs = BatchLogs()
+    logs = batch_logs()
     if kind == "loader":
         vx, vy = data("mlp", 40, seed=5)  # Keras's batch 32: 32 + 8 rows
         args = dict(x=_loader(x, y), validation_data=(vx, vy))
@@ -98,7 +82,7 @@ def _global_generator_fit(parallel):
     if parallel:
         target = kmgpu.parallelize(model, gpus=4, batch="per_replica", scale_lr=False)
     target.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    logs = BatchLogs()
+    logs = batch_logs()
     args = dict(validation_data=(vx, vy), validation_freq=2, epochs=4, verbose=0,
                 callbacks=[logs])
     torch.manual_seed(0)
