@@ -4,8 +4,8 @@
 replica lives in another process, so here the same things become data:
 
 - ``replica_key``: whether a rank's cached replica still matches the template;
-- ``model_spec`` / ``FromSpec``: the model as config (+ compile config, custom
-  objects) on the driver, the source a worker's replica is made from
+- ``model_spec`` / ``FromSpec``: the model as config (with the user's lambdas), its
+  compile recipe and custom objects pickled by value, on the driver; the source a worker's replica is made from
   (``replication.make_replica``, as every engine's);
 - ``state_of`` / ``model_arrays`` / ``load_arrays``: weights, optimizer state and
   learning rate as one flat list of arrays (the ``transport.StateFile``'s slots);
