@@ -51,7 +51,7 @@ def test_one_device_flat_update_equals_kerass_apply():
     split = parallel._engine._step.split
     assert split.flat is not None and "flat AdamW" in split.optimizer_path
     # the gradient the update reads is the step's flat buffer itself: no copy
-    assert split._flat_grads[0].data_ptr() == split.flats[0].data_ptr()
+    assert split.grads[0].data_ptr() == split.flats[0].data_ptr()
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert rel_diff(_optimizer_state(ref), _optimizer_state(model)) <= TOL
     assert "flat update" in parallel.describe()

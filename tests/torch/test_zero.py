@@ -162,19 +162,20 @@ def test_each_rank_holds_one_nth_of_the_state():
         slots = [v for v in opt.variables if v.path.endswith(("momentum", "velocity"))]
         assert slots and all(v.value.numel() == 0 for v in slots)  # no whole copy
         per, whole = shards.state_bytes()
-        group = shards.flat.groups[0]
-        assert per == whole // world == 2 * group.numel // world * 4
+        numel = shards.flat.params[0].numel()
+        assert per == whole // world == 2 * numel // world * 4
         padded = flat_layout.offsets([v.value for v in model.trainable_weights], world)[1]
-        assert group.numel == padded and whole == 2 * padded * 4  # 256-byte alignment
-        flats = [torch.zeros(group.numel)]
+        assert numel == padded and whole == 2 * padded * 4  # 256-byte alignment
+        flats = [torch.zeros(numel)]
         for view, g in zip(shards.flat.grad_views(flats), grads):
             view.copy_(g)
-        lo, hi = shards.parts[0]
+        piece = shards.flat.pieces[0]
+        lo, hi = piece.lo, piece.hi
         shards.grad_flats, shards.grad_pieces = flats, [flats[0][lo:hi]]
         shards.update()
-        pieces.append(group.params[lo:hi].clone())
-    together = torch.cat(pieces)[:ref.groups[0].numel]
-    assert torch.allclose(together, ref.groups[0].params, rtol=1e-6, atol=0)
+        pieces.append(piece.params.clone())
+    together = torch.cat(pieces)[:ref.params[0].numel()]
+    assert torch.allclose(together, ref.params[0], rtol=1e-6, atol=0)
 
 
 def test_train_on_batch_gathers_the_state_back():

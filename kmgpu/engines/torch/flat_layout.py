@@ -1,7 +1,14 @@
-"""The flat buffers of ``flat_optim``: one zero-padded tensor per dtype holding
-many variables, each an aligned view of it (apart from ``flat_optim`` by role: the
-layout here, the update there). ``split_step``'s gradient buffers and ``zero``'s
-shards use the same layout (``offsets``)."""
+"""The one flat-buffer container of the torch step: tensors laid out in one zero-padded
+buffer per dtype, each an aligned view of it.
+
+The weights and the optimizer's slots (``flat_optim``: the tensors become the views), the
+split step's gradients with the averaged statistics after them (``split_step``: new
+buffers) and ZeRO's pieces (``zero``) all use this layout, so a gradient buffer lines up
+with the weights element for element and a rank's piece is one slice of each.
+
+``generation`` is the one stale-graph signal: it counts the buffers made, so a CUDA graph
+recorded when it had another value may read or write memory no longer in use.
+"""
 
 import torch
 
@@ -9,6 +16,11 @@ import torch
 #: 0): the CUDA allocator gives every tensor 512-byte alignment and some kernels (cuDNN,
 #: depthwise convolutions, vectorised loads) fault on views that lack it
 ALIGN_BYTES = 256
+
+#: how many ``Buffers`` were made in this process: tensors moved into new memory (the
+#: weights, the optimizer's slots) or new gradient buffers; a graph recorded before
+#: another one was made is stale (``eval_steps`` and the train step drop theirs)
+generation = 0
 
 
 def offsets(tensors, multiple=1):
@@ -23,47 +35,92 @@ def offsets(tensors, multiple=1):
     return out, -(-n // whole) * whole
 
 
-#: how many times ``flatten`` moved tensors into a new buffer: a CUDA graph recorded
-#: before reads their old memory (``eval_steps`` drops its graphs when this changes)
-generation = 0
+class Buffers:
+    """Tensors laid out in one zero-padded flat buffer per dtype (dtypes in order of first
+    appearance), each tensor a view starting ``ALIGN_BYTES``-aligned into its buffer.
 
+    Each buffer has a head, its first ``lead`` tensors padded to ``multiple`` equal
+    aligned pieces (the gradients, cut into one piece per rank by ZeRO), and a tail, the
+    other tensors (the statistics the step averages); without ``lead`` every tensor is in
+    the head.
 
-def flatten(tensors, multiple=1):
-    """Make ``tensors`` (torch Parameters of one dtype and device) views of one new
-    zero-padded buffer holding their values, each at an ``ALIGN_BYTES`` offset
-    (``param.data = view``: the Parameter objects, hence Keras's variables and autograd,
-    stay the same). Returns the buffer."""
-    global generation
-    generation += 1
-    where, n = offsets(tensors, multiple)
-    flat = torch.zeros(n, dtype=tensors[0].dtype, device=tensors[0].device)
-    with torch.no_grad():
-        for t, o in zip(tensors, where):
-            view = flat[o:o + t.numel()].view(t.shape)
-            view.copy_(t)
-            t.data = view
-    return flat
+    Args:
+        tensors: the tensors, on one device.
+        multiple: the head's length is a multiple of this many aligned pieces.
+        lead: how many leading tensors form the heads (None: all).
+        adopt: the tensors (torch Parameters) become the views, holding their values
+            (``param.data = view``: the Parameter objects, hence Keras's variables and
+            autograd, stay the same); else new buffers of zeros.
 
+    Attributes:
+        flats: the buffers; ``heads`` / ``tails``: their two parts (views).
+        views: each tensor's view (with ``adopt``, the tensor itself).
+        members: per buffer, the indices of its tensors, in order.
+        start: each tensor's offset in its buffer.
+    """
 
-class Group:
-    """The variables of one dtype: their flat buffer, their slots' flat buffers."""
+    def __init__(self, tensors, multiple=1, lead=None, adopt=False):
+        global generation
+        generation += 1
+        tensors = list(tensors)
+        lead = len(tensors) if lead is None else lead
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        self.shapes = [t.shape for t in tensors]
+        self.views, self.start = [None] * len(tensors), [0] * len(tensors)
+        self.flats, self.heads, self.tails, self.members = [], [], [], []
+        for members in by_dtype.values():
+            head = [tensors[i] for i in members if i < lead]
+            tail = [tensors[i] for i in members if i >= lead]
+            where, n = offsets(head, multiple) if head else ([], 0)
+            after, m = offsets(tail) if tail else ([], 0)
+            first = tensors[members[0]]
+            flat = torch.zeros(n + m, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                for i, o in zip(members, where + [n + o for o in after]):
+                    t = tensors[i]
+                    view = flat[o:o + t.numel()].view(t.shape)
+                    if adopt:
+                        view.copy_(t)
+                        t.data = view
+                    self.views[i], self.start[i] = t if adopt else view, o
+            self.flats.append(flat)
+            self.heads.append(flat[:n])
+            self.tails.append(flat[n:])
+            self.members.append(members)
 
-    def __init__(self, variables, slots, decayed, multiple=1):
-        self.variables = variables
-        self.offsets, self.numel = offsets([v.value for v in variables], multiple)
-        self.params = flatten([v.value for v in variables], multiple)
-        self.views = [v.value for v in variables]
-        self.slots = {name: flatten([s.value for s in svars], multiple)
-                      for name, svars in slots.items()}
-        # weight decay: None (no decay), True (every variable), or the views it applies to
-        self.decayed = (None if not any(decayed) else True if all(decayed)
-                        else [w for w, d in zip(self.views, decayed) if d])
-        self.constrained = [(v, w) for v, w in zip(variables, self.views)
-                            if v.constraint is not None]
-        # each variable's span (its elements and the padding after): clipnorm's expansion
-        spans = [b - a for a, b in zip(self.offsets, self.offsets[1:] + [self.numel])]
-        self.spans = torch.tensor(spans, device=self.params.device)
+    def split(self, k, flat):
+        """Views of ``flat``, a buffer laid out as buffer ``k``: one per tensor of it."""
+        return [flat[self.start[i]:self.start[i] + self.shapes[i].numel()].view(self.shapes[i])
+                for i in self.members[k]]
 
-    def split(self, flat):
-        return [flat[o:o + v.value.numel()].view(v.value.shape)
-                for v, o in zip(self.variables, self.offsets)]
+    def like(self, flats):
+        """Views of ``flats``, buffers laid out as these: one per tensor, in their order."""
+        out = [None] * len(self.views)
+        for k, flat in enumerate(flats):
+            for i, view in zip(self.members[k], self.split(k, flat)):
+                out[i] = view
+        return out
+
+    def overlaps(self, k, lo, hi):
+        """(tensor index, a, b) for buffer ``k``'s tensors with elements in ``lo:hi``:
+        those elements are ``a:b`` (buffer coordinates)."""
+        out = []
+        for i in self.members[k]:
+            a = max(self.start[i], lo)
+            b = min(self.start[i] + self.shapes[i].numel(), hi)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+    def spans(self, k, lo=0, hi=None):
+        """Each of buffer ``k``'s tensors' span (its elements and the padding after it)
+        inside ``lo:hi``, as a device tensor (summing to ``hi - lo``): what expands one
+        number per tensor over the elements (``repeat_interleave``)."""
+        flat = self.flats[k]
+        hi = flat.numel() if hi is None else hi
+        starts = [self.start[i] for i in self.members[k]]
+        ends = starts[1:] + [flat.numel()]
+        spans = [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts, ends)]
+        return torch.tensor(spans, device=flat.device)

@@ -3,17 +3,22 @@
 Keras 3.15.1 on torch updates the trainable variables with ``torch._foreach_*`` ops over
 Python lists of per-variable tensors (``TorchParallelOptimizer``), after a per-variable
 Python loop for the weight decay, the clipping, EMA and the constraints. ``FlatOptimizer``
-does the same arithmetic on ONE contiguous tensor per dtype: the trainable variables (their
-torch Parameters become views of it: ``param.data = view``, so Keras, autograd and
-save/load see the same memory), the gradient laid out the same way, and every slot variable
-of the Keras optimizer (also made views of a flat buffer, so ``optimizer.variables``,
-``save``/``load`` stay right without copies). Each variable starts ``ALIGN_BYTES`` into
-its buffer (zero padding between: every update leaves it 0), so a gradient buffer must
-have the same layout: ``new_grads()`` / ``grad_views()``. The optimizer's own ``iterations`` (and
-Nadam's ``u_product``) are used in place on the device, and the learning rate is read from
+does the same arithmetic on ONE contiguous tensor per dtype (``flat_layout.Buffers``): the
+trainable variables (their torch Parameters become views of it: ``param.data = view``, so
+Keras, autograd and save/load see the same memory), the gradient laid out the same way,
+and every slot variable of the Keras optimizer (also made views of a flat buffer, so
+``optimizer.variables``, ``save``/``load`` stay right without copies). Each variable
+starts ``ALIGN_BYTES`` into its buffer (zero padding between: every update leaves it 0),
+so a gradient buffer must have the same layout: ``new_grads()`` / ``grad_views()``.
+
+The update is elementwise, so it runs on a piece of the buffers (``Piece``): unsharded the
+whole buffers (views, no copy: ``step``), under ``shard_optimizer`` (``zero``) this rank's
+piece after a reduce-scatter, the weights all-gathered after it. Each optimizer's own
+arithmetic is in ``flat_updates``. The optimizer's own ``iterations`` (and Nadam's
+``u_product``) are used in place on the device, and the learning rate is read from
 ``optimizer.learning_rate`` each step (a variable, or the schedule called on the
-iteration tensor): nothing is read back to the host, so ``step`` can be captured in a CUDA
-graph (a schedule that branches on the host, e.g. ``ops.cond``, still cannot).
+iteration tensor): nothing is read back to the host, so ``update`` can be captured in a
+CUDA graph (a schedule that branches on the host, e.g. ``ops.cond``, still cannot).
 
 Covered (``supported``): SGD (momentum, Nesterov), Adam (amsgrad), AdamW, RMSprop
 (momentum, centered), Adagrad, Lion, Nadam, Adamax, exactly as Keras's torch classes
@@ -34,7 +39,7 @@ import os
 import keras
 import torch
 
-from kmgpu.engines.torch.flat_layout import Group
+from kmgpu.engines.torch import flat_layout, flat_updates
 
 COVERED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Adamax")
 #: (slot, the Keras optimizer's attribute holding one variable per trainable variable, when)
@@ -102,28 +107,6 @@ def supported(optimizer, variables=None):
     return True, None
 
 
-def loss_scaled_step(lso, inner, checked, state, update):
-    """``update(scale)`` (the inner optimizer's step on the gradients divided by
-    ``scale``) as Keras's LossScaleOptimizer applies it, with no host branch: the step
-    kept only where every tensor of ``checked`` (the scaled gradients) is finite, by one
-    select per tensor of ``state`` (the parameters and slots it writes; the iteration
-    count and Nadam's ``u_product`` are added here); the scale doubled after
-    ``dynamic_growth_steps`` finite steps, halved after one that is not."""
-    scale = lso.dynamic_scale.value
-    finite = torch.stack([torch.isfinite(g).all() for g in checked]).all()
-    state = list(state) + [inner.iterations.value]
-    if kind(inner) == "Nadam":
-        state.append(inner._u_product.value)
-    before = [t.clone() for t in state]
-    update(scale)
-    for t, old in zip(state, before):
-        t.copy_(torch.where(finite, t, old))
-    counter = lso.step_counter.value
-    grow = counter == lso.dynamic_growth_steps - 1
-    scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
-    counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
-
-
 def enabled():
     """False when ``KMGPU_TORCH_FLAT_OPTIMIZER=0`` asks for Keras's own update (to measure)."""
     return os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") != "0"
@@ -140,10 +123,36 @@ def optimizer_words(model):
     return "kmgpu's flat update, one buffer per dtype" if ok else why
 
 
-class FlatOptimizer:
-    """``optimizer.apply(grads, variables)`` as flat-buffer ops (see the module)."""
+class Piece:
+    """Elements ``lo:hi`` of one dtype's flat buffers: what one update writes.
 
-    def __init__(self, optimizer, variables, multiple=1):
+    Attributes:
+        params: the weights' elements (a view of the flat weights).
+        slots: slot name -> the optimizer state of those elements (views of the whole
+            state buffers; ZeRO: this rank's own tensors).
+        decayed: weight decay: None (none), True (every element), or views of the
+            decayed variables' elements.
+        spans: each variable's span in the piece (clipnorm's expansion, a device tensor).
+    """
+
+    def __init__(self, lo, hi, params, slots, decayed, spans):
+        self.lo, self.hi, self.params, self.slots = lo, hi, params, slots
+        self.decayed, self.spans = decayed, spans
+
+
+class FlatOptimizer:
+    """``optimizer.apply(grads, variables)`` as flat-buffer ops (see the module), on this
+    rank's piece of the buffers: ``world`` 1, the whole buffers (views, no copy); ZeRO
+    (``zero``), piece ``rank`` of ``world`` equal pieces, its optimizer state a tensor of
+    its own (zeros here: ``zero.Shards`` fills it from the Keras slot variables).
+
+    Attributes:
+        weights: the ``flat_layout.Buffers`` the variables are views of.
+        pieces: the ``Piece`` this update writes, per weights buffer.
+        keras_slots: slot name -> the Keras slot variable of each variable.
+    """
+
+    def __init__(self, optimizer, variables, rank=0, world=1):
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
@@ -161,21 +170,28 @@ class FlatOptimizer:
         wanted = [s for s in SLOTS[self.kind] if s[2] is None or s[2](optimizer)]
         if EMA[2](optimizer):
             wanted.append(EMA)
-        by_dtype = {}
-        for v in variables:
-            by_dtype.setdefault(v.value.dtype, []).append(v)
-        self.groups = []
-        for vs in by_dtype.values():
-            slots = {name: [getattr(optimizer, attr)[index(v)] for v in vs]
-                     for name, attr, _ in wanted}
-            decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
-                       for v in vs]
-            self.groups.append(Group(vs, slots, decayed, multiple))
-        self.variables = [v for g in self.groups for v in g.variables]
+        self.variables = variables
+        self.keras_slots = {name: [getattr(optimizer, attr)[index(v)] for v in variables]
+                            for name, attr, _ in wanted}
+        self.weights = flat_layout.Buffers([v.value for v in variables], world, adopt=True)
+        # the slots laid out as the weights (Keras makes each with its variable's dtype);
+        # ZeRO keeps only this rank's piece of them
+        self.state = None if world > 1 else {
+            name: flat_layout.Buffers([s.value for s in slots], adopt=True)
+            for name, slots in self.keras_slots.items()}
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
         self.device = variables[0].value.device
         self.iterations = optimizer.iterations.value  # updated in place, on the device
         self._consts = {}
+        decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
+                   for v in variables]
+        self.pieces = [self._piece(k, rank, world, decayed)
+                       for k in range(len(self.weights.flats))]
+        self.constrained = [(v, w) for v, w in zip(variables, self.weights.views)
+                            if v.constraint is not None]
+        # under a LossScaleOptimizer: whether the last step was kept (the constraints)
+        self.finite = (torch.ones((), dtype=torch.bool, device=self.device)
+                       if self.scaler is not None and self.constrained else None)
 
     @classmethod
     def from_keras(cls, optimizer, variables):
@@ -183,15 +199,31 @@ class FlatOptimizer:
         needed; the variables and the slots become views of flat buffers)."""
         return cls(optimizer, variables)
 
+    def _piece(self, k, rank, world, decayed):
+        w = self.weights
+        size = w.flats[k].numel() // world
+        lo, hi = rank * size, (rank + 1) * size
+        params = w.flats[k][lo:hi]
+        if self.state is None:
+            slots = {name: params.new_zeros(hi - lo) for name in self.keras_slots}
+        else:
+            slots = {name: b.flats[k][lo:hi] for name, b in self.state.items()}
+        flags = [decayed[i] for i in w.members[k]]
+        if not any(flags) or all(flags):
+            decay = True if any(flags) else None
+        else:
+            decay = [params[a - lo:b - lo] for i, a, b in w.overlaps(k, lo, hi) if decayed[i]]
+        return Piece(lo, hi, params, slots, decay, w.spans(k, lo, hi))
+
     # -- the layout -------------------------------------------------------------------
     @property
     def params(self):
-        """The flat parameter buffers, one per dtype (the order of ``groups``)."""
-        return [g.params for g in self.groups]
+        """The flat parameter buffers, one per dtype."""
+        return self.weights.flats
 
     def new_grads(self):
         """Zeroed flat gradient buffers laid out like ``params``."""
-        return [torch.zeros_like(g.params) for g in self.groups]
+        return [torch.zeros_like(f) for f in self.weights.flats]
 
     def flatten_grads(self, grads):
         """Per-variable gradients (the order of ``variables``) as new flat buffers."""
@@ -203,7 +235,7 @@ class FlatOptimizer:
 
     def grad_views(self, flats):
         """Per-variable views (the order of ``variables``) of flat gradient buffers."""
-        return [w for g, f in zip(self.groups, flats) for w in g.split(f)]
+        return self.weights.like(flats)
 
     # -- the update -------------------------------------------------------------------
     def _scalar(self, x):
@@ -222,59 +254,94 @@ class FlatOptimizer:
 
     @torch.no_grad()
     def step(self, flat_grads):
-        """One ``optimizer.apply``: ``flat_grads`` are per dtype (the order of
-        ``params``); they are not modified. Then ``iterations`` += 1 (under a
-        LossScaleOptimizer: where every gradient is finite)."""
+        """One ``optimizer.apply`` on the whole buffers (``world`` 1): ``flat_grads`` are
+        per dtype (the order of ``params``); they are not modified."""
         if torch.is_tensor(flat_grads):
             flat_grads = [flat_grads]
-        if self.scaler is None:
-            return self._step(list(flat_grads))
-        state = ([g.params for g in self.groups]
-                 + [s for g in self.groups for s in g.slots.values()])
-        loss_scaled_step(self.scaler, self.optimizer, flat_grads, state,
-                         lambda scale: self._step([g / scale for g in flat_grads]))
+        self.update(list(flat_grads))
+        self.constrain()
 
-    def _step(self, grads):
+    @torch.no_grad()
+    def update(self, grads, whole=None):
+        """The update of ``pieces``, capturable (no host read), then ``iterations`` += 1;
+        Keras's constraints come after, on the whole weights (``constrain``).
+
+        Args:
+            grads: the summed gradient of each piece.
+            whole: the whole summed gradient buffers, when the pieces are not the whole:
+                the clipping norms and the loss scale's finite check read every element
+                (None: they read ``grads``).
+        """
+        if self.scaler is None:
+            return self._update(grads, whole)
+        # as Keras's LossScaleOptimizer, with no host branch: the step kept only where
+        # every gradient is finite, by one select per state tensor; the scale doubled
+        # after ``dynamic_growth_steps`` finite steps, halved after one that is not
+        lso, inner = self.scaler, self.optimizer
+        scale = lso.dynamic_scale.value
+        checked = grads if whole is None else whole
+        finite = torch.stack([torch.isfinite(g).all() for g in checked]).all()
+        state = ([p.params for p in self.pieces] + [s for p in self.pieces
+                                                    for s in p.slots.values()]
+                 + [self.iterations])
+        if self.kind == "Nadam":
+            state.append(inner._u_product.value)
+        before = [t.clone() for t in state]
+        self._update([g / scale for g in grads],
+                     None if whole is None else [g / scale for g in whole])
+        for t, old in zip(state, before):
+            t.copy_(torch.where(finite, t, old))
+        counter = lso.step_counter.value
+        grow = counter == lso.dynamic_growth_steps - 1
+        scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
+        counter.copy_(torch.where(finite & ~grow, counter + 1, torch.zeros_like(counter)))
+        if self.finite is not None:
+            self.finite.copy_(finite)
+
+    def _update(self, grads, whole):
         opt = self.optimizer
         if opt.loss_scale_factor is not None:
             grads = [g / opt.loss_scale_factor for g in grads]
-        grads = self._clip(grads)
+            whole = None if whole is None else [g / opt.loss_scale_factor for g in whole]
+        grads = self._clip(grads, grads if whole is None else whole)
         if opt.weight_decay is not None:
             lr = opt.learning_rate
             factor = 1 - opt.weight_decay * (lr.value if isinstance(lr, keras.Variable)
                                              else lr)
-            for g in self.groups:
-                if g.decayed is True:
-                    g.params.mul_(factor)
-                elif g.decayed:
-                    torch._foreach_mul_(g.decayed, factor)
+            for p in self.pieces:
+                if p.decayed is True:
+                    p.params.mul_(factor)
+                elif p.decayed:
+                    torch._foreach_mul_(p.decayed, factor)
         lr = self._scalar(opt.learning_rate)
-        update = getattr(self, "_" + self.kind.lower())
-        scalars = self._scalars(lr)
-        for g, grad in zip(self.groups, grads):
-            update(g, g.params, grad, g.slots, lr, scalars)
+        update = flat_updates.UPDATES[self.kind]
+        scalars = flat_updates.scalars(opt, self.kind, lr, self.iterations, self._const,
+                                       self.dtype)
+        for p, grad in zip(self.pieces, grads):
+            update(opt, p.params, grad, p.slots, lr, scalars)
         if opt.use_ema:
             self._ema()
-        for g in self.groups:
-            for v, w in g.constrained:
-                w.copy_(v.constraint(w))
         self.iterations.add_(1)
 
-    def _clip(self, grads, whole=None, spans=None):
-        """Keras's clipnorm / global_clipnorm / clipvalue on ``grads``, one per group:
-        the flat buffers, or (``zero``) each buffer's piece; then ``whole`` are the
-        whole buffers the norms come from and ``spans`` each variable's elements in
-        the piece."""
+    @torch.no_grad()
+    def constrain(self):
+        """Keras's variable constraints on the whole weights (under a LossScaleOptimizer:
+        where the last step was kept, as Keras skips the whole apply)."""
+        for v, w in self.constrained:
+            new = v.constraint(w)
+            w.copy_(new if self.finite is None else torch.where(self.finite, new, w))
+
+    def _clip(self, grads, whole):
+        """Keras's clipnorm / global_clipnorm / clipvalue on ``grads``, the pieces'
+        gradients, with the norms from ``whole``, the whole buffers."""
         opt = self.optimizer
-        whole = grads if whole is None else whole
-        spans = [g.spans for g in self.groups] if spans is None else spans
         if opt.clipnorm and opt.clipnorm > 0:
             out = []
-            for g, grad, full, span in zip(self.groups, grads, whole, spans):
+            for k, (p, grad, full) in enumerate(zip(self.pieces, grads, whole)):
                 # Keras: g * clipnorm / max(||g||, clipnorm) per variable (0 norm: 0)
-                norms = torch.stack(torch._foreach_norm(g.split(full)))
+                norms = torch.stack(torch._foreach_norm(self.weights.split(k, full)))
                 den = torch.clamp(norms, min=opt.clipnorm)
-                den = torch.repeat_interleave(den, span, output_size=grad.numel())
+                den = torch.repeat_interleave(den, p.spans, output_size=grad.numel())
                 out.append(torch.mul(grad, opt.clipnorm) / den)
             return out
         if opt.global_clipnorm and opt.global_clipnorm > 0:
@@ -288,147 +355,33 @@ class FlatOptimizer:
             return [torch.clamp(g, -opt.clipvalue, opt.clipvalue) for g in grads]
         return grads
 
-    def _scalars(self, lr):
-        """The per-step scalars of the update, as Keras's torch classes compute them."""
-        opt, k = self.optimizer, self.kind
-        if k in ("Adam", "AdamW", "Adamax", "Nadam"):
-            step = (self.iterations + 1).to(self.dtype)
-            b1_power = torch.pow(self._const(opt.beta_1), step)
-        if k in ("Adam", "AdamW"):
-            b2_power = torch.pow(self._const(opt.beta_2), step)
-            return {"alpha": lr * torch.sqrt(1 - b2_power) / (1 - b1_power)}
-        if k == "Adamax":
-            return {"b1_power": b1_power}
-        if k == "Nadam":
-            next_step = (self.iterations + 2).to(self.dtype)
-            decay, beta_1 = self._const(0.96), self._const(opt.beta_1)
-            u_t = beta_1 * (1.0 - 0.5 * torch.pow(decay, step))
-            u_t_1 = beta_1 * (1.0 - 0.5 * torch.pow(decay, next_step))
-            u_product = opt._u_product.value
-            u_product_t = u_product * u_t
-            u_product_t_1 = u_product_t * u_t_1
-            b2_power = torch.pow(self._const(opt.beta_2), step)
-            u_product.copy_(u_product_t)
-            return {"u_t": u_t, "u_t_1": u_t_1, "u_product_t": u_product_t,
-                    "u_product_t_1": u_product_t_1, "b2_power": b2_power}
-        return {}
-
-    # one method per optimizer: the arithmetic of Keras's torch class, on flat tensors
-    def _sgd(self, group, p, g, s, lr, sc):
-        opt = self.optimizer
-        if opt.momentum != 0:
-            m = s["momentum"]
-            m.mul_(opt.momentum)
-            m.sub_(g * lr)
-            if opt.nesterov:
-                p.sub_(g * lr)
-                p.add_(m, alpha=opt.momentum)
-            else:
-                p.add_(m)
-        else:
-            p.sub_(g * lr)
-
-    def _moments(self, s, g):
-        """Adam's and Nadam's moving first and second moments, in place: (m, v)."""
-        opt = self.optimizer
-        m, v = s["m"], s["v"]
-        m.mul_(opt.beta_1)
-        m.add_(g, alpha=1 - opt.beta_1)
-        v.mul_(opt.beta_2)
-        v.add_(g * g, alpha=1 - opt.beta_2)
-        return m, v
-
-    def _adam(self, group, p, g, s, lr, sc):
-        opt = self.optimizer
-        m, v = self._moments(s, g)
-        if opt.amsgrad:
-            torch.maximum(s["vhat"], v, out=s["vhat"])
-            v = s["vhat"]
-        p.sub_((m * sc["alpha"]) / (torch.sqrt(v) + opt.epsilon))
-
-    _adamw = _adam
-
-    def _rmsprop(self, group, p, g, s, lr, sc):
-        opt = self.optimizer
-        rho, v = opt.rho, s["v"]
-        v.mul_(rho)
-        v.add_(g * g, alpha=1 - rho)
-        den = v + opt.epsilon
-        if opt.centered:
-            avg = s["avg"]
-            avg.mul_(rho)
-            avg.add_(g, alpha=1 - rho)
-            den.sub_(avg * avg)
-        den.sqrt_()
-        increment = (g * lr) / den
-        if opt.momentum > 0:
-            mom = s["mom"]
-            mom.mul_(opt.momentum)
-            mom.add_(increment)
-            p.sub_(mom)
-        else:
-            p.sub_(increment)
-
-    def _adagrad(self, group, p, g, s, lr, sc):
-        acc = s["acc"]
-        acc.add_(g * g)
-        p.sub_((g * lr) / torch.sqrt(acc + self.optimizer.epsilon))
-
-    def _lion(self, group, p, g, s, lr, sc):
-        opt, m = self.optimizer, s["m"]
-        c = m * opt.beta_1
-        c.add_(g, alpha=1 - opt.beta_1)
-        p.sub_(torch.sign(c) * lr)
-        m.mul_(opt.beta_2)
-        m.add_(g, alpha=1 - opt.beta_2)
-
-    def _nadam(self, group, p, g, s, lr, sc):
-        opt = self.optimizer
-        m, v = self._moments(s, g)
-        m_hat = ((m * sc["u_t_1"]) / (1 - sc["u_product_t_1"])
-                 + (g * (1 - sc["u_t"])) / (1 - sc["u_product_t"]))
-        v_hat = v / (1 - sc["b2_power"])
-        p.sub_((m_hat * lr) / (torch.sqrt(v_hat) + opt.epsilon))
-
-    def _adamax(self, group, p, g, s, lr, sc):
-        opt = self.optimizer
-        m, u = s["m"], s["u"]
-        m.mul_(opt.beta_1)
-        m.add_(g, alpha=1 - opt.beta_1)
-        u.mul_(opt.beta_2)
-        torch.maximum(u, torch.abs(g), out=u)
-        p.sub_((m * lr) / ((u + opt.epsilon) * (1 - sc["b1_power"])))
 
     def _ema(self):
         """Keras's moving average of every variable (momentum 0 at the first step), then
         every ``ema_overwrite_frequency`` steps the variables overwritten with it."""
         opt = self.optimizer
         momentum = (self.iterations != 0).to(self.dtype) * opt.ema_momentum
-        for g in self.groups:
-            ema = g.slots["ema"]
-            ema.copy_(momentum * ema + (1 - momentum) * g.params)
+        for p in self.pieces:
+            ema = p.slots["ema"]
+            ema.copy_(momentum * ema + (1 - momentum) * p.params)
         if opt.ema_overwrite_frequency:
             now = (self.iterations + 1) % opt.ema_overwrite_frequency == 0
-            for g in self.groups:
-                g.params.copy_(torch.where(now, g.slots["ema"], g.params))
+            for p in self.pieces:
+                p.params.copy_(torch.where(now, p.slots["ema"], p.params))
 
     # -- Keras's variables -------------------------------------------------------------
     def write_back(self):
-        """Make the Keras optimizer's variables hold the flat state (for save/load). The
-        slots are views of the flat buffers and ``iterations`` is updated in place, so
-        this only copies where someone replaced a variable's tensor since."""
-        opt, index = self.optimizer, self.optimizer._get_variable_index
+        """Make the Keras optimizer's variables hold the flat state (for save/load;
+        ``world`` 1). The slots are views of the flat buffers and ``iterations`` is
+        updated in place, so this only copies where someone replaced a variable's tensor
+        since."""
+        pairs = list(zip(self.variables, self.weights.like(self.weights.flats)))
+        for name, slots in self.keras_slots.items():
+            pairs += zip(slots, self.state[name].like(self.state[name].flats))
         with torch.no_grad():
-            for g in self.groups:
-                for name, flat in g.slots.items():
-                    attr = next(a for n, a, _ in SLOTS[self.kind] + [EMA] if n == name)
-                    for v, view in zip(g.variables, g.split(flat)):
-                        t = getattr(opt, attr)[index(v)].value
-                        if t.data_ptr() != view.data_ptr():
-                            t.copy_(view)
-                for v, view in zip(g.variables, g.split(g.params)):
-                    if v.value.data_ptr() != view.data_ptr():
-                        v.value.copy_(view)
-            it = opt.iterations.value
+            for v, view in pairs:
+                if v.value.data_ptr() != view.data_ptr():
+                    v.value.copy_(view)
+            it = self.optimizer.iterations.value
             if it.data_ptr() != self.iterations.data_ptr():
                 it.copy_(self.iterations)

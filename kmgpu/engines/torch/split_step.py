@@ -1,6 +1,11 @@
 """The split train step (``graphs``): A forward/backward into flat gradient buffers, the
 all-reduce, B the optimizer, statistics, loss tracker and metrics; eager here, captured
-as CUDA graphs by ``graphs.CapturedStep``. Split from graphs.py by role."""
+as CUDA graphs by ``graphs.CapturedStep``.
+
+The gradients and the BatchNorm statistics to average share one ``flat_layout.Buffers``
+per step: in each dtype's buffer the gradients come first, laid out as the flat
+optimizer's weights (its gradient is that head, no copy), the statistics after them, so
+unsharded one all-reduce per dtype sums both."""
 
 import contextlib
 
@@ -9,34 +14,8 @@ import torch
 
 from kmgpu.engines.torch import cond_keras_fixes, flat_layout, flat_optim, keras_fixes, zero
 
-
-class FlatBuffers:
-    """Tensors laid out in one flat buffer per dtype (dtypes in order of first
-    appearance); ``views[i]`` has tensor i's shape and starts ``flat_layout.ALIGN_BYTES``
-    into its buffer, zero padding between, as ``flat_layout`` lays out the variables: the
-    first tensors of a dtype (the trainable variables) are then the flat optimizer's
-    gradient buffer of that dtype, with no copy."""
-
-    def __init__(self, tensors, device, multiple=1):
-        by_dtype = {}
-        for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        self.flats, self.views = [], [None] * len(tensors)
-        for dtype, members in by_dtype.items():
-            where, n = flat_layout.offsets([tensors[i] for i in members], multiple)
-            flat = torch.zeros(n, dtype=dtype, device=device)
-            self.flats.append(flat)
-            for i, o in zip(members, where):
-                self.views[i] = flat[o:o + tensors[i].numel()].view(tensors[i].shape)
-
-
-class _Joined:
-    """The gradient buffers and the statistics' buffers of a sharded step, as one."""
-
-    def __init__(self, grads, stats):
-        self.grads, self.stats = grads, stats
-        self.flats = grads.flats + stats.flats
-        self.views = grads.views + stats.views
+#: ``graphs`` imports the container under this name
+FlatBuffers = flat_layout.Buffers
 
 
 def _copy(dst, src):
@@ -77,10 +56,12 @@ class SplitStep:
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
         self.forward = forward or (lambda n_real: contextlib.nullcontext())
         self.trainable, self.buffers, self.used, self._key = None, None, None, None
+        self.grads, self.stats = [], []  # the buffers' gradient and statistics parts
         self.flat, self.optimizer_path = None, None  # the flat optimizer, or why not
 
     def layout(self):
-        """(Re)make the flat buffers when the trainable variables changed; True if so."""
+        """(Re)make the flat buffers when the trainable variables changed; True if so
+        (then ``flat_layout.generation`` moved too: graphs recorded before are stale)."""
         trainable = self.model.trainable_weights[:]
         key = [id(v) for v in trainable]
         if self.buffers is not None and key == self._key:
@@ -89,18 +70,19 @@ class SplitStep:
             return False
         self.model.zero_grad(set_to_none=True)  # stale .grad from an eager step: free it
         tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
-        device = tensors[0].device
+        # sharded: the gradient heads padded to equal pieces, one per rank
+        self.buffers = flat_layout.Buffers(tensors, self.world if self.shard else 1,
+                                           lead=len(trainable))
+        # the trainable variables' dtypes come first, in the flat optimizer's order
+        self.grads = [h for h in self.buffers.heads if h.numel()]
+        self.stats = [t for t in self.buffers.tails if t.numel()]
         self.zero = None
-        if self.shard:  # the gradient buffers padded to equal pieces, the statistics apart
-            grads = FlatBuffers(tensors[:len(trainable)], device, multiple=self.world)
-            stats = FlatBuffers(tensors[len(trainable):], device)
-            self.buffers = _Joined(grads, stats)
+        if self.shard:
             self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world)
-            self.zero.grad_buffers(grads.flats)
+            self.zero.grad_buffers(self.grads)
             self.optimizer_path = (f"kmgpu's flat {self.zero.flat.kind} update on this "
                                    f"rank's 1/{self.world} of the state (ZeRO-1)")
         else:
-            self.buffers = FlatBuffers(tensors, device)
             self.optimizer_path = None
         self.trainable, self._key, self.used = trainable, key, None
         self.flat = None
@@ -177,7 +159,7 @@ class SplitStep:
                         "(trainable=False) or pass shard_optimizer=False.")
                 self.zero.update()
             elif flat is not None:
-                flat.step(self._flat_grads)
+                flat.step(self.grads)
             else:
                 grads = [g if used else None for g, used in zip(views[:n], self.used)]
                 if not model.optimizer.built:  # its variables exist before the branches run
@@ -203,9 +185,6 @@ class SplitStep:
                 ok, why = False, "KMGPU_TORCH_FLAT_OPTIMIZER=0: Keras's own update runs"
             if ok:
                 self.flat = flat_optim.FlatOptimizer(self.model.optimizer, self.trainable)
-                by_dtype = {f.dtype: f for f in self.flats}  # the trainable lead each buffer
-                self._flat_grads = [by_dtype[g.params.dtype][:g.numel]
-                                    for g in self.flat.groups]
                 why = f"kmgpu's flat {self.flat.kind} update over one buffer per dtype"
                 if self.flat.scaler is not None:
                     why += " (LossScaleOptimizer: a non-finite step skipped by one select)"
@@ -217,8 +196,8 @@ class SplitStep:
         reduce-scatter of the gradient and the all-reduce of the statistics."""
         if self.zero is not None:
             self.zero.exchange()
-            if self.reduce is not None and self.buffers.stats.flats:
-                self.reduce(self.buffers.stats.flats)
+            if self.reduce is not None and self.stats:
+                self.reduce(self.stats)
         elif self.reduce is not None:
             self.reduce(self.flats)
 
