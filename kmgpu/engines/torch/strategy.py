@@ -232,7 +232,7 @@ class DDPStrategy(RankSteps):
         if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
             from kmgpu.engines.torch import zero
 
-            callbacks.insert(0, zero.GatherBack(self.sharded, self.gather_everywhere))
+            callbacks.insert(0, zero.GatherOptimizerState(self.sharded, self.gather_everywhere))
         if reset_states:
             replication.reset_states(replica)
             callbacks.insert(0, replication.reset_callback(replica))

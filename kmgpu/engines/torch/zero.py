@@ -189,7 +189,7 @@ class Shards:
         return per, whole
 
 
-class GatherBack(keras.callbacks.Callback):
+class GatherOptimizerState(keras.callbacks.Callback):
     """In a sharded fit, on every rank: the whole optimizer state into rank 0's (or, with
     ``everywhere``, every rank's) Keras variables before fit's validation, at every epoch
     end and at the end of training (before rank 0 snapshots it); the next step takes the
