@@ -14,6 +14,12 @@ process raises "Offset increment outside graph capture encountered unexpectedly"
 ``capture`` ends a failed capture itself: the stream put back, the pool ended and
 released, the generator's capture state closed with a tiny capture that succeeds.
 
+Side streams: this module owns them, one per device (``side_stream``), for every
+capture and every eager warm-up step (``aside``): capture wants the work before it off
+the default stream, graphs sharing a memory pool want one capture stream, and with one
+stream cuBLAS's per-stream workspace is made once, at the first warm-up, outside any
+graph's pool.
+
 float32 matmuls (``matmul_precision``): JAX and TensorFlow use TF32 for float32 matrix
 products on Ampere and Hopper GPUs by default; torch does not
 (``torch.backends.cuda.matmul.allow_tf32`` is False, cuDNN convolutions do use TF32).
@@ -32,12 +38,41 @@ import torch
 _STREAMS = {}
 
 
-def _stream(device):
-    """One side stream per device for every capture (graphs sharing a pool want one)."""
-    key = torch.cuda.current_device() if device is None else torch.device(device).index
+def side_stream(device=None):
+    """The device's one side stream (None, or a device without an index: the current one)."""
+    key = None if device is None else torch.device(device).index
+    if key is None:
+        key = torch.cuda.current_device()
     if key not in _STREAMS:
         _STREAMS[key] = torch.cuda.Stream(key)
     return _STREAMS[key]
+
+
+def aside(device, fn):
+    """``fn()`` eagerly on the device's side stream, after the work queued on the current
+    stream and before what is queued there next (a warm-up step, as capture wants)."""
+    side, main = side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    main.wait_stream(side)
+    return out
+
+
+def settle(device):
+    """After a failed capture or replay: free what referred to it and wait for the device."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device):
+    """After graphs are dropped: their pools' memory back to the device (nothing refers
+    to it once collected; the caching allocator's cache emptied)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def capture(fn, pool=None):
@@ -51,7 +86,7 @@ def capture(fn, pool=None):
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     device = torch.cuda.current_device()
     torch.cuda.synchronize(device)
-    with torch.cuda.stream(_stream(device)):  # restores the caller's stream, whatever happens
+    with torch.cuda.stream(side_stream(device)):  # restores the caller's stream, always
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             out = fn()
@@ -99,7 +134,7 @@ def reset_generators(device):
         pass
     ok = torch.cuda.CUDAGraph()
     x = torch.ones(4, device=f"cuda:{device}")
-    with torch.cuda.stream(_stream(device)):
+    with torch.cuda.stream(side_stream(device)):
         ok.capture_begin(capture_error_mode="thread_local")
         try:
             torch.nn.functional.dropout(x, 0.5, training=True)
