@@ -238,7 +238,7 @@ class TorchLocalEngine(LocalEngine):
         if self._eval is None:
             self._eval = eval_steps.CapturedEval(template, graphs.device_of(template),
                                                  tf32=self._tf32())
-        return eval_steps.installed(template, self._eval, kinds)
+        return graphs.installed(template, self._eval, kinds)
 
     def close(self):
         if self._step is not None:

@@ -3,12 +3,12 @@
 Keras 3.15.1's torch ``test_step`` / ``predict_step`` are eager and mostly host work,
 as its train step is (``graphs``). On one CUDA device kmgpu runs Keras's own steps
 (the same code: forward with ``training=False``, ``_compute_loss``, the loss tracker,
-``compute_metrics``; predict: the forward pass) as CUDA graphs: the first
-``WARMUP_STEPS`` batches of a shape eagerly on a side stream, then one capture on
-static input buffers, replayed for every later batch of that shape; any other shape
-(the last partial batch) eager. Rows, order and numbers are Keras's. A capture or a
-replay that fails leaves torch as it was (``cuda_graphs.capture``) and the step eager
-from there on, with one printed line. On a CPU the steps are Keras's own (not installed).
+``compute_metrics``; predict: the forward pass) as CUDA graphs, by the mechanism the
+train step uses (``graphs.CapturedSteps``: warm-up on a side stream, one capture per
+batch shape on static input buffers, replays; any other shape, such as the last partial
+batch, eager; a failed capture tried again once, then the step eager from there on with
+one printed line). Rows, order and numbers are Keras's. On a CPU the steps are Keras's
+own (not installed).
 
 On N ranks (``on_rank``) each rank captures its own test step (``strategy``'s: its
 rows' loss weighed by its share of the global batch, the real rows of the batch part
@@ -18,20 +18,16 @@ metrics are summed over ranks when Keras reads them, outside the step), so a ran
 that falls back to eager never leaves the others waiting.
 """
 
-import contextlib
-
-import torch
-
-from kmgpu.engines import global_losses
-from kmgpu.engines.torch import cuda_graphs, flat_layout, graphs, keras_fixes
+from kmgpu.engines.torch import data, graphs, keras_fixes
 
 #: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
 WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
          "likewise (other batch shapes eager)")
 
 
-class CapturedEval:
-    """``test_step`` and ``predict_step`` for ``model`` on its CUDA device.
+class CapturedEval(graphs.CapturedSteps):
+    """``test_step`` and ``predict_step`` for ``model`` on its CUDA device, captured by
+    the one mechanism (``graphs.CapturedSteps``).
 
     Args:
         model: the compiled (or, for predict, built) model.
@@ -41,24 +37,26 @@ class CapturedEval:
         test: ``test(x, y, sw)``, the test step to run (None: Keras's, as written here).
         rows: ``rows()`` is (real rows, global rows) of the current test batch, part of
             its signature (a rank's ``test`` weighs by them); None: no such part.
+        refused: {kind: why that kind must not be captured}.
     """
 
-    def __init__(self, model, device, say=print, tf32=None, test=None, rows=None):
-        self.model, self.device, self.say, self.tf32 = model, torch.device(device), say, tf32
-        self._test, self._rows = test, rows
-        self.graphs, self.last, self.streak, self.reason = {}, {}, {}, {}
-        self.failures = {}
-        self.pools = []
-        self._side = None
-        self._moved = flat_layout.generation
+    def __init__(self, model, device, say=print, tf32=None, test=None, rows=None,
+                 refused=None):
+        super().__init__(model, device, say=say, tf32=tf32, refused=refused)
+        self._test, self._test_rows = test, rows
 
-    def test_step(self, data):
-        return self._run("test", data)
+    def test_step(self, batch):
+        return self.step("test", batch)
 
-    def predict_step(self, data):
-        return self._run("predict", data)
+    def predict_step(self, batch):
+        return self.step("predict", batch)
 
-    def _fn(self, kind):
+    def _rows(self, kind, x):
+        if kind == "test" and self._test_rows is not None:
+            return self._test_rows()
+        return 0, 0
+
+    def _function(self, kind, rows):
         model = self.model
 
         def forward(x):
@@ -67,7 +65,7 @@ class CapturedEval:
         def test(x, y, sw):  # Keras's TorchTrainer.test_step
             y_pred = forward(x)
             loss = keras_fixes.compute_loss(model, x, y, y_pred, sw, training=False)
-            model._loss_tracker.update_state(loss, sample_weight=graphs._num_rows(x))
+            model._loss_tracker.update_state(loss, sample_weight=data.num_rows(x))
             return model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
         def predict(x, y, sw):
@@ -77,96 +75,10 @@ class CapturedEval:
             return self._test or test
         return predict
 
-    def _run(self, kind, data):
-        x, y, sw = graphs._unpack(data)
-        batch = (x, y, sw)
-        with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-                cuda_graphs.matmul_precision(self.tf32), \
-                keras_fixes.fused_batchnorm(self.device), keras_fixes.fast_ops(self.device), \
-                keras_fixes.step_conditions(self.model):
-            if self._moved != flat_layout.generation:  # the weights moved: graphs stale
-                self.graphs.clear()
-                self._moved = flat_layout.generation
-            rows = self._rows() if kind == "test" and self._rows is not None else (0, 0)
-            sig = (kind, graphs._signature(batch, *rows))
-            self.streak[kind] = self.streak.get(kind, 0) + 1 if sig == self.last.get(kind) else 1
-            self.last[kind] = sig
-            entry = self.graphs.get(sig)
-            if (entry is None and self.streak[kind] > graphs.WARMUP_STEPS
-                    and self._may_capture(kind)):
-                entry = self._capture(kind, sig, batch)
-            if entry is not None:
-                try:
-                    return entry.run(batch)
-                except graphs.ReplayFailed as e:
-                    self.graphs.pop(sig, None)
-                    self._give_up(kind, e.reason, "replaying")
-            return self._eager(kind, batch)
-
-    def _may_capture(self, kind):
-        return (kind not in self.reason and graphs.available(self.device)
-                and sum(k[0] == kind for k in self.graphs) < graphs.MAX_GRAPHS
-                and not global_losses.gathered(self.model))  # all-gathers: eager
-
-    def _eager(self, kind, batch):
-        fn = self._fn(kind)
-        if self.device.type != "cuda" or not self._may_capture(kind):
-            return fn(*batch)
-        if self._side is None:  # warm-up: on a side stream, as capture wants
-            self._side = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            out = fn(*batch)
-        main.wait_stream(self._side)
-        return out
-
-    def _capture(self, kind, sig, batch):
-        fn = self._fn(kind)
-        graphs.gc.collect()
-        static = graphs._map(lambda t: t.detach().clone(), batch)
-        try:
-            graph, out = graphs.capture(lambda: fn(*static))
-        except Exception as e:
-            graphs._settle(self.device)
-            self.failures[kind] = self.failures.get(kind, 0) + 1
-            self.streak[kind] = 0
-            if self.failures[kind] >= graphs.CAPTURE_TRIES:
-                self._give_up(kind, cuda_graphs.why(e), "capturing")
-            return None
-        entry = _Replay(graph, static, out)
-        self.graphs[sig] = entry
-        self.pools.append(graph.pool())
-        return entry
-
-    def _give_up(self, kind, reason, doing):
-        self.reason[kind] = reason
-        if self.say is not None:
-            self.say(f"kmgpu (torch): {doing} the {kind} step failed, so it runs eagerly "
-                     f"from here on: {reason}")
-
-    @property
-    def graph_bytes(self):
-        return graphs.pool_bytes(self.pools) if self.graphs else 0
-
-    def close(self):
-        self.graphs.clear()
-        self.pools = []
-
-
-class _Replay:
-    """One captured test or predict step: static inputs, the graph, its outputs."""
-
-    def __init__(self, graph, static, out):
-        self.graph, self.static, self.out = graph, static, out
-
-    def run(self, batch):
-        graphs._fill(self.static, batch)
-        try:
-            self.graph.replay()
-        except Exception as e:
-            raise graphs.ReplayFailed(cuda_graphs.why(e)) from e
-        return graphs._map(lambda t: t.clone() if torch.is_tensor(t) else t, self.out)
+    def _record(self, kind, static, rows):
+        fn = self._function(kind, rows)
+        graph, out = graphs.capture(lambda: fn(*static))
+        return graphs.Replay(graph, static, out)
 
 
 def rank_kinds(replica, device):
@@ -195,15 +107,16 @@ def on_rank(strategy, replica, kinds):
         test = strategy.test
         return test.current if test is not None else (0, 0)
 
-    steps = CapturedEval(replica, strategy.device, say=print if strategy.rank == 0 else None,
-                         tf32=strategy.tf32, test=lambda x, y, sw: rank_test((x, y, sw)),
-                         rows=rows)
     from kmgpu.engines import keras_fixes as common
 
+    refused = {}
     if "test" in kinds and common.loss_kind(replica) == "weights":
         # "mean_with_sample_weight": the rank's loss all-reduces the sample weights
         # inside the step; collectives stay out of graphs, so this step stays eager
-        steps.reason["test"] = "the loss sums sample weights over ranks in the step"
+        refused["test"] = "the loss sums sample weights over ranks in the step"
+    steps = CapturedEval(replica, strategy.device, say=print if strategy.rank == 0 else None,
+                         tf32=strategy.tf32, test=lambda x, y, sw: rank_test((x, y, sw)),
+                         rows=rows, refused=refused)
     for kind in kinds:
         setattr(replica, f"{kind}_step", getattr(steps, f"{kind}_step"))
     return steps
@@ -219,17 +132,3 @@ def wants(model):
         kinds.add("predict")
     return kinds
 
-
-@contextlib.contextmanager
-def installed(model, steps, kinds):
-    """Within the block ``model.evaluate`` / ``predict`` (and fit's validation) run
-    ``steps``'s test and predict steps (those in ``kinds``); afterwards as it was."""
-    for kind in kinds:
-        setattr(model, f"{kind}_step", getattr(steps, f"{kind}_step"))
-    model.test_function = model.predict_function = None
-    try:
-        yield
-    finally:
-        for kind in kinds:
-            model.__dict__.pop(f"{kind}_step", None)
-        model.test_function = model.predict_function = None

@@ -1,11 +1,13 @@
-"""The captured train step: kmgpu's default torch step on CUDA devices (``plan``).
+"""Captured steps on torch: the one mechanism that runs the train, test and predict
+steps as CUDA graphs (``CapturedSteps``), and the captured train step, kmgpu's default
+torch step on CUDA devices (``plan``); the test and predict steps are ``eval_steps``'s.
 
 Keras 3.15.1's eager torch step is mostly host work (launching kernels one by one, on a
 GPU most of the step), and Keras's own meaning of ``jit_compile=True`` on torch,
 ``torch.compile`` of the step, runs measurably slower than eager on a GPU. On CUDA devices
 kmgpu runs each replica's step as CUDA graphs unless the model was compiled with
 ``run_eagerly=True``; ``jit_compile=True`` also asks for it on a CPU, where it runs
-eagerly. The step has three stages (``SplitStep``):
+eagerly. The train step has three stages (``split_step.SplitStep``):
 
   A  forward, loss and the gradients (weighted by the replica's share of the global
      batch) written into one flat buffer per dtype, with the BatchNorm moving
@@ -15,22 +17,27 @@ eagerly. The step has three stages (``SplitStep``):
   B  the optimizer update, the averaged statistics put back, the loss tracker and
      the compiled metrics.
 
-``CapturedStep`` runs the first steps of a batch shape eagerly (on a side stream,
-the warm-up), then records A and B as two CUDA graphs on static input buffers and
-replays them; any other shape (the last partial batch) runs eagerly. On a CPU (no
-CUDA graphs) the very same stages run eagerly; that is what the CPU tests check
-against Keras's step. If a capture fails (a host read in ``call``: ``.item()``,
-Python control flow on data), the partial graph is dropped and, after a second
-try, the model trains eagerly on, with one printed line saying why; every rank
-still meets in the same one all-reduce per step, captured or not. A replay re-runs
-the recorded device work only: Python side effects of ``call`` happen in the
-warm-up and capture steps. The graphs and their memory (``graph_bytes``) live as
-long as the replica (or, on one device, the ParallelModel: ``close()`` frees them).
-While a step runs, Keras's ``convert_to_tensor`` makes python scalars on the device
+``CapturedSteps`` does the same for every kind of step ("train", "test", "predict"):
+the first ``WARMUP_STEPS`` steps of a batch signature run eagerly (on the device's side
+stream, ``cuda_graphs.aside``), then the step is recorded as CUDA graphs on static input
+buffers and replayed; any other shape (the last partial batch) runs eagerly. The train
+step records A and B as two graphs (``CapturedStep``). On a CPU (no CUDA graphs) the very
+same steps run eagerly; that is what the CPU tests check against Keras's steps. If a
+capture fails (a host read in ``call``: ``.item()``, Python control flow on data), the
+partial graph is dropped with torch left as it was (``cuda_graphs.capture``) and, after a
+second try, or at once when a replay fails, that kind of step runs eagerly on, with one
+printed line saying why; every rank still meets in the same one all-reduce per step,
+captured or not. A replay re-runs the recorded device work only: Python side effects of
+``call`` happen in the warm-up and capture steps. Graphs read the memory of the weights
+they were recorded with: when the weights move into new flat buffers or the train step
+remakes its gradient buffers (either moves ``flat_layout.generation``), every graph is
+dropped, to be recorded anew. The graphs and their memory (``graph_bytes``) live as long as the
+step object (on one device, the ParallelModel: ``close()`` frees them). While a step runs
+(``step_context``), Keras's ``convert_to_tensor`` makes python scalars on the device
 (``keras_fixes.device_scalars``: capture refuses Keras's blocking scalar copies) and
 Keras's random functions draw from the seed generators' device state
-(``keras_fixes.device_random``, ``rng``), so random layers capture and draw anew
-at every replay.
+(``keras_fixes.device_random``, ``rng``), so random layers capture and draw anew at
+every replay.
 """
 
 import contextlib
@@ -41,15 +48,14 @@ import keras
 import torch
 
 from kmgpu.engines import global_losses
-from kmgpu.engines.torch import cuda_graphs, keras_fixes, split_step
-from kmgpu.engines.torch.split_step import (  # noqa: F401 (graphs.SplitStep etc.)
-    FlatBuffers, SplitStep, _map, _num_rows, _unpack)
+from kmgpu.engines.torch import cuda_graphs, flat_layout, keras_fixes, split_step
+from kmgpu.engines.torch.split_step import SplitStep
 
 #: eager steps of one batch signature (on a side stream) before it is captured
 WARMUP_STEPS = 2
-#: batch signatures captured per step object (the full batch, and one more)
+#: batch signatures captured per kind of step (the full batch, and one more)
 MAX_GRAPHS = 2
-#: captures tried (each after a warm-up) before the step stays eager
+#: captures tried (each after a warm-up) before a kind of step stays eager
 CAPTURE_TRIES = 2
 
 
@@ -130,11 +136,21 @@ def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
             f"{held}")
 
 
-def _fill(static, batch):
-    """Copy a batch into a graph's static input buffers."""
-    for s, t in zip(keras.tree.flatten(static), keras.tree.flatten(batch)):
-        if s is not None:
-            s.copy_(t, non_blocking=True)
+# -- the mechanism ----------------------------------------------------------------------
+@contextlib.contextmanager
+def step_context(model, device, tf32):
+    """What every captured step runs within, warm-up, capture and replay alike: Keras's
+    scalars and random draws on the device (capture refuses host copies), the float32
+    matmul policy, the fused BatchNorm and fast ops on CUDA, conditions on the device."""
+    with keras_fixes.device_scalars(), keras_fixes.device_random(), \
+            cuda_graphs.matmul_precision(tf32), keras_fixes.fused_batchnorm(device), \
+            keras_fixes.fast_ops(device), keras_fixes.step_conditions(model):
+        yield
+
+
+def _map(fn, structure):
+    """``keras.tree.map_structure`` that leaves None alone (a leaf on torch)."""
+    return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)
 
 
 def _signature(batch, n_real, n_global):
@@ -142,12 +158,173 @@ def _signature(batch, n_real, n_global):
     return repr(shapes), n_real, n_global
 
 
-class _Graphs:
-    """One batch signature's static inputs, graph A and graph B (or None: B eager)."""
+def _copied(out):
+    """Keras may read a step's outputs later (callbacks on another thread), after the
+    next replay overwrote the graph's: its own copy."""
+    return _map(lambda t: t.clone() if torch.is_tensor(t) else t, out)
+
+
+class Replay:
+    """One captured step: its static input buffers, its graph, the tensors it writes."""
+
+    def __init__(self, graph, static, out):
+        self.graph, self.static, self.out = graph, static, out
+
+    def replay(self, batch):
+        """Copy ``batch`` into the static inputs and replay the graph; ``ReplayFailed``
+        when the replay raises."""
+        for s, t in zip(keras.tree.flatten(self.static), keras.tree.flatten(batch)):
+            if s is not None:
+                s.copy_(t, non_blocking=True)
+        try:
+            self.graph.replay()
+        except Exception as e:
+            raise ReplayFailed(cuda_graphs.why(e)) from e
+
+    def run(self, batch, say=None):
+        self.replay(batch)
+        return _copied(self.out)
+
+
+class CapturedSteps:
+    """The one captured-step mechanism: for each kind of step ("train", "test",
+    "predict") the warm-up, capture, replay, retry and give-up, the graphs' memory
+    pools, dropping stale graphs, and ``close()``.
+
+    A subclass says what its steps are: ``_function(kind, rows)`` the eager step, a
+    function of (x, y, sample_weight); ``_record(kind, static, rows)`` the captured one,
+    a ``Replay`` (its ``capture`` calls are made there); ``_rows(kind, x)`` the (real,
+    global) rows of a batch, part of its signature; ``_prepare()`` (re)makes, before
+    every step, the buffers the step's graphs read.
+
+    Args:
+        model: the model whose steps these are.
+        device: its torch device (no capture off CUDA).
+        say: ``say(text)`` prints a line (None: silent, e.g. ranks other than 0).
+        tf32: the float32 matmul policy inside the steps (``cuda_graphs.matmul_precision``;
+            None: the process's own settings).
+        refused: {kind: why that kind must not be captured}.
+    """
+
+    #: the line printed when a kind of step stays eager ({doing}: capturing or replaying)
+    GAVE_UP = ("kmgpu (torch): {doing} the {kind} step failed, so it runs eagerly from "
+               "here on: {reason}")
+
+    def __init__(self, model, device, say=print, tf32=None, refused=None):
+        self.model, self.device, self.say, self.tf32 = model, torch.device(device), say, tf32
+        self.refused = dict(refused or {})  # kind -> why it runs eagerly
+        self.graphs = {}  # (kind, signature) -> Replay
+        self.pools = []  # the graphs' memory pools (one per captured signature)
+        self.last, self.streak, self.failures = {}, {}, {}
+        self._generation = flat_layout.generation
+
+    def step(self, kind, data):
+        """One step of ``kind`` on Keras's ``data``: replayed, captured or eager."""
+        batch = keras.utils.unpack_x_y_sample_weight(data)
+        with step_context(self.model, self.device, self.tf32):
+            self._drop_stale()
+            rows = self._rows(kind, batch[0])
+            key = (kind, _signature(batch, *rows))
+            # a signature is captured after WARMUP_STEPS eager steps in a row: the full
+            # batch, never a last partial batch that comes once per epoch
+            self.streak[kind] = self.streak.get(kind, 0) + 1 if key == self.last.get(kind) else 1
+            self.last[kind] = key
+            entry = self.graphs.get(key)
+            if entry is None and self.streak[kind] > WARMUP_STEPS and self.may_capture(kind):
+                entry = self._capture(kind, key, batch, rows)
+            if entry is not None:
+                try:
+                    return entry.run(batch, say=self.say)
+                except ReplayFailed as e:  # nothing of the step ran: it runs eagerly
+                    self._failed(kind, "replaying", e.reason)
+            fn = self._function(kind, rows)
+            if self.device.type != "cuda" or not self.may_capture(kind):
+                return fn(*batch)
+            return cuda_graphs.aside(self.device, lambda: fn(*batch))  # a warm-up step
+
+    def may_capture(self, kind):
+        return (kind not in self.refused and available(self.device)
+                and sum(k[0] == kind for k in self.graphs) < MAX_GRAPHS
+                and not global_losses.gathered(self.model))  # all-gathers: eager
+
+    def _rows(self, kind, x):
+        return 0, 0
+
+    def _prepare(self):
+        """Before every step: (re)make what the step's graphs read (nothing here)."""
+
+    def _drop_stale(self):
+        """Drop every graph when memory it reads may have moved: a flat buffer was made
+        since the last step (``flat_layout.generation`` counts them, any model's: the
+        weights moved into one, or ``_prepare`` remade the step's own buffers)."""
+        self._prepare()
+        if self._generation != flat_layout.generation:
+            self._generation = flat_layout.generation
+            self.graphs.clear()
+
+    def _capture(self, kind, key, batch, rows):
+        # Keras's forward pass leaves its autograd graph in a reference cycle; an
+        # earlier step's graph still alive at capture makes autograd join that step's
+        # stream (the legacy default stream after an eager step) into the capture,
+        # which fails ("operation would make the legacy stream depend on a capturing
+        # blocking stream"): collect it first (torch's own gc at capture is off now).
+        gc.collect()
+        try:
+            static = _map(lambda t: t.detach().clone(), batch)
+            entry = self._record(kind, static, rows)
+        except Exception as e:  # drop everything of the partial graph, then eager
+            self._failed(kind, "capturing", cuda_graphs.why(e))
+            return None
+        self.graphs[key] = entry
+        gc.collect()  # the capture's own autograd graph: later eager steps need none of it
+        self.pools.append(entry.graph.pool())
+        return entry
+
+    def _failed(self, kind, doing, reason):
+        """A capture or a replay of ``kind`` failed: drop that kind's graphs and wait for
+        the device; a capture is tried again after another warm-up (``CAPTURE_TRIES`` in
+        all), a replay is not; then that kind runs eagerly, and one line says why."""
+        tries = self.failures.get(kind, 0) + 1
+        self.failures[kind] = CAPTURE_TRIES if doing == "replaying" else tries
+        for key in [k for k in self.graphs if k[0] == kind]:
+            del self.graphs[key]
+        self.streak[kind] = 0
+        cuda_graphs.settle(self.device)
+        if self.failures[kind] < CAPTURE_TRIES:
+            return
+        self.refused[kind] = reason
+        if self.say is not None:
+            self.say(self.GAVE_UP.format(doing=doing, kind=kind, reason=reason))
+
+    @property
+    def graph_bytes(self):
+        """GPU memory the graphs' pools hold now (0 once closed)."""
+        return pool_bytes(self.pools) if self.graphs else 0
+
+    def close(self):
+        """Drop the graphs and return their memory to the device."""
+        self.graphs.clear()
+        cuda_graphs.release(self.device)
+        self.pools = []
+
+
+def pool_bytes(pools):
+    """Bytes in the CUDA caching allocator's segments that belong to these graph pools."""
+    if not pools or not torch.cuda.is_available():
+        return 0
+    wanted = {tuple(p) for p in pools}
+    return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id") or ()) in wanted)
+
+
+# -- the train step ---------------------------------------------------------------------
+class TrainGraphs(Replay):
+    """One batch signature's train step: graph A (``graph``), then the all-reduce, then
+    graph B (None: B runs eagerly)."""
 
     def __init__(self, split, static, graph_a, loss, y_pred, n_real, n_global):
-        self.split, self.static = split, static
-        self.graph_a, self.loss, self.y_pred = graph_a, loss, y_pred
+        super().__init__(graph_a, static, (loss, y_pred))
+        self.split, self.loss, self.y_pred = split, loss, y_pred
         self.n_real, self.n_global = n_real, n_global
         self.graph_b, self.logs = None, None
 
@@ -155,11 +332,7 @@ class _Graphs:
         """One step; ``ReplayFailed`` when graph A's replay raises (nothing ran: the
         caller runs the eager step, which meets the other ranks in the same all-reduce).
         If graph B's replay raises, B runs eagerly from here on."""
-        _fill(self.static, batch)
-        try:
-            self.graph_a.replay()
-        except Exception as e:
-            raise ReplayFailed(_why(e)) from e
+        self.replay(batch)
         split = self.split
         split.exchange()  # the all-reduce (sharded: reduce-scatter), eager
         if self.graph_b is not None:
@@ -169,18 +342,17 @@ class _Graphs:
                 self.graph_b = self.logs = None
                 if say is not None:
                     say("kmgpu (torch): replaying the optimizer and metrics failed, so they "
-                        f"run eagerly after the captured forward/backward: {_why(e)}")
+                        f"run eagerly after the captured forward/backward: {cuda_graphs.why(e)}")
         if self.graph_b is None:
             logs = split.update(*self.static, self.loss, self.y_pred, self.n_real,
                                 self.n_global)
             split.finish()  # sharded: the all-gather of the weights, eager
             return logs
         split.finish()
-        # Keras may read the logs later (callbacks on another thread): its own copy
-        return _map(lambda t: t.clone() if torch.is_tensor(t) else t, self.logs)
+        return _copied(self.logs)
 
 
-class CapturedStep:
+class CapturedStep(CapturedSteps):
     """A model's ``train_step`` that captures a ``SplitStep`` as CUDA graphs.
 
     Args:
@@ -194,83 +366,43 @@ class CapturedStep:
             None: the process's own settings).
     """
 
+    GAVE_UP = ("kmgpu (torch): capturing the train step failed, so this model trains "
+               "with the eager step from here on: {reason}")
+
     def __init__(self, split, device, say=print, refuse=None, capture_update=None, tf32=None):
         if capture_update is None:
             capture_update = os.environ.get("KMGPU_TORCH_CAPTURE_UPDATE", "1") != "0"
-        self.split, self.device, self.say = split, torch.device(device), say
-        self.reason, self.capture_update, self.tf32 = refuse, capture_update, tf32
-        self.graphs, self.last, self.streak = {}, None, 0
-        self.update_reason, self.failures = None, 0
-        self._side = None
-        self.pools = []  # the graphs' memory pools (one per captured signature)
+        super().__init__(split.model, device, say=say, tf32=tf32,
+                         refused={"train": refuse} if refuse else None)
+        self.split, self.capture_update, self.update_reason = split, capture_update, None
         if refuse and say is not None:
             say(f"kmgpu (torch): the train step runs eagerly, not captured: {refuse}")
 
-    def may_capture(self):
-        return (self.reason is None and available(self.device)
-                and len(self.graphs) < MAX_GRAPHS
-                and not global_losses.gathered(self.split.model))  # all-gathers: eager
+    @property
+    def reason(self):
+        """Why the train step runs eagerly (None: it may be captured)."""
+        return self.refused.get("train")
 
     def train_step(self, data):
         """Keras's ``train_step(data)``: one step, replayed, captured or eager."""
-        x, y, sw = _unpack(data)
+        return self.step("train", data)
+
+    def _rows(self, kind, x):
+        return self.split.rows(x)
+
+    def _prepare(self):
+        self.split.layout()  # other variables: new gradient buffers, every graph stale
+
+    def _function(self, kind, rows):
         split = self.split
-        n_real, n_global = split.rows(x)
-        with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-                cuda_graphs.matmul_precision(self.tf32), \
-                keras_fixes.fused_batchnorm(self.device), keras_fixes.fast_ops(self.device), \
-                keras_fixes.step_conditions(split.model):
-            if split.layout():
-                self.graphs.clear()  # other variables: every graph is stale
-            sig = _signature((x, y, sw), n_real, n_global)
-            entry = self.graphs.get(sig)
-            # a signature is captured after WARMUP_STEPS eager steps in a row: the full
-            # batch, never a last partial batch that comes once per epoch
-            self.streak = self.streak + 1 if sig == self.last else 1
-            self.last = sig
-            if entry is None:
-                if self.streak > WARMUP_STEPS and self.may_capture():
-                    entry = self._capture(sig, (x, y, sw), n_real, n_global)
-            if entry is not None:
-                try:
-                    return entry.run((x, y, sw), say=self.say)
-                except ReplayFailed as e:  # graph A did not run: this step eagerly
-                    self.graphs.clear()
-                    self.failures = CAPTURE_TRIES - 1
-                    self._failed(e.reason)
-            return self._eager(x, y, sw, n_real, n_global)
+        return lambda x, y, sw: split.step(x, y, sw, *rows)
 
-    __call__ = train_step
-
-    def _eager(self, x, y, sw, n_real, n_global):
-        if self.device.type != "cuda" or not self.may_capture():
-            return self.split.step(x, y, sw, n_real, n_global)
-        # warm-up: on a side stream, as CUDA graph capture wants
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            logs = self.split.step(x, y, sw, n_real, n_global)
-        main.wait_stream(self._side)
-        return logs
-
-    def _capture(self, sig, batch, n_real, n_global):
+    def _record(self, kind, static, rows):
         split = self.split
-        # Keras's forward pass leaves its autograd graph in a reference cycle; an
-        # earlier step's graph still alive at capture makes autograd join that step's
-        # stream (the legacy default stream after an eager step) into the capture,
-        # which fails ("operation would make the legacy stream depend on a capturing
-        # blocking stream"): collect it first (torch's own gc at capture is off now).
-        gc.collect()
-        try:
-            static = _map(lambda t: t.detach().clone(), batch)
-            graph_a, (loss, y_pred) = capture(
-                lambda: split.forward_backward(*static, n_real, n_global))
-            entry = _Graphs(split, static, graph_a, loss, y_pred, n_real, n_global)
-        except Exception as e:  # drop everything of the partial graph, then eager
-            self._failed(_why(e))
-            return None
+        n_real, n_global = rows
+        graph_a, (loss, y_pred) = capture(
+            lambda: split.forward_backward(*static, n_real, n_global))
+        entry = TrainGraphs(split, static, graph_a, loss, y_pred, n_real, n_global)
         if self.capture_update:
             try:
                 entry.graph_b, entry.logs = capture(
@@ -278,87 +410,36 @@ class CapturedStep:
                     pool=graph_a.pool())
             except Exception as e:
                 entry.graph_b = entry.logs = None
-                self.capture_update, self.update_reason = False, _why(e)
-                _settle(self.device)
+                self.capture_update, self.update_reason = False, cuda_graphs.why(e)
+                cuda_graphs.settle(self.device)
                 if self.say is not None:
                     self.say("kmgpu (torch): the optimizer and metrics run eagerly after the "
                              f"captured forward/backward: {self.update_reason}")
-        self.graphs[sig] = entry
-        gc.collect()  # the capture's own autograd graph: later eager steps need none of it
-        self.pools.append(entry.graph_a.pool())
         return entry
 
-    @property
-    def graph_bytes(self):
-        """GPU memory the graphs' pools hold now (0 once closed)."""
-        return pool_bytes(self.pools) if self.graphs else 0
 
-    def close(self):
-        """Drop the graphs and return their memory to the device."""
-        self.graphs.clear()
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-        self.pools = []
-
-    def _failed(self, reason):
-        """A capture failed: drop it; try once more after another warm-up, then eager."""
-        self.failures += 1
-        self.graphs.clear()
-        self.streak = 0
-        _settle(self.device)
-        if self.failures < CAPTURE_TRIES:
-            return
-        self.reason = reason
-        if self.say is not None:
-            self.say("kmgpu (torch): capturing the train step failed, so this model trains "
-                     f"with the eager step from here on: {reason}")
-
-
-def pool_bytes(pools):
-    """Bytes in the CUDA caching allocator's segments that belong to these graph pools."""
-    if not pools or not torch.cuda.is_available():
-        return 0
-    wanted = {tuple(p) for p in pools}
-    return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
-               if tuple(seg.get("segment_pool_id") or ()) in wanted)
-
-
-_why = cuda_graphs.why
-
-
-def _settle(device):
-    """After a failed capture: free what referred to it and wait for the device."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# -- the one-device path (engine.TorchLocalEngine) ------------------------------------------
+# -- on one device (engine.TorchLocalEngine) --------------------------------------------
 @contextlib.contextmanager
-def installed(model, step):
-    """Within the block, ``model.fit`` runs ``step`` as its train step, and Keras
-    compiles nothing (jit_compile False); afterwards the model is as it was."""
+def installed(model, steps, kinds=("train",)):
+    """Within the block, Keras's fit / evaluate / predict (fit's validation included)
+    run ``steps``'s steps of ``kinds`` ("train", "test", "predict") as the model's own,
+    and Keras compiles nothing (jit_compile False; its step functions are made anew);
+    afterwards the model is as it was."""
     was = model.jit_compile
     keras_fixes.set_jit_compile(model, False)
-    model.train_step = step.train_step
+    for kind in kinds:
+        setattr(model, f"{kind}_step", getattr(steps, f"{kind}_step"))
     try:
         yield
     finally:
-        model.__dict__.pop("train_step", None)
+        for kind in kinds:
+            model.__dict__.pop(f"{kind}_step", None)
         keras_fixes.set_jit_compile(model, was)
 
 
-@contextlib.contextmanager
 def eager_keras(model):
-    """Within the block Keras runs the model's evaluate / predict eagerly (no torch.compile)."""
-    was = model.jit_compile
-    keras_fixes.set_jit_compile(model, False)
-    try:
-        yield
-    finally:
-        keras_fixes.set_jit_compile(model, was)
+    """Within the block Keras runs the model's own steps eagerly (no torch.compile)."""
+    return installed(model, None, kinds=())
 
 
 def device_of(model):
