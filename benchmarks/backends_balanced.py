@@ -1,4 +1,4 @@
-"""Keras-on-torch against Keras-on-JAX, both under kmgpu, one process per run (issue 31's
+"""Keras-on-torch against Keras-on-JAX, both under kmgpu, one process per run (the
 "within 1.5x of JAX" table). A script that prints a Markdown table, not a test.
 
     python benchmarks/backends_balanced.py [--quick] [--models resnet50_small,...]

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# One `kmgpu bench` run of one backend on a 2 x H200 machine, sized for a 10-minute limit
-# (issue 14): the four workloads people train (transformer, resnet50_small, xception,
+# One `kmgpu bench` run of one backend on a 2 x H200 machine, sized for a 10-minute limit:
+# the four workloads people train (transformer, resnet50_small, xception,
 # resnet50) x {plain fit on 1 GPU, kmgpu on 2 GPUs with batch global and per_replica, the
 # peer on 2 GPUs, kmgpu on 1 GPU}, the all-reduce sweep (projection), and with torch the
 # torchvision reference, and plain fit once more after kmgpu (the replay: plain's figure is
-# the mean of the runs before and after kmgpu, so the overhead is order-balanced, issue 29;
-# this script passed --no-replay before, which left plain's single run first in its process);
+# the mean of the runs before and after kmgpu, so the overhead is order-balanced);
 # 3 epochs of the workload's steps (the first epoch compiles; pass --steps N to change them),
 # one process per workload. Runs that would not fit
 # the time budget (KMGPU_BENCH_BUDGET seconds, default 520) are skipped and say so in the

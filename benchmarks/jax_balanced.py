@@ -1,4 +1,4 @@
-"""Plain Keras against kmgpu on JAX, order-balanced (issue 29). A script that prints a
+"""Plain Keras against kmgpu on JAX, order-balanced. A script that prints a
 Markdown table, not a test.
 
     KERAS_BACKEND=jax python benchmarks/jax_balanced.py [--quick] [--devices N]
@@ -70,7 +70,7 @@ def workload(name, quick):
             classes=base.classes if quick else 1000)
     elif name == "bert" or name.startswith("mlp_deep"):
         w = dataclasses.replace(workloads.get("transformer", quick), name=name)
-    elif name == "gru":  # issue 31's masked bidirectional GRU, batch 128
+    elif name == "gru":  # the masked bidirectional GRU, batch 128
         w = dataclasses.replace(workloads.get("transformer", quick), name=name,
                                 batch=16 if quick else 128, steps=2 if quick else 10,
                                 input_shape=(16 if quick else 128,))

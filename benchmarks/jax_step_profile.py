@@ -1,5 +1,5 @@
 """Where one Keras/JAX training step's time goes, at the workload's batch B and at B/2,
-on one device (issue 22). A script that prints a Markdown table, not a test.
+on one device. A script that prints a Markdown table, not a test.
 
     KERAS_BACKEND=jax python benchmarks/jax_step_profile.py [--quick] [--workloads ...]
         [--variants fit,sync,iter,loop,trace,spe8] [--out FILE.md]
@@ -22,8 +22,7 @@ Per workload and batch, in one process, one model (same initial weights):
     spe8      plain fit compiled with ``steps_per_execution=8``
 
 Plain Keras only: kmgpu against plain fit is ``benchmarks/jax_balanced.py`` (order-
-balanced). This script's former kmgpu variants timed kmgpu after plain in one process,
-which favoured kmgpu (issue 29), and the packed step they measured is gone.
+balanced); timing kmgpu after plain in one process would favour kmgpu (warm caches).
 
 Each figure is the median over epochs after the first (the first compiles), so every
 variant is timed after its own warm-up.

@@ -1,4 +1,4 @@
-"""``shard_optimizer=True`` (issue 32, ZeRO stage 1): what it saves and what it costs.
+"""``shard_optimizer=True`` (ZeRO stage 1): what it saves and what it costs.
 
 ``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices;
 ``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]``: torch (``engines/torch/zero.py``),

@@ -1,4 +1,4 @@
-"""Cheap loops of calls (issue 21, item 5): what a call costs when the model did not change.
+"""Cheap loops of calls: what a call costs when the model did not change.
 
 Two measurements on CPU with simulated devices, for the backend of this process
 (``KERAS_BACKEND=jax|tensorflow|torch python benchmarks/on_batch.py``):
@@ -11,8 +11,7 @@ B. ``for _ in range(10): parallel.fit(x, y, epochs=1)`` against one
    input_shape=(32, 32, 3))`` with few rows. Target: at most 1.1x.
 
 Each kmgpu row is measured twice in the same run: as kmgpu runs now (the template is
-copied in only where it changed) and with every call copying the whole state in (the
-behaviour before issue 21), so the table shows what the change buys. Every measurement
+copied in only where it changed) and with every call copying the whole state in, so the table shows what the change buys. Every measurement
 runs once first to compile / trace, then is timed (best of ``--repeats``).
 
 Prints a table; no number here is asserted by a test.

@@ -3,7 +3,7 @@
 Notebook users call ``fit`` again and again; each call's set-up (kmgpu: copying the
 weights in and out, the engine's own set-up) should cost no more than plain Keras's
 own per-call cost. The ratio is 1.0 when a call costs nothing beyond its epochs.
-Target (issue 30): kmgpu's ratio <= 1.1 x max(1, plain Keras's ratio).
+Target: kmgpu's ratio <= 1.1 x max(1, plain Keras's ratio).
 
 The workload: a 34M-parameter MLP (4096 -> 4096 -> 4096 -> 16), one step per epoch
 (``--rows`` rows, the global batch), kmgpu on 4 simulated devices (CPU), plain Keras on
@@ -22,8 +22,8 @@ less than wall time.
 ``--copy-back N`` (JAX): only kmgpu's copy of the trained state back into the template
 after a fit (``JaxEngine.copy_back`` + ``note_synced``, waited for), N times each way in
 one process, alternating: every array through one batched ``device_put`` into fresh
-buffers (kmgpu before issue 30's change: ``REUSE_BYTES`` = infinity) against large arrays
-written into the template's own buffers (now).
+buffers (``REUSE_BYTES`` = infinity) against large arrays written into the template's own
+buffers (kmgpu's way).
 
 ``--before DIR``: the same measure with the kmgpu of another checkout (DIR holds its
 ``kmgpu/``), one process per run, alternating: before, after, before, after; each row

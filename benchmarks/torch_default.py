@@ -1,4 +1,4 @@
-"""kmgpu's default torch step on one GPU against plain Keras ``fit`` (issue 20).
+"""kmgpu's default torch step on one GPU against plain Keras ``fit``.
 
 Two parts, one process (``KERAS_BACKEND=torch``):
 

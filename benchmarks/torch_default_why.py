@@ -1,4 +1,4 @@
-"""Why two rows of ``torch_default.py``'s table miss (issue 20), on one GPU.
+"""Why two rows of ``torch_default.py``'s table miss, on one GPU.
 
 transformer  speed: the plain eager step's wall time against the GPU time of its kernels
              (torch.profiler over STEPS steps): a replayed graph can remove the host's

@@ -1,6 +1,6 @@
 """kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
 cross-entropy (contiguous (rows, classes) view), ``fast_conv``'s convolution inputs and
-``fast_rnn``'s masked GRU, issue 31. A script that prints Markdown tables, not a test.
+``fast_rnn``'s masked GRU. A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_fast_ops.py [--quick]
         [--models transformer,bert,resnet50,gru] [--steps 10] [--top 12] [--out FILE.md]

@@ -1,4 +1,4 @@
-"""Where the GPU time of Keras-on-torch's train step goes, kernel by kernel (issue 31).
+"""Where the GPU time of Keras-on-torch's train step goes, kernel by kernel.
 A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_kernels.py [--quick] [--models resnet50,...]
@@ -507,7 +507,7 @@ def markdown(results, gpu):
     return "\n".join(lines)
 
 
-# -- --fixes: kmgpu's captured step with flat_optim / fast_layers put in (issue 31) -------
+# -- --fixes: kmgpu's captured step with flat_optim / fast_layers put in -------
 VARIANTS = ("keras", "both", "flat_optim", "fast_bn", "keras", "both")  # order-balanced
 
 

@@ -1,4 +1,4 @@
-"""A masked sequence loss inside kmgpu's captured torch step, on one GPU (issue 27).
+"""A masked sequence loss inside kmgpu's captured torch step, on one GPU.
 
 Models: Embedding(mask_zero=True) -> LSTM(return_sequences) -> TimeDistributed(Dense), and
 the same with Dense in place of the LSTM (Keras's torch LSTM with a mask runs a Python loop

@@ -1,4 +1,4 @@
-"""The whole torch run on kmgpu's captured path, on one GPU (issue 28).
+"""The whole torch run on kmgpu's captured path, on one GPU.
 
 checks (``--part check``): every fallback kmgpu has, forced on CUDA, each followed by
   torch's CUDA state (current stream, an eager dropout through the default generator)
@@ -71,7 +71,7 @@ def plain_dropout_fit():
         x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
         m.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
         return "ok"
-    except Exception as e:  # the failure issue 28 saw
+    except Exception as e:  # a failed capture
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
@@ -418,7 +418,7 @@ def checks(quick):
             ("graph A fails under mixed_float16", lambda: one_fallback(
                 "graph A fails, mixed_float16", lambda: host_read_model("train"),
                 "mixed_float16")),
-            ("mixed_float16 MLP (issue 28's case)", lambda: one_fallback(
+            ("mixed_float16 MLP", lambda: one_fallback(
                 "mixed_float16 MLP", lambda: host_read_model("none"), "mixed_float16")),
             ("replays fail", lambda: replay_failure(lambda: host_read_model("none"))),
             ("parity", lambda: parity(quick)), ("mixed parity", mixed_parity),
