@@ -14,9 +14,6 @@ import torch
 
 from kmgpu.engines.torch import cond_keras_fixes, flat_layout, flat_optim, keras_fixes, zero
 
-#: ``graphs`` imports the container under this name
-FlatBuffers = flat_layout.Buffers
-
 
 def _copy(dst, src):
     if hasattr(torch, "_foreach_copy_") and dst:
