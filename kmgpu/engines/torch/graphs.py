@@ -276,7 +276,6 @@ class CapturedSteps:
             self._failed(kind, "capturing", cuda_graphs.why(e))
             return None
         self.graphs[key] = entry
-        gc.collect()  # the capture's own autograd graph: later eager steps need none of it
         self.pools.append(entry.graph.pool())
         return entry
 
@@ -415,6 +414,7 @@ class CapturedStep(CapturedSteps):
                 if self.say is not None:
                     self.say("kmgpu (torch): the optimizer and metrics run eagerly after the "
                              f"captured forward/backward: {self.update_reason}")
+        gc.collect()  # the capture's own autograd graph: later eager steps need none of it
         return entry
 
 
