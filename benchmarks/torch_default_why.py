@@ -67,7 +67,7 @@ def transformer(steps, quick):
                 runner = kmgpu.parallelize(model, gpus=1)
                 runner.compile(**w.compile_args(), jit_compile=how == "split eager")
             if how == "split eager":  # the split step, never captured
-                graphs.CapturedStep.may_capture = lambda self: False
+                graphs.CapturedStep.may_capture = lambda self, kind: False
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     runner.fit(x[:p], y[:p], batch_size=w.batch, epochs=1, shuffle=False,
