@@ -7,6 +7,11 @@ says who prints and saves, ``for_this_process()`` trims a call for the others.
 Simulated devices (``kmgpu.simulate_devices``) are part of the environment too:
 child processes read their count from ``SIMULATE_ENV``.
 
+kmgpu's own switches (``KMGPU_*``) are listed once, in ``SWITCHES`` (name, default, what it
+does; docs/settings.md shows the same table), and read through one function, ``setting``
+(``enabled`` for the switches that are on unless "0"): no other module reads them from
+``os.environ`` (``tests/unit/test_environment.py`` checks both).
+
 Nothing here imports a backend at module import time. A leaf: it imports nothing from
 kmgpu, so the front and the engines (each backend's runtime and launchers) both read it
 without an engine importing the front (``tests/unit/test_structure.py`` checks both).
@@ -15,14 +20,82 @@ without an engine importing the front (``tests/unit/test_structure.py`` checks b
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 SIMULATE_ENV = "KMGPU_SIMULATE_DEVICES"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One ``KMGPU_*`` environment variable kmgpu reads."""
+
+    name: str
+    default: Optional[str]  # None: unset
+    what: str
+
+
+#: every KMGPU_* variable kmgpu reads, by name (docs/settings.md lists the same)
+SWITCHES = {s.name: s for s in (
+    Switch(SIMULATE_ENV, None,
+           "the simulated device count; kmgpu.simulate_devices(n) sets it so that torch "
+           "workers and child processes see the same count"),
+    Switch("KMGPU_TORCH_START", None,
+           "how torch workers start: fork, spawn or forkserver; unset: fork where safe (a "
+           "CPU, or CUDA not yet initialised in this process), else spawn"),
+    Switch("KMGPU_TORCH_FUSED_BN", "1",
+           "0: Keras's own BatchNormalization inside kmgpu's steps on CUDA instead of "
+           "torch's fused kernel"),
+    Switch("KMGPU_TORCH_FAST_DENSE", "1",
+           "0: Keras's own Dense call instead of F.linear inside kmgpu's steps on CUDA"),
+    Switch("KMGPU_TORCH_FAST_LOSS", "1",
+           "0: Keras's own sparse categorical cross-entropy instead of the contiguous "
+           "(rows, classes) view, on CUDA"),
+    Switch("KMGPU_TORCH_FAST_CONV", "1",
+           "0: Keras's own convolutions and poolings (with their input copies), on CUDA"),
+    Switch("KMGPU_TORCH_FAST_RNN", "1",
+           "0: Keras's own loop for a masked GRU/LSTM instead of cuDNN over the compacted "
+           "sequence, on CUDA"),
+    Switch("KMGPU_TORCH_FLAT_OPTIMIZER", "1",
+           "0: Keras's own optimizer.apply in the captured step instead of kmgpu's flat "
+           "optimizer"),
+    Switch("KMGPU_TORCH_CAPTURE_UPDATE", "1",
+           "0: graph B (optimizer, metrics) runs eagerly after the captured graph A (to "
+           "measure the difference)"),
+    Switch("KMGPU_TORCH_RESIDENT", "1",
+           "0: a call's arrays are copied to the GPU whole before the first step, not in "
+           "chunks beside the steps"),
+    Switch("KMGPU_TORCH_TIMING", None,
+           "set (any value): print where a torch call's time went, on the driver and on "
+           "rank 0"),
+    Switch("KMGPU_BENCH_JIT_COMPILE", None,
+           "1: kmgpu bench compiles its models with jit_compile=True"),
+)}
+
+
+def setting(name):
+    """The value of kmgpu's switch ``name`` in this process's environment, or its default.
+
+    Args:
+        name: a key of ``SWITCHES``.
+
+    Returns:
+        The variable's text, or the switch's default (None: unset).
+
+    Raises:
+        KeyError: ``name`` is not one of kmgpu's switches (add it to ``SWITCHES``).
+    """
+    return os.environ.get(name, SWITCHES[name].default)
+
+
+def enabled(name):
+    """Whether a switch that is on unless "0" (default "1") is on."""
+    return setting(name) != "0"
 
 
 def simulated_count():
     """The number of simulated devices asked for, or 0."""
     try:
-        return max(0, int(os.environ.get(SIMULATE_ENV, "0")))
+        return max(0, int(setting(SIMULATE_ENV) or "0"))
     except ValueError:
         return 0
 

@@ -2,8 +2,10 @@
 backend-neutral, so they run in every backend's session.
 """
 
+import ast
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -86,3 +88,98 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
     assert mine["verbose"] == 0 and mine["callbacks"] == [backup, stop]
     backup._save_model()  # writes nothing here: process 0 keeps the backup
     assert not os.path.exists(backup._weights_path) and backup.delete_checkpoint is False
+
+
+# -- kmgpu's switches: one table, one reader ---------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: modules another owner still has to route through ``environment.setting`` (empty when done)
+NOT_YET_ROUTED = {"kmgpu/bench/runners.py"}
+
+
+def _strings(node):
+    """The string constants inside an AST node."""
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)}
+
+
+def _is_environ(node):
+    return (isinstance(node, ast.Attribute) and node.attr == "environ"
+            and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+
+def kmgpu_reads(source):
+    """The ``KMGPU_*`` names ``source`` reads from ``os.environ`` (``os.environ.get``,
+    ``os.getenv``, ``os.environ[...]``, ``... in os.environ``), its module-level names for
+    them followed (``ENV = "KMGPU_X"``; a dict or tuple of them: every name in it)."""
+    tree = ast.parse(source)
+    constants = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    constants[target.id] = _strings(node.value)
+
+    def names(arg):
+        found = set(_strings(arg))
+        for n in ast.walk(arg):
+            if isinstance(n, ast.Name):
+                found |= constants.get(n.id, set())
+        return {s for s in found if s.startswith("KMGPU_")}
+
+    read = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr == "get" and _is_environ(f.value)) or (
+                    f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"):
+                read |= names(node.args[0])
+        elif (isinstance(node, ast.Subscript) and _is_environ(node.value)
+              and isinstance(node.ctx, ast.Load)):
+            read |= names(node.slice)
+        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
+            read |= names(node.left)
+    return read
+
+
+def test_the_reader_check_sees_every_way_of_reading():
+    source = ('import os\nENV = "KMGPU_A"\nNAMES = {"x": "KMGPU_B"}\n\n\ndef f(w):\n'
+              '    os.environ.get(ENV)\n    os.environ.get(NAMES[w], "1")\n'
+              '    os.getenv("KMGPU_C")\n    os.environ["KMGPU_D"]\n    "KMGPU_E" in os.environ\n'
+              '    os.environ["KMGPU_F"] = "1"\n    os.environ.get("HOME")\n')
+    assert kmgpu_reads(source) == {"KMGPU_A", "KMGPU_B", "KMGPU_C", "KMGPU_D", "KMGPU_E"}
+
+
+def test_every_switch_is_read_through_environment_setting():
+    """No module of kmgpu but environment.py reads a KMGPU_* variable from os.environ."""
+    found = {}
+    for path in sorted((ROOT / "kmgpu").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name == "kmgpu/environment.py":
+            continue
+        read = kmgpu_reads(path.read_text())
+        if read and name not in NOT_YET_ROUTED:
+            found[name] = sorted(read)
+    assert not found, f"read environment.setting(name) instead of os.environ: {found}"
+    for name in NOT_YET_ROUTED:  # each still reads a switch of the table (else it leaves)
+        read = kmgpu_reads((ROOT / name).read_text())
+        assert read and read <= set(environment.SWITCHES), (name, read)
+
+
+def test_the_settings_page_lists_every_switch_with_its_default():
+    page = (ROOT / "docs" / "settings.md").read_text()
+    for switch in environment.SWITCHES.values():
+        default = "unset" if switch.default is None else f"`{switch.default}`"
+        assert f"| `{switch.name}` | {default} |" in page, switch.name
+
+
+def test_setting_reads_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv("KMGPU_TORCH_RESIDENT", raising=False)
+    monkeypatch.delenv("KMGPU_TORCH_TIMING", raising=False)
+    assert environment.setting("KMGPU_TORCH_RESIDENT") == "1"
+    assert environment.enabled("KMGPU_TORCH_RESIDENT")
+    assert environment.setting("KMGPU_TORCH_TIMING") is None
+    monkeypatch.setenv("KMGPU_TORCH_RESIDENT", "0")
+    assert environment.setting("KMGPU_TORCH_RESIDENT") == "0"
+    assert not environment.enabled("KMGPU_TORCH_RESIDENT")
+    with pytest.raises(KeyError):
+        environment.setting("KMGPU_NOT_A_SWITCH")

@@ -45,11 +45,10 @@ BatchNorm arithmetic, and measured against it Keras's float32 layer looks closer
 is.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from kmgpu import environment
 from kmgpu.engines.torch import fast_rnn
 
 
@@ -233,7 +232,7 @@ def describe(model, on_gpu):
 def enabled():
     """Whether kmgpu's steps on CUDA run BatchNormalization fused
     (``keras_fixes.fused_batchnorm``): unless ``KMGPU_TORCH_FUSED_BN=0``."""
-    return os.environ.get("KMGPU_TORCH_FUSED_BN", "1") != "0"
+    return environment.enabled("KMGPU_TORCH_FUSED_BN")
 
 
 # -- Dense and the sparse cross-entropy (the transformer's vocabulary-sized logits) -------
@@ -337,4 +336,4 @@ SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
 def fast_op_enabled(which):
     """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "conv": ``fast_conv``;
     "rnn": ``fast_rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
-    return os.environ.get(SWITCHES[which], "1") != "0"
+    return environment.enabled(SWITCHES[which])

@@ -34,11 +34,10 @@ tensor, a kernel per tensor, ``cond_keras_fixes``), the scale doubled after
 variables with ``overwrite_with_gradient``.
 """
 
-import os
-
 import keras
 import torch
 
+from kmgpu import environment
 from kmgpu.engines.torch import flat_layout, flat_updates
 
 COVERED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Adamax")
@@ -109,7 +108,7 @@ def supported(optimizer, variables=None):
 
 def enabled():
     """False when ``KMGPU_TORCH_FLAT_OPTIMIZER=0`` asks for Keras's own update (to measure)."""
-    return os.environ.get("KMGPU_TORCH_FLAT_OPTIMIZER", "1") != "0"
+    return environment.enabled("KMGPU_TORCH_FLAT_OPTIMIZER")
 
 
 def optimizer_words(model):

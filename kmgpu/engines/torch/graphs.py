@@ -42,11 +42,11 @@ every replay.
 
 import contextlib
 import gc
-import os
 
 import keras
 import torch
 
+from kmgpu import environment
 from kmgpu.engines import global_losses
 from kmgpu.engines.torch import cuda_graphs, flat_layout, keras_fixes, split_step
 from kmgpu.engines.torch.split_step import SplitStep
@@ -370,7 +370,7 @@ class CapturedStep(CapturedSteps):
 
     def __init__(self, split, device, say=print, refuse=None, capture_update=None, tf32=None):
         if capture_update is None:
-            capture_update = os.environ.get("KMGPU_TORCH_CAPTURE_UPDATE", "1") != "0"
+            capture_update = environment.enabled("KMGPU_TORCH_CAPTURE_UPDATE")
         super().__init__(split.model, device, say=say, tf32=tf32,
                          refused={"train": refuse} if refuse else None)
         self.split, self.capture_update, self.update_reason = split, capture_update, None

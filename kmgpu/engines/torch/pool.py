@@ -23,6 +23,7 @@ import weakref
 
 import numpy as np
 
+from kmgpu import environment
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.interrupts import Interrupts
 from kmgpu.engines.torch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
@@ -50,7 +51,7 @@ def start_method(cuda_workers):
 
     import torch
 
-    choice = os.environ.get("KMGPU_TORCH_START", "").strip().lower()
+    choice = (environment.setting("KMGPU_TORCH_START") or "").strip().lower()
     if choice in ("fork", "spawn", "forkserver"):
         return choice
     if "fork" not in multiprocessing.get_all_start_methods():

@@ -17,6 +17,7 @@ import threading
 import keras
 import numpy as np
 
+from kmgpu import environment
 from kmgpu.engines.torch.data import ArraySource, RankSlices, _is_array_like, is_dataset
 
 #: rows per chunk of the copy: about this many bytes (at least one row)
@@ -128,13 +129,11 @@ def on_device(source, device, fraction=0.25):
     """``source`` kept on ``device`` (a ``DeviceArraySource``) when it is an
     ArraySource on a CUDA device whose arrays take at most ``fraction`` of the free
     device memory; else ``source`` itself. ``KMGPU_TORCH_RESIDENT=0`` turns it off."""
-    import os
-
     import torch
 
     device = torch.device(device)
     if (not isinstance(source, ArraySource) or device.type != "cuda"
-            or os.environ.get("KMGPU_TORCH_RESIDENT", "1") == "0"):
+            or not environment.enabled("KMGPU_TORCH_RESIDENT")):
         return source
     leaves = [a for a in keras.tree.flatten(source.parts) if a is not None]
     try:

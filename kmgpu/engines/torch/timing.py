@@ -4,10 +4,9 @@ One ``Clock`` for both sides: the driver ("kmgpu parent timing: pool 0.001s, ...
 and rank 0 of the pool ("kmgpu worker timing: replica 0.002s, ...").
 """
 
-import os
 import time
 
-ENV = "KMGPU_TORCH_TIMING"
+from kmgpu import environment
 
 
 class Clock:
@@ -20,7 +19,7 @@ class Clock:
 
     def __init__(self, side, on=True):
         self.side = side
-        self.on = bool(on) and bool(os.environ.get(ENV))
+        self.on = bool(on) and bool(environment.setting("KMGPU_TORCH_TIMING"))
         self.t, self.parts, self.counts = time.perf_counter(), {}, {}
 
     def __call__(self, name, since=None):
