@@ -1,4 +1,4 @@
-"""CUDA-graph capture that leaves torch as it found it, and the float32 matmul policy.
+"""CUDA-graph capture that leaves torch as it found it.
 
 ``torch.cuda.graph`` (torch 2.11) is not clean when a capture fails: its ``__exit__``
 calls ``capture_end``, whose ``cudaStreamEndCapture`` raises on an invalidated
@@ -20,16 +20,9 @@ the default stream, graphs sharing a memory pool want one capture stream, and wi
 stream cuBLAS's per-stream workspace is made once, at the first warm-up, outside any
 graph's pool.
 
-float32 matmuls (``matmul_precision``): JAX and TensorFlow use TF32 for float32 matrix
-products on Ampere and Hopper GPUs by default; torch does not
-(``torch.backends.cuda.matmul.allow_tf32`` is False, cuDNN convolutions do use TF32).
-kmgpu's torch steps use TF32 like the other two backends by default
-(``parallelize(..., tf32=False)``: full float32 for matmuls and convolutions), set
-only while kmgpu's step runs (captured graphs keep the kernels chosen at capture),
-so the user's other torch code keeps its own global settings.
+The float32 matmul policy the captured steps run under is ``precision``'s.
 """
 
-import contextlib
 import gc
 import re
 
@@ -165,35 +158,3 @@ def why(e):
     if text.startswith("Exception encountered when calling") and len(lines) > 1:
         text = f"{text} {lines[1]}"
     return f"{type(e).__name__}: {text}"[:300]
-
-
-# -- float32 matmul policy ---------------------------------------------------------------
-#: the default: TF32 for float32 matmuls and convolutions, as JAX and TensorFlow on GPUs
-TF32_DEFAULT = True
-
-
-@contextlib.contextmanager
-def matmul_precision(tf32):
-    """Within the block, float32 matmuls and cuDNN convolutions use TF32 (``tf32``
-    True) or full float32 (False); the global settings are put back after it; set
-    also without CUDA, where they change nothing (a CPU rank shows the policy it got)."""
-    if tf32 is None:
-        yield
-        return
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = bool(tf32)
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
-
-
-def precision_words(tf32):
-    """describe()'s words for the policy."""
-    if tf32 is False:
-        return ("float32 matmuls and convolutions in full float32 (tf32=False; TF32 with "
-                "parallelize(..., tf32=True), the default)")
-    return ("float32 matmuls and convolutions in TF32 inside kmgpu's steps, as JAX and "
-            "TensorFlow do on GPUs (about 1e-3 relative per product; full float32 with "
-            "parallelize(..., tf32=False))")

@@ -18,7 +18,7 @@ from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
-from kmgpu.engines.torch import (cuda_graphs, data, eval_steps, fast_layers, feeds, graphs,
+from kmgpu.engines.torch import (data, eval_steps, fast_layers, feeds, graphs,
                                  keras_fixes, launchers, relay, replicas, resident, shuffle,
                                  timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
@@ -70,7 +70,7 @@ class TorchEngine(Engine):
                 callbacks if launcher.runs_callbacks else None, template, method,
                 load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
-            tf32 = getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
+            tf32 = self.options.tf32
             call = Call(method=method,
                         key=(replicas.replica_key(template, self.options.sync_batchnorm,
                                                   lr_scale) + (tf32,), self.options.shard_optimizer),
@@ -124,7 +124,7 @@ class TorchEngine(Engine):
     def train_step_mode(self, template):
         on_gpu = self.device_names[0].startswith("gpu")
         text = graphs.describe(template, on_gpu, self.num_replicas, self.options.sync_batchnorm,
-                               tf32=getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT))
+                               tf32=self.options.tf32)
         if self.options.shard_optimizer and self.num_replicas > 1:
             text = zero.describe(text, self.num_replicas, template)
         return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
@@ -222,7 +222,7 @@ class TorchLocalEngine(LocalEngine):
                 return template.fit(**resident.device_feed(kwargs, device))
 
     def _tf32(self):
-        return getattr(self.options, "tf32", cuda_graphs.TF32_DEFAULT)
+        return self.options.tf32
 
     def _evals(self, template, method, kind):
         """The captured test / predict steps installed for this call (a context), on a

@@ -33,7 +33,7 @@ class CapturedEval(graphs.CapturedSteps):
         model: the compiled (or, for predict, built) model.
         device: its torch device.
         say: ``say(text)`` prints a line.
-        tf32: the float32 matmul policy inside the steps (``cuda_graphs.matmul_precision``).
+        tf32: the float32 matmul policy inside the steps (``precision.matmul_precision``).
         test: ``test(x, y, sw)``, the test step to run (None: Keras's, as written here).
         rows: ``rows()`` is (real rows, global rows) of the current test batch, part of
             its signature (a rank's ``test`` weighs by them); None: no such part.

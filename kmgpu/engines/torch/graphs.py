@@ -48,7 +48,7 @@ import torch
 
 from kmgpu import environment
 from kmgpu.engines import global_losses
-from kmgpu.engines.torch import cuda_graphs, flat_layout, keras_fixes, split_step
+from kmgpu.engines.torch import cuda_graphs, flat_layout, keras_fixes, precision, split_step
 from kmgpu.engines.torch.split_step import SplitStep
 
 #: eager steps of one batch signature (on a side stream) before it is captured
@@ -103,12 +103,12 @@ def plan(model, on_gpu):
 
 
 def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None,
-             tf32=cuda_graphs.TF32_DEFAULT):
+             tf32=precision.TF32_DEFAULT):
     """The train step, in words, for ``describe()`` (on a GPU with kmgpu's split step:
     the float32 matmul policy too)."""
     text = _describe(model, on_gpu, world, sync_batchnorm, graph_bytes)
     if on_gpu and plan(model, on_gpu)[0] == SPLIT:
-        text += "; " + cuda_graphs.precision_words(tf32)
+        text += "; " + precision.words(tf32)
     return text
 
 
@@ -143,7 +143,7 @@ def step_context(model, device, tf32):
     scalars and random draws on the device (capture refuses host copies), the float32
     matmul policy, the fused BatchNorm and fast ops on CUDA, conditions on the device."""
     with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-            cuda_graphs.matmul_precision(tf32), keras_fixes.fused_batchnorm(device), \
+            precision.matmul_precision(tf32), keras_fixes.fused_batchnorm(device), \
             keras_fixes.fast_ops(device), keras_fixes.step_conditions(model):
         yield
 
@@ -201,7 +201,7 @@ class CapturedSteps:
         model: the model whose steps these are.
         device: its torch device (no capture off CUDA).
         say: ``say(text)`` prints a line (None: silent, e.g. ranks other than 0).
-        tf32: the float32 matmul policy inside the steps (``cuda_graphs.matmul_precision``;
+        tf32: the float32 matmul policy inside the steps (``precision.matmul_precision``;
             None: the process's own settings).
         refused: {kind: why that kind must not be captured}.
     """
@@ -361,7 +361,7 @@ class CapturedStep(CapturedSteps):
         refuse: why this step must not be captured (None: it may).
         capture_update: also capture stage B (else B runs eagerly after graph A); None:
             yes unless ``KMGPU_TORCH_CAPTURE_UPDATE=0`` (to measure the difference).
-        tf32: the float32 matmul policy inside the step (``cuda_graphs.matmul_precision``;
+        tf32: the float32 matmul policy inside the step (``precision.matmul_precision``;
             None: the process's own settings).
     """
 

@@ -82,7 +82,7 @@ class Call:
         state_in: False when the ranks' replicas hold the template's state already
             (nothing written to slot 0: the replicas stay as they are).
         tf32: the float32 matmul policy inside the ranks' kmgpu steps on CUDA
-            (``parallelize(..., tf32=)``, ``cuda_graphs.matmul_precision``); part of
+            (``parallelize(..., tf32=)``, ``precision.matmul_precision``); part of
             ``key``, so a replica is prepared with one policy.
         shard_optimizer: the optimizer state sharded over the ranks (``zero``).
     """
