@@ -15,6 +15,12 @@ counter, a scalar) stays whole on every device; ``state_bytes`` counts it so.
 Nothing changes in the arithmetic: the update is the same elementwise expression, so
 the weights equal the unsharded run's.
 
+``use_ema``'s moving averages are slots like the others, sharded. Fit's
+``finalize_variable_values`` assigns each to its weight, whose own layout (whole on every
+device) places the value whole (``JaxVariable._direct_assign``), and
+``keras_fixes.separate_ema_overwrite`` gives the weight a copy: the weights stay whole,
+the averages sharded, with nothing added here.
+
 The user's model holds the whole state after every ``fit``: ``gather`` brings a
 sharded value back whole (the engine's ``copy_back``; under ``kmgpu launch``
 ``host_value``, which gathers the shards of every process).

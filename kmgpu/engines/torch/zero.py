@@ -21,9 +21,16 @@ fit trains (an empty tensor); ``materialize`` gathers the state into them on ran
 collective at the same moment on every rank: at fit's validation, every epoch end, the
 end of training, after ``train_on_batch`` and when a fit stops early; the other ranks
 keep 1/N; under torchrun every process's own model gets it: all-gather), so the user's
-model gets the whole optimizer state back,
-``save`` / ``load_model`` work as unsharded, and a later call's state (loaded, or
-broadcast from rank 0) is taken back into the pieces at the next step (``release``).
+model gets the whole optimizer state back, ``save`` / ``load_model`` work as unsharded,
+and a later call's state (loaded, or broadcast from rank 0) is taken back into the pieces
+at the next step (``release``).
+
+``use_ema``: ``materialize`` all-gathers the moving averages to every rank (the other
+slots still go to rank 0 only). Keras's fit ends with ``finalize_variable_values`` on
+every rank, after the last epoch end's gather: each weight is assigned its whole average,
+so every rank's replica ends with rank 0's weights (the replicas stay resident for the
+next call). The all-gather moves what the gather moves into rank 0; the whole
+averages are freed again at the next step.
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
 Adagrad, Lion, Nadam and Adamax with their options (``flat_optim.COVERED``); anything else
@@ -38,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from kmgpu.engines.torch import flat_layout, flat_optim
+
+EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
 
 def check(optimizer):
@@ -85,6 +94,9 @@ class Shards:
         # loss scale's finite check, need every element
         self.whole = bool(opt.clipnorm or opt.global_clipnorm or self.flat.scaler)
         self.materialized = True  # the Keras slot variables hold the state now
+        # of the Keras slot variables, only the moving averages' are whole (``materialize``
+        # off rank 0 with ``use_ema``)
+        self.ema_held = False
         self.stepped = False  # a step ran since the last materialize (every rank alike)
         self.release()
         self.grad_flats = self.grad_pieces = None
@@ -133,21 +145,25 @@ class Shards:
         """Gather the optimizer state into the Keras slot variables (a collective: every
         rank, at the same point): on rank 0 only (what snapshots the state for the user's
         model; the other ranks keep 1/N), or on every rank (``everywhere``: each process
-        has its own user model, torchrun). No-op where they hold it already."""
+        has its own user model, torchrun). ``use_ema``'s moving averages go to every rank
+        (all-gather): fit's ``finalize_variable_values`` reads them whole on every rank.
+        No-op where they hold it already."""
         if not self.stepped:  # nothing new since the last gather: the same on every rank
             return
         self.stepped = False
         mine = everywhere or self.rank == 0
         for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
             for name, own in piece.slots.items():
-                whole = own.new_empty(flat.numel()) if mine else None
-                if everywhere:
+                here = mine or name == EMA
+                whole = own.new_empty(flat.numel()) if here else None
+                if everywhere or name == EMA:
                     _all_gather(whole, own)
                 else:
                     dist.gather(own, list(whole.chunk(self.world)) if mine else None, dst=0)
-                if mine:
+                if here:
                     self._keras_views(k, name, whole)
         self.materialized = mine
+        self.ema_held = not mine and EMA in self.flat.keras_slots
 
     @torch.no_grad()
     def receivable(self):
@@ -156,6 +172,7 @@ class Shards:
         next step takes this rank's piece from them."""
         if self.materialized:
             return
+        self.ema_held = False  # replaced below: every slot is received whole
         for k, flat in enumerate(self.flat.params):
             for name in self.flat.keras_slots:
                 self._keras_views(k, name, flat.new_zeros(flat.numel()))
@@ -164,7 +181,12 @@ class Shards:
     @torch.no_grad()
     def release(self):
         """Take this rank's piece of the state from the Keras slot variables (they may
-        have been loaded or broadcast since ``materialize``) and free their memory."""
+        have been loaded or broadcast since ``materialize``) and free their memory (where
+        only the moving averages are whole, the pieces are current: those are freed)."""
+        if self.ema_held:
+            for var in self.flat.keras_slots[EMA]:
+                var.value.data = var.value.new_empty(0)
+            self.ema_held = False
         if not self.materialized:
             return
         weights = self.flat.weights
@@ -192,8 +214,9 @@ class Shards:
 class GatherOptimizerState(keras.callbacks.Callback):
     """In a sharded fit, on every rank: the whole optimizer state into rank 0's (or, with
     ``everywhere``, every rank's) Keras variables before fit's validation, at every epoch
-    end and at the end of training (before rank 0 snapshots it); the next step takes the
-    pieces back."""
+    end and at the end of training (before rank 0 snapshots it), ``use_ema``'s moving
+    averages into every rank's (before fit's ``finalize_variable_values``); the next step
+    takes the pieces back."""
 
     def __init__(self, split, everywhere=False):
         super().__init__()
