@@ -48,23 +48,21 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     Returns:
         A ``ParallelModel``.
     """
-    options = plan.Options.make(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                                drop_remainder, shard_optimizer, tf32)
-    if connector.unbuilt(model):  # built from the first batch, as plain Keras does
-        backend = connector.check_unbuilt(model, gpus, options)
-        return ParallelModel(model, None, options, backend, gpus=gpus)
-    engine, backend = connector.connect(model, gpus, options)
-    _warn_one_device(engine, options, stacklevel=3)
-    return ParallelModel(model, engine, options, backend)
+    options = plan.options(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
+                           drop_remainder, shard_optimizer, tf32)
+    config, backend, engine = connector.connect(model, gpus, options)
+    if engine is not None:  # else built from the first batch, as plain Keras does
+        _warn_one_device(engine, config, stacklevel=3)
+    return ParallelModel(model, engine, config, backend)
 
 
-def _warn_one_device(engine, options, stacklevel):
+def _warn_one_device(engine, config, stacklevel):
     if engine.num_replicas == 1:
         warnings.warn(
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",
             stacklevel=stacklevel,
         )
-        if options.shard_optimizer:
+        if config.shard_optimizer:
             warnings.warn("kmgpu: shard_optimizer=True on one device: nothing to shard, the "
                           "optimizer state stays whole on that device (a no-op).",
                           stacklevel=stacklevel)
@@ -84,18 +82,16 @@ class ParallelModel:
         num_replicas: the number of devices the model runs on (N).
     """
 
-    def __init__(self, model, engine, options, backend, gpus=None):
-        self.__dict__.update(model=model, _engine=engine, _options=options, _backend=backend,
-                             _last_fit=None, _lr_scale=(1.0, 0), _warned=False, _gpus=gpus)
+    def __init__(self, model, engine, config, backend):
+        self.__dict__.update(model=model, _engine=engine, _config=config, _backend=backend,
+                             _last_fit=None, _lr_scale=(1.0, 0), _warned=False)
 
     # -- the contract -------------------------------------------------------------
     @property
     def num_replicas(self):
         """N, the number of devices (replicas) fit, evaluate and predict run on."""
         if self._engine is None:  # an unbuilt model: the devices it will use
-            from kmgpu import hardware
-
-            return len(hardware.resolve(self._gpus, hardware.physical_devices()))
+            return len(self._config.device_ids)
         return self._engine.num_replicas
 
     def compile(self, *args, **kwargs):
@@ -116,17 +112,17 @@ class ParallelModel:
             # arrays validating a dataset: Keras batches them by its default, a
             # per-device batch under batch="per_replica" (with validation_steps Keras
             # splits the rows into that many batches instead)
-            call["validation_batch_size"] = plan.global_batch(self._options, None,
+            call["validation_batch_size"] = plan.global_batch(self._config, None,
                                                               self.num_replicas)
         call = self._fixed_batches("fit", call, user_batch)
         samples = _num_samples(call.get("x"))
         steps = call.get("steps_per_epoch") or _steps(call.get("x"), samples, call.get("batch_size"))
         self.__dict__["_last_fit"] = (samples, user_batch)
         self._warn_about_traps(steps)
-        factor = plan.lr_factor(self._options, self.num_replicas)
+        factor = plan.lr_factor(self._config, self.num_replicas)
         optimizer = self.model.optimizer
         if lr.is_schedule(optimizer):
-            warmup = self._options.warmup_epochs
+            warmup = self._config.warmup_epochs
             if warmup and not steps:
                 raise ValueError(
                     "warmup_epochs with a LearningRateSchedule ramps per step and needs the "
@@ -134,7 +130,7 @@ class ParallelModel:
                 )
             self.__dict__["_lr_scale"] = (factor, warmup * (steps or 0))
         else:
-            scaling = lr.LRScaling(optimizer, factor, self._options.warmup_epochs)
+            scaling = lr.LRScaling(optimizer, factor, self._config.warmup_epochs)
             call["callbacks"] = scaling.wrap(call.get("callbacks"))
         if call.get("verbose") not in (0, "0") and environment.process_index() == 0:
             print(self._plan_text(), flush=True)
@@ -239,7 +235,7 @@ class ParallelModel:
         if batch_size is None:
             batch_size = plan.KERAS_DEFAULT_BATCH
         return plan.describe(backend=self._backend, engine=self._engine,
-                             options=self._options, template=self.model,
+                             config=self._config, template=self.model,
                              samples=samples, batch_size=batch_size,
                              stateful=self._stateful_text())
 
@@ -249,7 +245,7 @@ class ParallelModel:
             return "none"
         b, n = replication.fixed_batch(self.model), self.num_replicas
         reset = ("zeroed each epoch and each evaluate/predict"
-                 if self._options.reset_states == "epoch" else "never zeroed by kmgpu")
+                 if self._config.reset_states == "epoch" else "never zeroed by kmgpu")
         return (f"{len(found)} layer(s), fixed global batch {b}, replica r keeps rows "
                 f"r*{b // n}..(r+1)*{b // n}-1; states {reset}; fit does not shuffle")
 
@@ -291,15 +287,15 @@ class ParallelModel:
     def _connect(self):
         """The engine of a model that was unbuilt when wrapped, now that it is built."""
         if self._engine is None:
-            engine, _ = connector.connect(self.model, self._gpus, self._options)
-            _warn_one_device(engine, self._options, stacklevel=5)
+            engine = connector.engine_for(self.model, self._config, self._backend)
+            _warn_one_device(engine, self._config, stacklevel=5)
             self.__dict__["_engine"] = engine
 
     def _warn_about_traps(self, steps):
         """Say once when the plan looks like the batch-scaling trap (process 0 only)."""
         if self._warned or environment.process_index() != 0:
             return
-        o, n = self._options, self.num_replicas
+        o, n = self._config, self.num_replicas
         text = None
         if o.batch == "per_replica" and not o.scale_lr and n > 1:
             text = (f"batch='per_replica' with scale_lr=False: the global batch is {n}x larger "
@@ -319,7 +315,7 @@ class ParallelModel:
         if not replication.stateful_layers(self.model):
             return call
         return plan.stateful_call(method, self.model, call, self.num_replicas,
-                                     self._options, user_batch)
+                                     self._config, user_batch)
 
     def _require_compiled(self, method):
         if not self.model.compiled:
@@ -337,7 +333,7 @@ class ParallelModel:
                     raise ValueError(f"{key}={size!r}: pass a positive int.")
                 if size is None and datasets.is_dataset(call.get("x")):
                     continue  # the dataset brings its own batches
-                call[key] = plan.global_batch(self._options, size, self.num_replicas)
+                call[key] = plan.global_batch(self._config, size, self.num_replicas)
         return call
 
 

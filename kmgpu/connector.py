@@ -1,5 +1,6 @@
 """The one place where the user's options, the devices and the environment become an
-engine (as Lightning Fabric's connector): which backend, which devices, which engine.
+engine (as Lightning Fabric's connector): which backend, which devices (``gpus=``
+resolved here only), one ``Config`` record of them all, and which engine runs it.
 
 The front (``api.py``) never asks which backend runs; each engine lives in
 ``kmgpu/engines/<backend>/`` and is imported only here.
@@ -7,6 +8,7 @@ The front (``api.py``) never asks which backend runs; each engine lives in
 
 from kmgpu import checks, environment, hardware, plan
 from kmgpu.engines import engine_class, replication
+from kmgpu.engines.base import Config
 
 #: backends whose engine has no sharded optimizer state (``shard_optimizer=True``): why
 NO_SHARDED_OPTIMIZER = {
@@ -16,41 +18,64 @@ NO_SHARDED_OPTIMIZER = {
 
 
 def connect(model, gpus, options):
-    """Check ``model`` and ``gpus`` and make the engine that will run it.
+    """Check ``model``, ``gpus`` and ``options``, make the run's one ``Config`` and, for a
+    built model, the engine that will run it.
+
+    ``gpus`` is resolved here and nowhere else: the Config holds the devices from then
+    on (an unbuilt model's engine is made from it by ``engine_for`` after its first
+    batch builds it).
 
     Args:
-        model: the user's built ``keras.Model``.
+        model: the user's ``keras.Model``, built, or unbuilt (a Sequential without
+            ``Input``, built from its first batch).
         gpus: the ``gpus=`` argument of ``parallelize``.
-        options: ``plan.Options``.
+        options: ``plan.options(...)``: the other arguments, checked.
 
     Returns:
-        (engine, backend name).
+        (config, backend name, engine or None for an unbuilt model).
 
     Raises:
         TypeError / ValueError / NotImplementedError, saying what to do instead;
         nothing of the model is changed.
     """
-    checks.check_model(model)
+    if unbuilt(model):
+        _check_unbuilt(model)
+    else:
+        checks.check_model(model)
     backend = hardware.backend_name()
     _check_options(options, backend)
+    available = hardware.physical_devices(backend)
+    ids = hardware.resolve(gpus, available)
+    config = Config(device_ids=tuple(ids), devices=tuple(available[i] for i in ids), **options)
+    if unbuilt(model):
+        return config, backend, None
+    return config, backend, _engine(model, config, backend)
+
+
+def engine_for(model, config, backend):
+    """The engine for a model that was unbuilt at ``connect``, now that it is built."""
+    checks.check_model(model)
+    return _engine(model, config, backend)
+
+
+def _engine(model, config, backend):
     cls = engine_class(backend)
     if replication.stateful_layers(model) and not cls.supports_stateful:
         raise NotImplementedError(
             f"{model.name} has stateful RNN layers, which kmgpu's {backend} engine does not "
             "support yet: use the tensorflow or jax backend, or stateful=False.")
-    available = hardware.physical_devices(backend)
-    ids = hardware.resolve(gpus, available)
-    if environment.job() is None and cls.plain_fit_serves(model, ids):  # several processes: never
+    # several processes: never the one-device engine
+    if environment.job() is None and cls.plain_fit_serves(model, config.device_ids):
         from kmgpu.engines.local import LocalEngine
 
         cls = cls.local_engine or LocalEngine
-    engine = cls(ids, available, options)
+    engine = cls(config)
     plan.check_stateful_split(model, engine.num_replicas)  # all processes' devices under launch
-    return engine, backend
+    return engine
 
 
 def _check_options(options, backend):
-    if options.shard_optimizer and backend in NO_SHARDED_OPTIMIZER:
+    if options["shard_optimizer"] and backend in NO_SHARDED_OPTIMIZER:
         raise NotImplementedError(
             f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX and torch "
             "backends have it (KERAS_BACKEND=jax or torch); or pass shard_optimizer=False "
@@ -64,9 +89,9 @@ def unbuilt(model):
     return isinstance(model, keras.Model) and not model.built
 
 
-def check_unbuilt(model, gpus, options):
+def _check_unbuilt(model):
     """Check what can be checked of an unbuilt model before its first batch: its config,
-    ``gpus`` and ``options``. Returns the backend name."""
+    and that its first batch can build it."""
     import keras
 
     try:
@@ -79,10 +104,6 @@ def check_unbuilt(model, gpus, options):
             f"kmgpu.parallelize needs a built {type(model).__name__}: call model(x) once, or "
             "model.build(input_shape), before wrapping it (an unbuilt Sequential is built "
             "from the first batch, as plain Keras does).")
-    backend = hardware.backend_name()
-    _check_options(options, backend)
-    hardware.resolve(gpus, hardware.physical_devices(backend))
-    return backend
 
 
 def build_from(model, x):

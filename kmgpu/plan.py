@@ -1,13 +1,13 @@
 """The batch policy and the printed plan.
 
-``Options`` holds what the user chose in ``parallelize``; ``global_batch`` and
-``lr_factor`` turn it into numbers, ``describe()`` says the whole plan as text
-(global and per-replica batch, steps per epoch, learning-rate factor, bytes
-all-reduced). Stateful RNN models get fixed, whole, unshuffled batches that split
-evenly over the replicas (``check_stateful_split``, ``stateful_call``).
+``options`` checks what the user chose in ``parallelize`` (the run's ``Config``,
+``kmgpu.engines.base``, holds it); ``global_batch`` and ``lr_factor`` turn it into
+numbers, ``describe()`` says the whole plan as text (global and per-replica batch, steps
+per epoch, learning-rate factor, bytes all-reduced). Stateful RNN models get fixed,
+whole, unshuffled batches that split evenly over the replicas (``check_stateful_split``,
+``stateful_call``).
 """
 
-import dataclasses
 import math
 import warnings
 
@@ -18,67 +18,61 @@ RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or
 KERAS_DEFAULT_BATCH = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    batch: str = "global"
-    scale_lr: bool = False
-    warmup_epochs: int = 0
-    sync_batchnorm: bool = False
-    reset_states: str = "epoch"
-    drop_remainder: bool = False
-    shard_optimizer: bool = False
-    tf32: bool = True
+def options(batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
+            reset_states="epoch", drop_remainder=False, shard_optimizer=False, tf32=True):
+    """Check ``parallelize``'s options; raise ValueError/TypeError saying what to pass.
 
-    @classmethod
-    def make(cls, batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
-             reset_states="epoch", drop_remainder=False, shard_optimizer=False, tf32=True):
-        """Validate the user's choices; raise ValueError/TypeError saying what to pass."""
-        if batch not in BATCH_POLICIES:
-            raise ValueError(
-                f"batch={batch!r}: pass batch='global' (fit's batch_size is the global "
-                "batch; N devices train like one) or batch='per_replica' (batch_size per "
-                "device, global batch = N x batch_size)."
-            )
-        if scale_lr is None:
-            scale_lr = batch == "per_replica"
-        if not isinstance(scale_lr, bool):
-            raise TypeError(f"scale_lr must be True, False or None, not {scale_lr!r}.")
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int):
-            raise TypeError(f"warmup_epochs must be an int >= 0, not {warmup_epochs!r}.")
-        if warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs={warmup_epochs}: pass 0 (no warm-up) or more.")
-        if warmup_epochs and not scale_lr:
-            raise ValueError(
-                f"warmup_epochs={warmup_epochs} ramps the learning rate up to N x base, "
-                "which only happens with scale_lr=True. Pass scale_lr=True or drop "
-                "warmup_epochs."
-            )
-        if not isinstance(sync_batchnorm, bool):
-            raise TypeError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}.")
-        if reset_states not in RESET_CHOICES:
-            raise ValueError(f"reset_states={reset_states!r}: pass 'epoch' (zero stateful RNN "
-                             "states at each epoch and each evaluate/predict) or None (never; "
-                             "call parallel.reset_states() yourself).")
-        if not isinstance(drop_remainder, bool):
-            raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
-        if not isinstance(shard_optimizer, bool):
-            raise TypeError(f"shard_optimizer must be True or False, not {shard_optimizer!r}.")
-        if not isinstance(tf32, bool):
-            raise TypeError(f"tf32 must be True (TF32 float32 matmuls on CUDA, as JAX and "
-                            f"TensorFlow) or False (full float32), not {tf32!r}.")
-        return cls(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                   drop_remainder, shard_optimizer, tf32)
+    Returns:
+        The options by name (``scale_lr`` None made True or False), for the run's
+        ``Config`` (``connector.connect`` makes it).
+    """
+    if batch not in BATCH_POLICIES:
+        raise ValueError(
+            f"batch={batch!r}: pass batch='global' (fit's batch_size is the global "
+            "batch; N devices train like one) or batch='per_replica' (batch_size per "
+            "device, global batch = N x batch_size)."
+        )
+    if scale_lr is None:
+        scale_lr = batch == "per_replica"
+    if not isinstance(scale_lr, bool):
+        raise TypeError(f"scale_lr must be True, False or None, not {scale_lr!r}.")
+    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int):
+        raise TypeError(f"warmup_epochs must be an int >= 0, not {warmup_epochs!r}.")
+    if warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs={warmup_epochs}: pass 0 (no warm-up) or more.")
+    if warmup_epochs and not scale_lr:
+        raise ValueError(
+            f"warmup_epochs={warmup_epochs} ramps the learning rate up to N x base, "
+            "which only happens with scale_lr=True. Pass scale_lr=True or drop "
+            "warmup_epochs."
+        )
+    if not isinstance(sync_batchnorm, bool):
+        raise TypeError(f"sync_batchnorm must be True or False, not {sync_batchnorm!r}.")
+    if reset_states not in RESET_CHOICES:
+        raise ValueError(f"reset_states={reset_states!r}: pass 'epoch' (zero stateful RNN "
+                         "states at each epoch and each evaluate/predict) or None (never; "
+                         "call parallel.reset_states() yourself).")
+    if not isinstance(drop_remainder, bool):
+        raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"shard_optimizer must be True or False, not {shard_optimizer!r}.")
+    if not isinstance(tf32, bool):
+        raise TypeError(f"tf32 must be True (TF32 float32 matmuls on CUDA, as JAX and "
+                        f"TensorFlow) or False (full float32), not {tf32!r}.")
+    return dict(batch=batch, scale_lr=scale_lr, warmup_epochs=warmup_epochs,
+                sync_batchnorm=sync_batchnorm, reset_states=reset_states,
+                drop_remainder=drop_remainder, shard_optimizer=shard_optimizer, tf32=tf32)
 
 
-def global_batch(options, batch_size, num_replicas):
+def global_batch(config, batch_size, num_replicas):
     """The global batch a fit/evaluate/predict call uses for the user's batch_size."""
     if batch_size is None:
         batch_size = KERAS_DEFAULT_BATCH
-    return batch_size * num_replicas if options.batch == "per_replica" else batch_size
+    return batch_size * num_replicas if config.batch == "per_replica" else batch_size
 
 
-def lr_factor(options, num_replicas):
-    return float(num_replicas) if options.scale_lr else 1.0
+def lr_factor(config, num_replicas):
+    return float(num_replicas) if config.scale_lr else 1.0
 
 
 class PlanText(str):
@@ -113,24 +107,25 @@ def own_losses_text(backend, template, n):
             f"batch on each of the {n} replicas (its inputs all-gathered)")
 
 
-def describe(*, backend, engine, options, template, samples=None, batch_size=None, stateful="none"):
+def describe(*, backend, engine, config, template, samples=None, batch_size=None,
+             stateful="none"):
     """The plan, as text."""
     n = engine.num_replicas
-    gb = global_batch(options, batch_size, n)
+    gb = global_batch(config, batch_size, n)
     per = [gb // n + (1 if r < gb % n else 0) for r in range(n)]
     per_text = str(per[0]) if len(set(per)) == 1 else f"{min(per)}-{max(per)} (uneven split)"
     steps = f"{math.ceil(samples / gb)} ({samples} samples)" if samples else "depends on the data"
     params = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in template.trainable_weights)
     reduced = params * 2 * (n - 1) / n
-    factor = lr_factor(options, n)
-    lr = f"x{factor:g} (linear scaling rule)" if options.scale_lr else "x1 (unchanged)"
-    if options.warmup_epochs:
-        lr += f", warm-up from x1 over {options.warmup_epochs} epoch(s)"
+    factor = lr_factor(config, n)
+    lr = f"x{factor:g} (linear scaling rule)" if config.scale_lr else "x1 (unchanged)"
+    if config.warmup_epochs:
+        lr += f", warm-up from x1 over {config.warmup_epochs} epoch(s)"
     lines = [
         ("backend", backend),
         ("engine", engine.name),
         ("devices", f"{n}: {', '.join(engine.device_names)}"),
-        ("batch policy", options.batch),
+        ("batch policy", config.batch),
         ("global batch", str(gb)),
         ("per-replica batch", per_text),
         ("steps/epoch", steps),
@@ -140,13 +135,13 @@ def describe(*, backend, engine, options, template, samples=None, batch_size=Non
         ("stateful RNNs", stateful),
         ("own losses", own_losses_text(backend, template, n)),
         ("all-reduce/step", f"{_bytes(reduced)} (params {_bytes(params)} x 2(N-1)/N)"),
-        ("memory/device", _memory(engine, options, template, params)),
+        ("memory/device", _memory(engine, config, template, params)),
     ]
     width = max(len(k) for k, _ in lines)
     return "kmgpu plan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
 
 
-def _memory(engine, options, template, grads):
+def _memory(engine, config, template, grads):
     """Bytes per device of the weights, the gradients and the optimizer state, with
     ``shard_optimizer`` and without (activations and temporaries not counted)."""
     n = engine.num_replicas
@@ -157,13 +152,13 @@ def _memory(engine, options, template, grads):
         opt)) if opt is not None and opt.built else None
     shard = engine.optimizer_bytes(template) if n > 1 else None
     if shard is None and whole is None:
-        sharded = f"1/{n} per device (shard_optimizer=True), " if options.shard_optimizer else ""
+        sharded = f"1/{n} per device (shard_optimizer=True), " if config.shard_optimizer else ""
         return text + f"state: {sharded}bytes known once the optimizer is built (after the first fit)"
     if shard is None:
         return text + f"state {_bytes(whole)} (whole on every device)"
     per, whole, kept = shard
     kept_text = f"; {_bytes(kept)} of it whole: no dimension splits over {n}" if kept else ""
-    if options.shard_optimizer:
+    if config.shard_optimizer:
         return (text + f"state {_bytes(per)} (shard_optimizer=True: 1/{n} of "
                 f"{_bytes(whole)}{kept_text})")
     return (text + f"state {_bytes(whole)} (whole on every device; shard_optimizer=True: "
@@ -207,7 +202,7 @@ def check_stateful_split(model, num_replicas):
     )
 
 
-def stateful_call(method, template, call, num_replicas, options, user_batch):
+def stateful_call(method, template, call, num_replicas, config, user_batch):
     """Check and adjust a fit / evaluate / predict call for a stateful ``template``.
 
     Batches are fixed (the model's own batch B, global), whole and unshuffled.
@@ -217,19 +212,19 @@ def stateful_call(method, template, call, num_replicas, options, user_batch):
         template: the user's stateful model.
         call: the bound Keras arguments, batch sizes already global.
         num_replicas: N.
-        options: the ParallelModel's ``plan.Options``.
+        config: the run's ``Config`` (``kmgpu.engines.base``).
         user_batch: the batch_size the user passed (None if left out).
 
     Returns:
         The call, with batch sizes filled in, shuffle off and, with
-        ``options.drop_remainder``, the data cut to whole batches.
+        ``config.drop_remainder``, the data cut to whole batches.
 
     Raises:
         ValueError: sizes that do not split, saying which would.
     """
     b = replication.fixed_batch(template)
     n = num_replicas
-    per_replica = options.batch == "per_replica"
+    per_replica = config.batch == "per_replica"
     if user_batch is None:
         call["batch_size"] = b
     elif call["batch_size"] != b:
@@ -250,11 +245,11 @@ def stateful_call(method, template, call, num_replicas, options, user_batch):
         )
     for key in ("x", "y", "sample_weight"):
         if key in call:
-            call[key] = _whole_batches(call[key], b, options.drop_remainder, key, method)
+            call[key] = _whole_batches(call[key], b, config.drop_remainder, key, method)
     validation = call.get("validation_data")
     if validation is not None:
         call["validation_data"] = tuple(
-            _whole_batches(part, b, options.drop_remainder, "validation_data", method)
+            _whole_batches(part, b, config.drop_remainder, "validation_data", method)
             for part in validation)
     if method == "fit" and call.get("shuffle"):
         warnings.warn(f"kmgpu: {template.name} is stateful, so fit keeps the batches in order "

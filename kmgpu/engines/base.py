@@ -15,17 +15,54 @@ weights and the optimizer state in ``template``.
 
 import abc
 import contextlib
+import dataclasses
+from typing import Optional
 
 from kmgpu.engines import replication
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One run's configuration: ``parallelize``'s options and the devices ``gpus=`` chose.
+
+    Built once, by the front (``kmgpu.connector.connect``), as Lightning Fabric's
+    connector builds one strategy from one config; the engine gets it, and on torch the
+    launcher hands the same record to every rank's strategy (``DDPStrategy(device,
+    config)``: pickled to a pool worker, as it is under torchrun). Plain values only, so
+    it pickles anywhere; nothing reaches back to the front for them.
+    """
+
+    #: indices into the backend's devices (its ``runtime.physical_devices()``), main first
+    device_ids: tuple = ()
+    #: (kind, index) of each of those devices, e.g. (("gpu", 0), ("gpu", 2))
+    devices: tuple = ()
+    #: "global": fit's batch_size is the global batch; "per_replica": per device
+    batch: str = "global"
+    #: the learning rate times N (linear scaling rule), ramped over ``warmup_epochs``
+    scale_lr: bool = False
+    warmup_epochs: int = 0
+    #: BatchNormalization moments over the global batch (else each replica's own)
+    sync_batchnorm: bool = False
+    #: stateful RNNs: "epoch" zeroes their states each epoch and evaluate/predict; None never
+    reset_states: Optional[str] = "epoch"
+    #: stateful RNNs: drop the samples after the last whole batch
+    drop_remainder: bool = False
+    #: the optimizer state laid out over the devices (ZeRO-1)
+    shard_optimizer: bool = False
+    #: torch on CUDA: float32 matmuls in TF32 inside kmgpu's steps (``torch/precision.py``)
+    tf32: bool = True
+
+    @property
+    def device_names(self):
+        """The devices as "kind:index" strings, main first."""
+        return [f"{kind}:{index}" for kind, index in self.devices]
 
 
 class Engine(abc.ABC):
     """Base class: one per backend.
 
     Args:
-        device_ids: indices into ``available`` of the devices to use, main first.
-        available: list of (kind, index) pairs from ``devices.physical_devices``.
-        options: the ``kmgpu.plan.Options`` of the ParallelModel.
+        config: the run's ``Config`` (its devices and options).
     """
 
     #: what does the work, in words, for describe()
@@ -35,10 +72,10 @@ class Engine(abc.ABC):
     #: the one-device engine when ``plain_fit_serves`` (None: ``local.LocalEngine``)
     local_engine = None
 
-    def __init__(self, device_ids, available, options):
-        self.device_ids = list(device_ids)
-        self.device_names = [f"{available[i][0]}:{available[i][1]}" for i in device_ids]
-        self.options = options
+    def __init__(self, config):
+        self.config = config
+        self.device_ids = list(config.device_ids)
+        self.device_names = config.device_names
 
     @property
     def num_replicas(self):
@@ -83,7 +120,7 @@ class Engine(abc.ABC):
         """How BatchNormalization statistics are computed, for describe()."""
         if self.num_replicas == 1:
             return "one device"
-        return "global batch (synchronised)" if self.options.sync_batchnorm else "per replica"
+        return "global batch (synchronised)" if self.config.sync_batchnorm else "per replica"
 
     def close(self):
         """Free what the engine holds (processes, device memory)."""
@@ -105,8 +142,8 @@ class InProcessEngine(Engine):
 
     supports_stateful = True
 
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
+    def __init__(self, config):
+        super().__init__(config)
         self.replica = None
         self._built_from = None  # (config json, id of the template's optimizer)
         self.copied_in = None  # variables the last call copied into the replica
@@ -190,7 +227,7 @@ class InProcessEngine(Engine):
         replica = self._ensure_replica(template, lr_scale)
         on_batch = method in ON_BATCH
         states = replication.state_variables(template)
-        if states and self.options.reset_states == "epoch" and not on_batch:
+        if states and self.config.reset_states == "epoch" and not on_batch:
             replication.reset_states(template)
             if method == "fit":
                 kwargs = dict(kwargs, callbacks=[replication.reset_callback(replica)]

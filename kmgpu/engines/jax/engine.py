@@ -36,14 +36,14 @@ from kmgpu.engines.jax import keras_fixes, zero
 class JaxEngine(InProcessEngine):
     name = "keras.distribution.DataParallel (jax.sharding)"
 
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
+    def __init__(self, config):
+        super().__init__(config)
         import jax
         import keras
 
         devices = jax.devices()
         self.distribution = keras.distribution.DataParallel(
-            devices=[devices[i] for i in device_ids]
+            devices=[devices[i] for i in config.device_ids]
         )
         from kmgpu.engines.jax import runtime
 
@@ -67,7 +67,7 @@ class JaxEngine(InProcessEngine):
 
     def _ensure_replica(self, template, lr_scale):
         replica = super()._ensure_replica(template, lr_scale)
-        if self.options.shard_optimizer:  # before its optimizer makes a variable
+        if self.config.shard_optimizer:  # before its optimizer makes a variable
             zero.shard(getattr(replica, "optimizer", None), self.distribution)
         # the replica's next step donates its variables: none may share an array
         keras_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
@@ -76,7 +76,7 @@ class JaxEngine(InProcessEngine):
     def prepare_replica(self, replica, template):
         d = self.distribution
         self._bn = (0, [])
-        if not self.options.sync_batchnorm and self.num_replicas > 1:
+        if not self.config.sync_batchnorm and self.num_replicas > 1:
             self._bn = keras_fixes.local_batchnorm(replica, d)
         keras_fixes.track_states(replica, d)  # stateful RNNs: carried through the jit
         keras_fixes.fresh_loss_ids(replica)  # a step's own losses, every trace
@@ -168,12 +168,12 @@ class JaxEngine(InProcessEngine):
 
     def optimizer_bytes(self, template):
         return zero.state_bytes(self.replica, template, self.distribution,
-                                self.options.shard_optimizer)
+                                self.config.shard_optimizer)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
             return "one device"
-        if self.options.sync_batchnorm:
+        if self.config.sync_batchnorm:
             return ("global batch (sync_batchnorm=True: exact as one device; an all-reduce "
                     "in the forward and the backward pass of every BatchNormalization)")
         text = ("per replica (each device's own rows, no collective; moving statistics: "

@@ -29,15 +29,15 @@ from kmgpu.engines.tensorflow import data, kept_input, keras_fixes
 class TensorFlowEngine(InProcessEngine):
     name = "tf.distribute.MirroredStrategy"
 
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
+    def __init__(self, config):
+        super().__init__(config)
         import tensorflow as tf
 
         self._feed = {"first": None}  # the first batch of a generator fed per replica
 
-        kind = available[device_ids[0]][0].upper()
+        kind = config.devices[0][0].upper()
         logical = tf.config.list_logical_devices(kind)
-        names = [logical[i].name for i in device_ids]
+        names = [logical[i].name for i in config.device_ids]
         from kmgpu.engines.tensorflow import runtime
 
         multi = runtime.strategy()  # several processes (kmgpu launch)
@@ -219,7 +219,7 @@ class TensorFlowEngine(InProcessEngine):
             replica_fixes=self.num_replicas > 1)
         if self.num_replicas == 1:
             return
-        if self.options.sync_batchnorm:
+        if self.config.sync_batchnorm:
             for layer in replica._flatten_layers():
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True

@@ -29,10 +29,10 @@ class TorchEngine(Engine):
     #: rank r's replica is built for B/N rows and keeps rows r*B/N ... of every batch
     supports_stateful = True
 
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
+    def __init__(self, config):
+        super().__init__(config)
         self.rank_rows = None  # for tests: each rank's real rows of the last *_on_batch
-        self.launcher = launchers.choose(self.device_ids, available, options.sync_batchnorm)
+        self.launcher = launchers.choose(config)
         self.device_ids = self.launcher.device_ids
         self.device_names = self.launcher.device_names
         self.name = self.launcher.name
@@ -56,10 +56,10 @@ class TorchEngine(Engine):
         lr_scale = (float(lr_scale[0]), int(lr_scale[1]))
         if template.compiled and self.num_replicas > 1:
             kwargs = batch_checks.check_weighable(template, kwargs, method)  # before any work
-            if self.options.shard_optimizer:
+            if self.config.shard_optimizer:
                 zero.check(template.optimizer)
         resets = (bool(replication.stateful_layers(template))
-                  and self.options.reset_states == "epoch" and not method.endswith("_on_batch"))
+                  and self.config.reset_states == "epoch" and not method.endswith("_on_batch"))
         if resets:
             replication.reset_states(template)  # what the ranks start from; they reset each epoch
         kwargs = dict(kwargs)
@@ -70,16 +70,13 @@ class TorchEngine(Engine):
                 callbacks if launcher.runs_callbacks else None, template, method,
                 load_state=lambda: _timed(clock, "state loads", launcher.load_state, template),
                 push_state=lambda: launcher.push_state(template))
-            tf32 = self.options.tf32
-            call = Call(method=method,
-                        key=(replicas.replica_key(template, self.options.sync_batchnorm,
-                                                  lr_scale) + (tf32,), self.options.shard_optimizer),
-                        tf32=tf32,
-                        kwargs=kwargs, rng=shuffle.state(),
-                        sync_batchnorm=self.options.sync_batchnorm, lr_scale=lr_scale,
+            config = self.config
+            call = Call(method=method, config=config,
+                        key=(replicas.replica_key(template, config.sync_batchnorm, lr_scale),
+                             config),
+                        kwargs=kwargs, rng=shuffle.state(), lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
-                        rnn_states=replicas.states_of(template), reset_states=resets,
-                        shard_optimizer=self.options.shard_optimizer)
+                        rnn_states=replicas.states_of(template), reset_states=resets)
             try:
                 answers = launcher.launch(call, template, driver, clock)
             except BaseException:
@@ -123,9 +120,9 @@ class TorchEngine(Engine):
 
     def train_step_mode(self, template):
         on_gpu = self.device_names[0].startswith("gpu")
-        text = graphs.describe(template, on_gpu, self.num_replicas, self.options.sync_batchnorm,
-                               tf32=self.options.tf32)
-        if self.options.shard_optimizer and self.num_replicas > 1:
+        text = graphs.describe(template, on_gpu, self.num_replicas, self.config.sync_batchnorm,
+                               tf32=self.config.tf32)
+        if self.config.shard_optimizer and self.num_replicas > 1:
             text = zero.describe(text, self.num_replicas, template)
         return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
                 + fast_layers.describe(template, on_gpu)
@@ -137,7 +134,7 @@ class TorchEngine(Engine):
     def batchnorm_mode(self):
         if self.num_replicas == 1:
             return "one device"
-        if self.options.sync_batchnorm:
+        if self.config.sync_batchnorm:
             return "global batch (sums all-reduced in the forward pass, with autograd)"
         return ("per replica; moving statistics averaged over replicas (weighted by "
                 "batch share) after every step")
@@ -176,8 +173,8 @@ class TorchLocalEngine(LocalEngine):
     GPU, the same split step eagerly on a CPU; Keras compiles nothing (``graphs.plan``
     says which step a model gets). The graphs live until ``close()`` or another model."""
 
-    def __init__(self, device_ids, available, options):
-        super().__init__(device_ids, available, options)
+    def __init__(self, config):
+        super().__init__(config)
         self._step, self._key, self._said, self._eval = None, None, None, None
 
     def _on_gpu(self, template):
@@ -186,7 +183,8 @@ class TorchLocalEngine(LocalEngine):
     def train_step_mode(self, template):
         step = self._step if self._key == replication.identity(template) else None
         text = graphs.describe(template, self._on_gpu(template), 1,
-                               graph_bytes=step.graph_bytes if step else None, tf32=self._tf32())
+                               graph_bytes=step.graph_bytes if step else None,
+                               tf32=self.config.tf32)
         if self._on_gpu(template) and not template.run_eagerly:
             text += eval_steps.WORDS
         return (text + fast_layers.describe(template, self._on_gpu(template))
@@ -217,12 +215,9 @@ class TorchLocalEngine(LocalEngine):
                 with graphs.eager_keras(template):  # no torch.compile
                     return super().run(method, template, kwargs, lr_scale)
             if self._step is None:
-                self._step = graphs.local_step(template, tf32=self._tf32())
+                self._step = graphs.local_step(template, tf32=self.config.tf32)
             with graphs.installed(template, self._step):
                 return template.fit(**resident.device_feed(kwargs, device))
-
-    def _tf32(self):
-        return self.options.tf32
 
     def _evals(self, template, method, kind):
         """The captured test / predict steps installed for this call (a context), on a
@@ -237,7 +232,7 @@ class TorchLocalEngine(LocalEngine):
             return contextlib.nullcontext()
         if self._eval is None:
             self._eval = eval_steps.CapturedEval(template, graphs.device_of(template),
-                                                 tf32=self._tf32())
+                                                 tf32=self.config.tf32)
         return graphs.installed(template, self._eval, kinds)
 
     def close(self):

@@ -115,7 +115,7 @@ def on_rank(strategy, replica, kinds):
         # inside the step; collectives stay out of graphs, so this step stays eager
         refused["test"] = "the loss sums sample weights over ranks in the step"
     steps = CapturedEval(replica, strategy.device, say=print if strategy.rank == 0 else None,
-                         tf32=strategy.tf32, test=lambda x, y, sw: rank_test((x, y, sw)),
+                         tf32=strategy.config.tf32, test=lambda x, y, sw: rank_test((x, y, sw)),
                          rows=rows, refused=refused)
     for kind in kinds:
         setattr(replica, f"{kind}_step", getattr(steps, f"{kind}_step"))

@@ -1,7 +1,10 @@
 """How the torch ranks' processes come to exist, and how a call and its state reach them.
 
 As Lightning Fabric keeps launchers apart from strategies, the torch engine holds one
-launcher; what each rank runs is ``strategy.DDPStrategy`` either way.
+launcher; what each rank runs is ``strategy.DDPStrategy`` either way, made by one route:
+the run's ``Config`` travels in every ``messages.Call`` and the rank makes its strategy
+from it, ``DDPStrategy(device, call.config)``, when it makes a replica for the call's key
+(a pool worker from the pickled Call, an in-process rank from the Call itself).
 
 - ``PoolLauncher``: kmgpu starts one worker process per device (gloo on CPU and
   simulated devices, NCCL on GPUs) and reuses it between calls and engines
@@ -44,20 +47,18 @@ def in_distributed_job():
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def choose(device_ids, available, sync_batchnorm):
+def choose(config):
     """The launcher for this process: in-process inside a distributed job, else a pool.
 
     Args:
-        device_ids: indices into ``available`` of the devices asked for.
-        available: [(kind, index), ...] from the backend's runtime.
-        sync_batchnorm: the option (an in-process rank prepares its replica with it).
+        config: the run's ``Config`` (a pool starts a worker on each of its devices).
 
     Returns:
         An InProcessLauncher or a PoolLauncher.
     """
     if in_distributed_job():
-        return InProcessLauncher(sync_batchnorm)
-    return PoolLauncher(device_ids, available)
+        return InProcessLauncher()
+    return PoolLauncher(config)
 
 
 def close_pools():
@@ -127,18 +128,16 @@ class PoolLauncher(Launcher):
     """kmgpu's worker pool: one process per device, shared by engines on the same devices.
 
     Args:
-        device_ids: indices into ``available`` of the devices.
-        available: [(kind, index), ...].
+        config: the run's ``Config``: its devices.
     """
 
     is_interactive_compatible = True  # workers stream to the running cell
 
-    def __init__(self, device_ids, available):
-        kinds = [available[i] for i in device_ids]
-        gpu = kinds[0][0] == "gpu"
-        self.device_ids = list(device_ids)
-        self.device_names = [f"{k}:{i}" for k, i in kinds]
-        self.torch_devices = [f"cuda:{i}" if gpu else "cpu" for _, i in kinds]
+    def __init__(self, config):
+        gpu = config.devices[0][0] == "gpu"
+        self.device_ids = list(config.device_ids)
+        self.device_names = config.device_names
+        self.torch_devices = [f"cuda:{i}" if gpu else "cpu" for _, i in config.devices]
         self.backend = "nccl" if gpu else "gloo"
         self.name = (f"torch DistributedDataParallel ({self.backend}, "
                      f"{len(self.device_ids)} worker process(es), reused between calls)")
@@ -288,7 +287,7 @@ def _worker_settings(backend):
         "image_data_format": keras.config.image_data_format(),
         "dtype_policy": keras.config.dtype_policy().name,
     }
-    return {"env": env, "keras_config": config, "sync_batchnorm": False}
+    return {"env": env, "keras_config": config}
 
 
 class InProcessLauncher(Launcher):
@@ -296,13 +295,11 @@ class InProcessLauncher(Launcher):
     process group): nothing to start; the replica lives here.
 
     Joins the group from torchrun's variables when the user has not (and then leaves
-    it together at exit: barrier, destroy). Keeps one replica between calls.
-
-    Args:
-        sync_batchnorm: compute BatchNormalization moments over the global batch.
+    it together at exit: barrier, destroy). Keeps one replica, and the strategy it was
+    made with, between calls.
     """
 
-    def __init__(self, sync_batchnorm):
+    def __init__(self):
         import torch
         import torch.distributed as dist
 
@@ -323,10 +320,9 @@ class InProcessLauncher(Launcher):
         self.device_names = [f"{kind}:{r}" for r in range(world)]
         self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
                      f"{dist.get_rank()} of {world})")
-        device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
-        self.strategy = DDPStrategy(device, sync_batchnorm)
-        self.strategy.gather_everywhere = True  # each process's own model gets the state
-        self.runs_callbacks = self.strategy.rank == 0
+        self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+        self.runs_callbacks = dist.get_rank() == 0
+        self.strategy = None  # made with each replica, from the call's config
         self.replica, self._built_key = None, None
         self._live = False  # the replica holds this call's state
         self._synced = None  # (replica, marks) after a call that left them equal
@@ -334,20 +330,19 @@ class InProcessLauncher(Launcher):
 
     def _replica_for(self, call, template):
         if self.replica is None or call.key != self._built_key:
-            def finish(replica):  # the compiled replica becomes this rank's
-                self.strategy.tf32 = call.tf32
-                self.strategy.shard_optimizer = call.shard_optimizer
-                return self.strategy.prepare(replica)
-
+            self.replica, self._built_key = None, None
+            # each process's own model gets a sharded optimizer state: gathered everywhere
+            strategy = DDPStrategy(self.device, call.config, gather_everywhere=True)
+            self.strategy = strategy
             replica = replication.make_replica(
-                template, rows=lambda batch: batch // self.strategy.world,
-                lr_scale=call.lr_scale, finish=finish)
+                template, rows=lambda batch: batch // strategy.world,
+                lr_scale=call.lr_scale, finish=strategy.prepare)
             self.replica, self._built_key = replica, call.key
         return self.replica
 
     def launch(self, call, template, driver, clock):
-        s = self.strategy
         replica = self._replica_for(call, template)
+        s = self.strategy  # the one this replica was made with
         synced = self._synced
         state_in = not (synced is not None and synced[0] is replica
                         and replicas.unchanged(template, synced[1]))

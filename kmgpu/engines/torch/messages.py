@@ -65,12 +65,14 @@ class Call:
     Args:
         method: "fit", "evaluate", "predict", "train_on_batch", "test_on_batch" or
             "predict_on_batch".
-        key: what the rank's cached replica must match (``replicas.replica_key``).
+        config: the run's ``kmgpu.engines.base.Config``, which every rank's strategy is
+            made from (``DDPStrategy(device, config)``), in a pool worker as under torchrun.
+        key: what the rank's cached replica must match (``replicas.replica_key`` and
+            ``config``: a replica is made with one config).
         kwargs: Keras's keyword arguments, global batch sizes, without callbacks
             (the pool replaces arrays by ``transport.Leaf`` files).
         rng: the driver's host random states (``shuffle.state``): every rank starts
             the call from them, so it shuffles as plain Keras would.
-        sync_batchnorm: BatchNormalization moments over the global batch.
         lr_scale: (factor, warmup_steps) for a LearningRateSchedule.
         hooks: the hooks the user's callbacks implement (relayed to the driver).
         epoch_weights: rank 0 saves its state at every epoch end (a callback reads it).
@@ -81,17 +83,13 @@ class Call:
         layout: the arrays in that file.
         state_in: False when the ranks' replicas hold the template's state already
             (nothing written to slot 0: the replicas stay as they are).
-        tf32: the float32 matmul policy inside the ranks' kmgpu steps on CUDA
-            (``parallelize(..., tf32=)``, ``precision.matmul_precision``); part of
-            ``key``, so a replica is prepared with one policy.
-        shard_optimizer: the optimizer state sharded over the ranks (``zero``).
     """
 
     method: str
+    config: Any
     key: Any
     kwargs: dict
     rng: Any
-    sync_batchnorm: bool
     lr_scale: tuple
     hooks: tuple
     epoch_weights: bool
@@ -101,8 +99,6 @@ class Call:
     state_path: Optional[str] = None
     layout: Optional[StateLayout] = None
     state_in: bool = True
-    tf32: bool = True
-    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from kmgpu.engines.torch import collectives, data, global_batch, own_steps
 
 class RankSteps:
     """The step builders of ``DDPStrategy``; they read its ``rank``, ``world``,
-    ``device``, ``train``/``test`` slices, ``sync_batchnorm``, ``shard_optimizer`` and
-    ``tf32``."""
+    ``device``, ``train``/``test`` slices and its ``config``'s ``sync_batchnorm``,
+    ``shard_optimizer`` and ``tf32``."""
 
     def _average_statistics(self, variables, share):
         """Non-sync BatchNorm: moving statistics averaged over ranks, weighted by share."""
@@ -90,18 +90,18 @@ class RankSteps:
             for flat in flats:
                 dist.all_reduce(flat)
 
-        shard = self.shard_optimizer and self.world > 1
+        shard = self.config.shard_optimizer and self.world > 1
         split = graphs.SplitStep(replica, world=self.world, reduce=reduce if self.world > 1
                                  else None, averaged=averaged, rows=rows, forward=forward,
                                  rank=self.rank, shard=shard)
         self.sharded = split if shard else None
         refuse = None
-        if self.sync_batchnorm and self.world > 1 and graphs.available(self.device):
+        if self.config.sync_batchnorm and self.world > 1 and graphs.available(self.device):
             refuse = "sync_batchnorm all-reduces inside the forward pass"
         elif replica.run_eagerly:  # the split step for ZeRO-1 or added losses only: eager
             refuse = "compile(run_eagerly=True)"
         return graphs.CapturedStep(split, self.device, say=print if self.rank == 0 else None,
-                                   refuse=refuse, tf32=self.tf32)
+                                   refuse=refuse, tf32=self.config.tf32)
 
     def _hook_optimizer(self, replica, averaged):
         """A model with its own ``train_step``: gradients summed in ``optimizer.apply``

@@ -34,22 +34,25 @@ from kmgpu.engines.torch.relay import Abort, SyncCallback
 
 
 class DDPStrategy(RankSteps):
-    """This rank's place in the group and what its replica's steps share.
+    """This rank's place in the group and what its replica's steps share; one per replica.
 
     Args:
         device: the torch device the replica and the collectives live on.
-        sync_batchnorm: compute BatchNormalization moments over the global batch.
+        config: the run's ``kmgpu.engines.base.Config``, the same record on every rank
+            whichever launcher started it (its ``sync_batchnorm``, ``shard_optimizer``
+            and ``tf32`` shape the steps ``prepare`` installs).
+        gather_everywhere: a sharded optimizer state is gathered on every rank (each
+            torchrun process's own model gets it), not on rank 0 only (a pool's driver
+            reads rank 0's).
     """
 
-    def __init__(self, device, sync_batchnorm):
+    def __init__(self, device, config, gather_everywhere=False):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = torch.device(device)
-        self.sync_batchnorm = sync_batchnorm
-        self.tf32 = True  # the float32 matmul policy in kmgpu's steps (a Call's tf32)
-        self.shard_optimizer = False  # ZeRO-1 (zero.py): set per call before prepare
+        self.config = config
+        self.gather_everywhere = gather_everywhere
         self.sharded = None      # the sharded SplitStep of the prepared replica
-        self.gather_everywhere = False  # its state gathered on every rank (torchrun), not rank 0
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
@@ -105,7 +108,7 @@ class DDPStrategy(RankSteps):
         bn_layers = [layer for layer in replica._flatten_layers()
                      if isinstance(layer, keras.layers.BatchNormalization)]
         averaged = []
-        if self.sync_batchnorm:
+        if self.config.sync_batchnorm:
             for layer in bn_layers:
                 keras_fixes.global_batch_moments(
                     layer, collectives.SumOverRanks.apply,
@@ -123,7 +126,7 @@ class DDPStrategy(RankSteps):
         kind, why = graphs.plan(replica, graphs.available(self.device))
         evals = eval_steps.rank_kinds(replica, self.device)  # captured evaluate / predict
         self.sharded = None
-        if self.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step
+        if self.config.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step
             if kind == graphs.KERAS and replica.trainable_weights and replica.compiled:
                 kind = graphs.SPLIT
             elif kind != graphs.SPLIT and self.rank == 0:

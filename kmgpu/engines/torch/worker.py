@@ -151,7 +151,7 @@ def main(rank, world, device, conn, out_conn, settings):
         for key, value in settings.get("env", {}).items():
             os.environ[key] = value  # e.g. GLOO_SOCKET_IFNAME=lo, whatever the driver has
         _join_group(rank, world, device, conn, settings)
-        worker = Worker(device, settings, conn)
+        worker = Worker(device, conn)
         conn.send(Ready(os.getpid()))
     except BaseException as e:
         _send_error(conn, e)
@@ -183,19 +183,23 @@ def main(rank, world, device, conn, out_conn, settings):
 
 
 class Worker:
-    """This rank's replica (kept between calls) and what a call does with it.
+    """This rank's replica and the strategy it was made with (kept between calls), and
+    what a call does with them.
 
     Args:
         device: "cpu" or "cuda:<i>".
-        settings: the pool's settings (``sync_batchnorm`` to start with).
         conn: the pipe to the driver (for relayed callback events).
     """
 
-    def __init__(self, device, settings, conn):
-        from kmgpu.engines.torch.strategy import DDPStrategy
+    def __init__(self, device, conn):
+        import torch.distributed as dist
 
-        self.strategy = DDPStrategy(device, settings["sync_batchnorm"])
-        self.rank, self.world = self.strategy.rank, self.strategy.world
+        # imported now, before Ready, so that the first call does not wait for it
+        from kmgpu.engines.torch import strategy  # noqa: F401
+
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.strategy = None  # made with each replica, from the call's config
         self.replica, self.key = None, None
         self.conn = conn
         self._state, self._state_key = None, None  # the pool's state file, mapped once
@@ -221,14 +225,15 @@ class Worker:
     def _replica(self, call):
         from kmgpu.engines import replication
         from kmgpu.engines.torch import replicas
+        from kmgpu.engines.torch.strategy import DDPStrategy
 
         if call.key == self.key and self.replica is not None:
             return self.replica
         if call.model is None:
             raise RuntimeError("kmgpu: the worker has no model for this call")
         self.replica, self.key = None, None
-        self.strategy.sync_batchnorm, self.strategy.tf32 = call.sync_batchnorm, call.tf32
-        self.strategy.shard_optimizer = call.shard_optimizer
+        # a sharded optimizer state is gathered on rank 0 only: the driver reads rank 0's
+        self.strategy = DDPStrategy(self.device, call.config)
         # this process's random generators are its own: nothing to keep
         replica = replication.make_replica(
             replicas.FromSpec(call.model), rows=lambda batch: batch // self.world,
@@ -249,9 +254,10 @@ class Worker:
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
         from kmgpu.engines.torch import data, feeds, replicas, shuffle
 
-        call, s = msg, self.strategy
+        call = msg
         clock = timing.Clock("worker", self.rank == 0)
         replica = self._replica(call)
+        s = self.strategy  # the one this replica was made with
         clock("replica")
         state = self._state_file(call)
         if call.state_in:  # else the replicas hold the template's state already
