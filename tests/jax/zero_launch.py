@@ -1,7 +1,9 @@
-"""What tests/jax/test_zero.py starts with ``kmgpu launch`` on 2 "hosts" x 1 process: an
-Adam fit with ``shard_optimizer=True`` (the slots' shards on different processes), then
-``$KMGPU_TEST_OUT/rank<r>.json`` with the largest relative difference of the weights and of
-the optimizer variables to a one-process fit, and this process's optimizer bytes.
+"""What tests/jax/test_launch.py starts with ``kmgpu launch`` on 2 "hosts" x 1 process:
+an Adam fit with ``shard_optimizer=True`` (the slots' shards on different processes),
+then ``$KMGPU_TEST_OUT/zero<r>.json`` with the largest relative difference of the weights
+and of the optimizer variables to a one-process fit, and this process's optimizer bytes;
+then tests/launch/train.py (the parity and kill test every backend's launch runs), so one
+launch serves both tests.
 """
 
 import json
@@ -41,10 +43,13 @@ def main():
         "planned": zero.planned_bytes(state, parallel.num_replicas),
     }
     with open(os.path.join(os.environ["KMGPU_TEST_OUT"],
-                           f"rank{environment.process_index()}.json"), "w") as f:
+                           f"zero{environment.process_index()}.json"), "w") as f:
         json.dump(result, f)
     parallel.close()
 
 
 if __name__ == "__main__":
     main()
+    from tests.launch import train
+
+    train.main()
