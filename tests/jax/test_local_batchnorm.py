@@ -137,15 +137,20 @@ def _moving(model):
     return [i for i, v in enumerate(model.non_trainable_variables) if "moving_" in v.path]
 
 
-def _mean_of_replica_steps(x, y, optimizer="sgd", **net):
-    """One plain SGD step per replica's rows on one device; the mean of the weights
-    (the moving statistics among them)."""
+def _mean_of_replica_steps(x, y, **net):
+    """One plain SGD step per replica's rows on one device, each from the same start; the
+    mean of the weights (the moving statistics among them). One model serves every
+    replica's step, its weights set back to the start before each (its compiled step
+    reused: a model per replica would compile 4 times); plain SGD keeps no state but its
+    step count, which its update does not read."""
     import keras
 
     rows, results = len(x) // N, []
+    ref = _net(**net)
+    ref.compile(optimizer=keras.optimizers.SGD(), loss="mse")
+    start = ref.get_weights()
     for r in range(N):
-        ref = _net(**net)
-        ref.compile(optimizer=keras.optimizers.get(optimizer), loss="mse")
+        ref.set_weights(start)
         ref.fit(x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows], batch_size=rows,
                 epochs=1, shuffle=False, verbose=0)
         results.append(ref.get_weights())
