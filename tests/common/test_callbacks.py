@@ -1,5 +1,6 @@
 """kmgpu.callbacks: GPUMonitor (NVML faked where there is no GPU) and EpochTimer."""
 
+import functools
 import pickle
 import sys
 import types
@@ -59,11 +60,18 @@ def no_nvml(monkeypatch):
     monkeypatch.setattr(callbacks, "_said_no_gpu", False)
 
 
-def _fit(callbacks, epochs=2):
+@functools.lru_cache(maxsize=None)
+def _model():
+    """One compiled model for every plain fit here: the callbacks are what is tested, and
+    a fit of the same model reuses its compiled step (a new model costs a compile)."""
     model = helpers.mlp()
     model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _fit(callbacks, epochs=2):
     x, y = helpers.data("mlp", 64)
-    return model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=callbacks)
+    return _model().fit(x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=callbacks)
 
 
 def test_gpu_monitor_without_gpu_says_so_once_and_adds_nothing(no_nvml, capsys):
