@@ -4,10 +4,15 @@ Each entry of ``PATCHES`` is (module, attribute, why): a Keras internal kmgpu re
 replaces, and the Keras behaviour that makes it necessary. ``KERAS`` is the Keras
 release they were checked against; ``tests/unit/test_structure.py`` imports every one.
 Backend-specific ones live in ``kmgpu/engines/<backend>/keras_fixes.py``.
+
+``swapped`` changes Keras for the duration of a block, ``install`` for good: the one way
+kmgpu changes a Keras module, class or object.
 """
 
 import sys
 import threading
+import types
+import weakref
 
 from kmgpu.engines import state_keras_fixes
 from kmgpu.engines.state_keras_fixes import (  # noqa: F401 (replication.py's names)
@@ -48,6 +53,92 @@ PATCHES = [
      "TensorFlow is available to test for its TensorShape and DType, which imports it, "
      "with its start-up lines, into a JAX or torch process whose plain fit never does"),
 ] + state_keras_fixes.PATCHES  # what a replica carries beside config and weights
+
+
+# -- the one way kmgpu changes Keras -----------------------------------------------------
+_LOCK = threading.RLock()  # every swap, every restore and every install takes it
+_ACTIVE = {}  # (id(owner), name) -> [owner, value before, blocks open, inherited]
+_INSTALLED = weakref.WeakKeyDictionary()  # owner -> the keys installed on it
+
+
+def swapped(*swaps):
+    """Within the block, each ``(owner, name, make)`` of ``swaps`` (a Keras module, class
+    or function, an attribute name, a function) has ``owner.<name>`` replaced by
+    ``make(value before)``; when the block ends, the value before comes back.
+
+    The locking rule, the same for every swap and ``install``: the attributes change, and
+    their counts, under one lock, all of a block's together; the block runs without it.
+    Re-entrant: a block that finds an attribute already swapped (a nested block, or one
+    on another thread) leaves the replacement in place (the outer block's) and adds to
+    its count; the last block to end puts the value before back. A class attribute the
+    class inherited is deleted again rather than set.
+    """
+    return _Swapped(swaps)
+
+
+class _Swapped:
+    """The context of ``swapped`` (a class, not a generator: kmgpu's torch step enters a
+    few of them at every step)."""
+
+    __slots__ = ("swaps", "keys")
+
+    def __init__(self, swaps):
+        self.swaps, self.keys = swaps, None
+
+    def __enter__(self):
+        with _LOCK:
+            fresh = []
+            for owner, name, make in self.swaps:
+                if (id(owner), name) not in _ACTIVE:
+                    before = getattr(owner, name)
+                    fresh.append((owner, name, before, make(before)))
+            for owner, name, before, value in fresh:  # every make ran: nothing half-done
+                inherited = isinstance(owner, type) and name not in vars(owner)
+                _ACTIVE[(id(owner), name)] = [owner, before, 0, inherited]
+                setattr(owner, name, value)
+            self.keys = [(id(owner), name) for owner, name, _ in self.swaps]
+            for key in self.keys:
+                _ACTIVE[key][2] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with _LOCK:
+            for key in reversed(self.keys):
+                entry = _ACTIVE[key]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _ACTIVE[key]
+                    owner, before, _, inherited = entry
+                    if inherited:
+                        delattr(owner, key[1])
+                    else:
+                        setattr(owner, key[1], before)
+        return False
+
+
+def install(owner, name, make, key=None):
+    """Replace ``owner.<name>`` by ``make(current value)`` for good: a module's or a
+    class's attribute for the process, an object's (a replica's layer, model, optimizer,
+    metric) for that object's life, set with ``object.__setattr__`` so that Keras's
+    attribute tracking (which wraps a list in its own) stays out of it. Under the lock
+    of ``swapped``. With ``key``, once per ``owner`` and key: a later call with the
+    same key leaves the first install as it is.
+
+    Returns:
+        False when ``key`` was installed on ``owner`` before, else True.
+    """
+    with _LOCK:
+        done = _INSTALLED.setdefault(owner, set()) if key is not None else None
+        if done is not None and key in done:
+            return False
+        value = make(getattr(owner, name))
+        if isinstance(owner, (type, types.ModuleType)):
+            setattr(owner, name, value)
+        else:
+            object.__setattr__(owner, name, value)
+        if done is not None:
+            done.add(key)
+        return True
 
 
 def warm_saving():
