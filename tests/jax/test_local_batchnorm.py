@@ -157,11 +157,15 @@ def _mean_of_replica_steps(x, y, **net):
     return [np.mean(ws, axis=0) for ws in zip(*results)]
 
 
+_FITTED = {}  # sync -> the ParallelModel (k = 1) test_a_fit_step trained: its replica
+# serves _train_step_collectives(1, sync)
+
+
 def test_a_fit_step_equals_the_mean_of_per_replica_steps():
     """Gradient mean and moving statistics: the mean over replicas (issue 17)."""
     x, y = _data()
     model = _net()
-    parallel = _parallel(model)
+    parallel = _FITTED[False] = _parallel(model)
     with few_steps():
         parallel.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     want = _mean_of_replica_steps(x, y)
@@ -174,8 +178,9 @@ def test_a_fit_step_equals_the_mean_of_per_replica_steps():
     # and not the global batch's (sync_batchnorm=True): the mean of the replicas' means
     # is the global mean, but their variances miss the spread between replicas
     synced = _net()
+    _FITTED[True] = _parallel(synced, sync=True)
     with few_steps():
-        _parallel(synced, sync=True).fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+        _FITTED[True].fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     assert rel_diff(synced.get_weights(), want) > 1e-3
     variances = [i for i in moving if "moving_variance" in names[i]]
     assert max(np.abs(synced.get_weights()[i] - want[i]).max() for i in variances) > 1e-4
@@ -226,14 +231,19 @@ def test_mixed_precision():
 @functools.lru_cache(maxsize=None)
 def _train_step_collectives(k, sync):
     """The op_name of every cross-device collective in the replica's compiled train step
-    (made once per (k, sync): both cases compare with k = 1's)."""
+    (made once per (k, sync): both cases compare with k = 1's; for k = 1 the replica of
+    test_a_fit_step's ParallelModel, already made, where that test ran first)."""
     import jax
 
     x, y = _data()
-    parallel = _parallel(_net(k=k), sync=sync)
-    replica = _replica(parallel, x, y)
+    parallel = _FITTED.get(sync) if k == 1 else None
+    if parallel is None:
+        parallel = _parallel(_net(k=k), sync=sync)
+        _replica(parallel, x, y)
+    replica = parallel._engine.replica
     with parallel._engine.scope():
-        replica.optimizer.build(replica.trainable_variables)
+        if not replica.optimizer.built:
+            replica.optimizer.build(replica.trainable_variables)
         state = tuple([v.value for v in variables] for variables in (
             replica.trainable_variables, replica.non_trainable_variables,
             replica.optimizer.variables, replica.metrics_variables))
