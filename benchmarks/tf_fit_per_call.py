@@ -10,7 +10,7 @@ import kmgpu
 kmgpu.simulate_devices(4)
 import keras, numpy as np
 warnings.simplefilter("ignore")
-from kmgpu.engines.tensorflow import keras_fixes as kf
+from kmgpu.engines.tensorflow import data_fixes as kf
 new = kf.repeating_datasets
 def old(kwargs, kept=None):
     if kwargs.get("epochs", 1) - kwargs.get("initial_epoch", 0) < 2: return kwargs

@@ -104,7 +104,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
               float64=False):
     import torch
 
-    from kmgpu.engines.torch import cuda_graphs, graphs, keras_fixes
+    from kmgpu.engines.torch import capture_fixes, cond_fixes, cuda_graphs, fast_fixes, graphs
 
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -132,9 +132,9 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
             split = graphs.SplitStep(model)
 
             def eager():
-                with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-                        cuda_graphs.matmul_precision(True), keras_fixes.fused_batchnorm(dev), \
-                        keras_fixes.fast_ops(dev), keras_fixes.step_conditions(model):
+                with capture_fixes.device_scalars(), capture_fixes.device_random(), \
+                        cuda_graphs.matmul_precision(True), fast_fixes.fused_batchnorm(dev), \
+                        fast_fixes.fast_ops(dev), cond_fixes.step_conditions(model):
                     split.layout()
                     return split.step(x, y, None, n, n)
 

@@ -333,7 +333,7 @@ def keras_torch(name, quick, steps, gpu, tf32=None):
 def _keras_torch(name, quick, steps, gpu, tf32):
     import torch
 
-    from kmgpu.engines.torch import graphs, keras_fixes
+    from kmgpu.engines.torch import capture_fixes, graphs
 
     labelled()
     model = compiled(name, quick)
@@ -346,7 +346,7 @@ def _keras_torch(name, quick, steps, gpu, tf32):
     split = graphs.SplitStep(model)
 
     def eager():
-        with keras_fixes.device_scalars(), keras_fixes.device_random():
+        with capture_fixes.device_scalars(), capture_fixes.device_random():
             split.layout()
             return split.step(x, y, None, n, n)
 

@@ -388,7 +388,7 @@ def rebatch(model, batch_size):
     """
     import keras
 
-    from kmgpu.engines import keras_fixes
+    from kmgpu.engines import model_fixes
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
         raise TypeError(f"rebatch(model, batch_size): batch_size must be an int >= 1, "
@@ -401,7 +401,7 @@ def rebatch(model, batch_size):
     if not model.built:
         raise ValueError("rebatch(model, batch_size) needs a built model: give it a "
                          "keras.Input(batch_size=...) first.")
-    if not keras_fixes.is_functional(model):
+    if not model_fixes.is_functional(model):
         raise TypeError(
             f"rebatch needs a Sequential or functional model (its Input fixes the batch); "
             f"{type(model).__name__} is subclassed: create a new instance built for batch "

@@ -28,9 +28,9 @@ def check_model(model):
     """Raise TypeError unless ``model`` is a built Keras model kmgpu can re-create."""
     import keras
 
-    from kmgpu.engines import keras_fixes
+    from kmgpu.engines import model_fixes
 
-    keras_fixes.serialize_without_tensorflow()
+    model_fixes.serialize_without_tensorflow()
     if not isinstance(model, keras.Model):
         what = type(model).__name__
         hint = " Wrap your layer in keras.Sequential([...]) first." if isinstance(

@@ -11,7 +11,7 @@ whole, unshuffled batches that split evenly over the replicas (``check_stateful_
 import math
 import warnings
 
-from kmgpu.engines import global_losses, keras_fixes, replication
+from kmgpu.engines import global_losses, model_fixes, replication
 
 BATCH_POLICIES = ("global", "per_replica")
 RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
@@ -186,7 +186,7 @@ def check_stateful_split(model, num_replicas):
     """Raise unless a stateful model can be split into per-replica row blocks: a
     Sequential or functional model (re-created at B/N rows) whose B splits over N."""
     b, n = replication.fixed_batch(model), num_replicas
-    if b is not None and not keras_fixes.is_functional(model):
+    if b is not None and not model_fixes.is_functional(model):
         raise TypeError(
             f"{model.name} is a subclassed model with stateful RNN layers: kmgpu re-creates "
             "a stateful model from its Input at each replica's rows, so build it as a "

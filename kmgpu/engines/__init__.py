@@ -6,8 +6,12 @@ Each ``kmgpu/engines/<backend>/`` has the same modules, as Keras's own
 - ``engine.py``: the Engine subclass (how replicas are made and synchronised);
 - ``runtime.py``: the same plain functions on every backend -- ``physical_devices()``,
   ``simulate(n)``, ``peak_memory()``, ``reset_peak_memory()``, ``start_job(job)``;
-- ``keras_fixes.py``: every use of Keras internals (``keras.src``) and every Keras
-  attribute kmgpu replaces, each with the Keras version and upstream issue.
+- ``keras_fixes.py``: the backend's Keras-patch registry, one table (``PATCHES``) of every
+  Keras internal kmgpu replaces, wraps or calls, with why, and the private attributes it
+  only reads (``READS``); the code is in role modules named alike on every backend
+  (``step_fixes.py``, ``data_fixes.py``, ``layer_fixes.py``, ``optimizer_fixes.py``).
+  ``engines/keras_fixes.py`` holds the rows every backend shares and the one way kmgpu
+  changes Keras: ``swapped`` (for a block) and ``install`` (for good).
 
 ``base.py`` is the interface, ``local.py`` the one-device engine (plain Keras).
 """

@@ -17,7 +17,7 @@ global batch (``global_losses``). JAX computes the loss on the global batch and 
 none of this.
 """
 
-from kmgpu.engines import keras_fixes
+from kmgpu.engines import loss_fixes
 
 
 class BatchRefused(NotImplementedError):
@@ -57,7 +57,7 @@ def check_weighable(model, kwargs, method="fit"):
     Returns:
         ``kwargs``; a generator peeked at is replaced by one that yields all its batches.
     """
-    if method in ("predict", "predict_on_batch") or keras_fixes.loss_kind(model) != "weights":
+    if method in ("predict", "predict_on_batch") or loss_fixes.loss_kind(model) != "weights":
         return kwargs
     given = kwargs.get("sample_weight")
     if given is None:
@@ -75,7 +75,7 @@ def guard(model, method, replicas):
     compiled, a loss not reduced by "mean_with_sample_weight")."""
     if replicas < 2 or method in ("predict", "predict_on_batch") or not model.compiled:
         return None
-    return Guard() if keras_fixes.loss_kind(model) == "weights" else None
+    return Guard() if loss_fixes.loss_kind(model) == "weights" else None
 
 
 class Guard:

@@ -6,7 +6,7 @@ pairwise term, a branch on the data's values) adds up over the replicas to somet
 than one device's loss, and no weighing of the replicas' values can tell, batch by batch.
 kmgpu runs such a layer on the global batch instead. Every replica then holds the global
 batch's value of the loss and weighs it by its share of the rows
-(``keras_fixes.replica_loss``): the replicas' parts add up to one device's loss and
+(``loss_fixes.replica_loss``): the replicas' parts add up to one device's loss and
 gradient, whatever its form, on every batch.
 
 How (``install``): every layer of a replica written outside Keras (a subclassed model

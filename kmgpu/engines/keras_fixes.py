@@ -1,58 +1,130 @@
-"""Keras internals every backend's engine uses, in one place.
+"""The Keras-patch registry of what every backend shares, and the one way kmgpu changes
+Keras for a block (``swapped``) or for good (``install``).
 
-Each entry of ``PATCHES`` is (module, attribute, why): a Keras internal kmgpu reads or
-replaces, and the Keras behaviour that makes it necessary. ``KERAS`` is the Keras
-release they were checked against; ``tests/unit/test_structure.py`` imports every one.
-Backend-specific ones live in ``kmgpu/engines/<backend>/keras_fixes.py``.
+Every backend package has a ``keras_fixes.py`` with the same two tables, and nothing else:
 
-``swapped`` changes Keras for the duration of a block, ``install`` for good: the one way
-kmgpu changes a Keras module, class or object.
+- ``PATCHES``: each Keras internal kmgpu replaces, wraps or calls, one row each:
+  (Keras module, attribute (dotted within the module), the kmgpu function that does it
+  (a module of the package, ``role_fixes.function``, or a whole ``kmgpu.`` path), what
+  Keras does there and why kmgpu does not leave it so).
+- ``READS``: private Keras attributes kmgpu only reads (or sets as Keras itself does):
+  (module, attribute, what for).
+
+The code is in the role modules beside each table, named alike where the role is the
+same: here ``loss_fixes`` (each replica's part of the loss), ``model_fixes`` (the model's
+kind, what travels beside its config and weights, saving) and ``data_fixes`` (Python
+data); in a backend package ``step_fixes``, ``data_fixes``, ``layer_fixes``,
+``optimizer_fixes`` and torch's ``capture_fixes``, ``cond_fixes``, ``fast_fixes``.
+``tests/unit/test_patches.py`` checks every row against the installed Keras, and fails
+when kmgpu touches a private Keras attribute that no table lists.
 """
 
-import sys
 import threading
 import types
 import weakref
 
-from kmgpu.engines import state_keras_fixes
-from kmgpu.engines.state_keras_fixes import (  # noqa: F401 (replication.py's names)
-    apply_optimizer_settings, keeps_own_state, load_own_state, optimizer_settings, own_state)
-
 KERAS = "3.15.1"
 
-#: (module, attribute (dotted within the module), why)
+#: (module, attribute (dotted within the module), by, why)
 PATCHES = [
-    ("keras.src.saving.saving_lib", "get_attr_skipset",
+    ("keras.src.saving.saving_lib", "get_attr_skipset", "model_fixes.warm_saving",
      "saving's skip-set cache is stored as saving_attr_skipset_* but read as "
      "saving_attr_skiplist_* (Keras 3.15.1 saving_lib), so every save makes throw-away "
-     "objects; kmgpu warms the cache under the name Keras reads"),
+     "objects (a variable among them, which process 0 alone would make inside fit: a "
+     "collective the others never enter); every process warms the cache under the name "
+     "Keras reads"),
     ("keras.src.backend.common.global_state", "set_global_attribute",
-     "where that cache lives"),
-    ("keras.src.models.functional", "Functional",
+     "model_fixes.warm_saving", "where that cache lives"),
+    ("keras.src.saving.serialization_lib", "tf", "model_fixes.serialize_without_tensorflow",
+     "installed for good: serializing any object asks whether TensorFlow is available to "
+     "test for its TensorShape and DType, which imports it, with its start-up lines, into "
+     "a JAX or torch process whose plain fit never does"),
+    ("keras.src.models.functional", "Functional", "model_fixes.is_functional",
      "no public class tells a functional model from a subclassed one"),
-    ("keras.src.trainers.trainer", "Trainer.compute_loss",
-     "replica_loss computes Keras's own compute_loss in its two parts (the compiled "
-     "loss, the model's own losses), which weigh differently over replicas unless both "
-     "are means over rows"),
-    ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss", "same"),
-    ("keras.src.losses.loss", "reduce_weighted_values",
-     "wrapped (masked_losses): a masked loss is divided by its valid entries (or their "
-     "sample weights) in the replica's rows; one device divides by those of the whole "
-     "batch, so within replica_loss the replica's value is reweighted by its part of them"),
-    ("keras.src.losses.loss", "apply_mask", "same: how Keras merges mask and sample weight"),
-    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank", "same"),
+    ("keras.src.saving.saving_lib", "_save_state", "model_fixes.own_state",
+     "a replica is made from the template's config, which leaves out what Keras's saving "
+     "path carries beside it (each layer's save_own_variables and its load_own_variables, "
+     "which finalizes adapted layers; lookup vocabularies): that walk, with an in-memory "
+     "store, carries it"),
+    ("keras.src.saving.saving_lib", "_load_state", "model_fixes.load_own_state", "same"),
+    ("keras.src.saving.saving_lib", "NpzIOStore", "model_fixes.own_state",
+     "same: the store class _load_state accepts"),
+    ("keras.src.saving.saving_lib", "_save_assets_to_dict", "model_fixes.own_state",
+     "same, for assets (vocabularies)"),
+    ("keras.src.saving.saving_lib", "_load_assets_from_dict", "model_fixes.load_own_state",
+     "same"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
+     "model_fixes.optimizer_settings",
+     "it keeps var_list (as _var_key ids) and var_names (as a compiled pattern) in "
+     "private attributes, _exclude_from_weight_decay and "
+     "_exclude_from_weight_decay_pattern, not in get_config(), so an optimizer made from "
+     "its config decays every variable; apply_optimizer_settings sets them on the replica's"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._use_weight_decay",
+     "model_fixes.optimizer_settings", "same: what reads them"),
+    ("keras.src.trainers.trainer", "Trainer.compute_loss", "loss_fixes.replica_loss",
+     "compared with the model's own: replica_loss computes Keras's own compute_loss in its "
+     "two parts (the compiled loss, the model's own losses), which weigh differently over "
+     "replicas unless both are means over rows"),
+    ("keras.src.trainers.trainer", "Trainer._compute_loss", "loss_fixes.replica_loss",
+     "same: a model's own compute_loss, called as Keras's steps call it"),
+    ("keras.src.trainers.trainer", "Trainer._aggregate_additional_loss",
+     "loss_fixes.replica_loss", "same: the model's own losses, as Keras adds them"),
+    ("keras.src.losses.loss", "reduce_weighted_values", "loss_fixes.masked_losses",
+     "wrapped for good: a masked loss is divided by its valid entries (or their sample "
+     "weights) in the replica's rows; one device divides by those of the whole batch, so "
+     "within replica_loss the replica's value is reweighted by its part of them (Keras's "
+     "own outside replica_loss)"),
+    ("keras.src.losses.loss", "apply_mask", "loss_fixes.masked_losses",
+     "same: how Keras merges mask and sample weight"),
+    ("keras.src.losses.loss", "squeeze_or_expand_to_same_rank", "loss_fixes.masked_losses",
+     "same"),
     ("keras.src.trainers.compile_utils", "CompileLoss.metrics",
-     "each output's loss tracker, updated with the replica's own value of it: "
-     "rescaled in replica_loss so that the replicas add up to one device's"),
+     "loss_fixes.replica_loss",
+     "each output's loss tracker, whose update_state is wrapped on the replica's (for the "
+     "object's life) to take the replica's own value of that output's loss rescaled, so "
+     "that the replicas add up to one device's"),
+    ("keras.src.metrics.reduction_metrics", "Mean.update_state", "loss_fixes.replica_loss",
+     "what is wrapped on each of those trackers"),
     ("keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetAdapter._get_iterator",
+     "data_fixes.py_dataset_pass",
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
-     "class weights of a generator fed per replica (TensorFlow)"),
-    ("keras.src.saving.serialization_lib", "tf",
-     "replaced (serialize_without_tensorflow): serializing any object asks whether "
-     "TensorFlow is available to test for its TensorShape and DType, which imports it, "
-     "with its start-up lines, into a JAX or torch process whose plain fit never does"),
-] + state_keras_fixes.PATCHES  # what a replica carries beside config and weights
+     "data_fixes.standardize_batch", "class weights of a generator fed per replica"),
+    ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model",
+     "kmgpu.environment.for_this_process",
+     "replaced on the callback of every process but process 0 (for the call): process 0 "
+     "alone writes the backup, the others only restore from it"),
+]
+
+#: (module, attribute, what for): private Keras attributes kmgpu reads, or sets as Keras does
+READS = [
+    ("keras.src.layers.layer", "Layer._flatten_layers",
+     "a model's layers, nested ones included (no public walk)"),
+    ("keras.src.layers.layer", "Layer._losses",
+     "global_losses: the losses a layer's call added, read and cleared per replica"),
+    ("keras.src.trainers.trainer", "Trainer._compile_loss",
+     "the compiled loss: whether there is one, its per-output trackers"),
+    ("keras.src.trainers.trainer", "Trainer._compile_config",
+     "replication, user_objects: the template's compile() arguments, to compile replicas"),
+    ("keras.src.layers.layer", "Layer._metrics",
+     "model_fixes: the metrics a model tracks, left out of the state it carries"),
+    ("keras.src.trainers.trainer", "Trainer._loss_tracker",
+     "the loss tracker kmgpu's steps update, as Keras's own steps do"),
+    ("keras.src.layers.layer", "Layer._call_has_training_arg",
+     "kmgpu's steps: whether to pass training=, as Keras's own steps do"),
+    ("keras.src.layers.normalization.batch_normalization",
+     "BatchNormalization._reduction_axes",
+     "the axes BatchNorm reduces over (the engines' global-batch moments)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._learning_rate",
+     "lr, replication: the learning rate or schedule as given (a variable or a schedule)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._var_key",
+     "model_fixes.optimizer_settings: how it keys the variables excluded from weight decay"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._exclude_from_weight_decay",
+     "model_fixes.optimizer_settings (see PATCHES)"),
+    ("keras.src.optimizers.base_optimizer",
+     "BaseOptimizer._exclude_from_weight_decay_pattern",
+     "model_fixes.optimizer_settings: read, and set on a replica's optimizer"),
+]
 
 
 # -- the one way kmgpu changes Keras -----------------------------------------------------
@@ -139,330 +211,3 @@ def install(owner, name, make, key=None):
         if done is not None:
             done.add(key)
         return True
-
-
-def warm_saving():
-    """Saving a model makes throw-away Keras objects once per type (an Optimizer, with
-    a variable) to learn which attributes to skip. Made by process 0 alone inside
-    fit (ModelCheckpoint), that variable would join a collective the other
-    processes never enter: TensorFlow fails ("Collective instance ... expected
-    type"), JAX asserts. Every process makes them here, outside any scope, and they
-    are cached under the name Keras 3.15 looks them up by (it stores them as
-    "saving_attr_skipset_*" but reads "saving_attr_skiplist_*", so its own cache
-    never hits).
-    """
-    from keras.src.backend.common import global_state
-    from keras.src.saving import saving_lib
-
-    for kind in ("Operation", "Layer", "Functional", "Sequential", "Metric", "Optimizer",
-                 "Loss"):
-        global_state.set_global_attribute(f"saving_attr_skiplist_{kind}",
-                                          saving_lib.get_attr_skipset(kind))
-
-
-class _TensorflowIfImported:
-    """Keras's lazy ``tensorflow`` module, "available" only once something imported it:
-    before that, no object can be one of its types."""
-
-    def __init__(self, lazy):
-        self._lazy = lazy
-
-    @property
-    def available(self):
-        return "tensorflow" in sys.modules and self._lazy.available
-
-    def __getattr__(self, name):
-        return getattr(self._lazy, name)
-
-
-def serialize_without_tensorflow():
-    """Keras's serializer (``get_config``, ``serialize_keras_object``) stops importing
-    TensorFlow to ask whether an object is one of its types (see ``PATCHES``)."""
-    from keras.src.saving import serialization_lib
-
-    if not isinstance(serialization_lib.tf, _TensorflowIfImported):
-        serialization_lib.tf = _TensorflowIfImported(serialization_lib.tf)
-
-
-def is_functional(model):
-    """True for a Sequential or functional model (one whose Input fixes the batch)."""
-    import keras
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, (keras.Sequential, Functional))
-
-
-# -- each replica's part of the global batch's loss --------------------------------------
-#: Keras's loss reductions, by what one device divides the batch's summed loss by
-_KINDS = {"sum_over_batch_size": "rows", "mean": "rows", "mean_with_sample_weight": "weights",
-          "sum": "sum", None: "none", "none": "none"}
-
-
-def loss_kind(model):
-    """How the replicas' losses add up to one device's loss of the global batch, from
-    the reduction of the model's compiled losses: "rows" (a mean over rows: Keras's
-    default, "mean", a plain function, a model's own ``compute_loss``), "weights"
-    ("mean_with_sample_weight": divided by the sum of the sample weights), "sum" or
-    "none" (not reduced: a loss per row).
-
-    Raises:
-        ValueError: the outputs' losses reduce differently (kmgpu weighs one loss).
-    """
-    import keras
-    from keras.src.trainers.trainer import Trainer
-
-    if type(model).compute_loss is not Trainer.compute_loss:
-        return "rows"  # the model's own compute_loss: taken as a mean over rows
-    found = {}
-    for loss in keras.tree.flatten(getattr(model, "loss", None)):
-        if loss is not None:
-            reduction = getattr(loss, "reduction", "sum_over_batch_size")
-            found.setdefault(_KINDS.get(reduction, "rows"), reduction)
-    if len(found) > 1:
-        raise ValueError(
-            f"kmgpu: the model's losses reduce differently ({sorted(map(str, found.values()))}):"
-            " each replica's loss is weighed by one rule, so give every output's loss the "
-            "same reduction (e.g. all 'sum_over_batch_size', the default).")
-    return next(iter(found), "rows")
-
-
-def replica_share(kind, rows, global_rows, weights=None, global_weights=None):
-    """This replica's weight in the global batch's loss: one device's loss is the sum
-    over replicas of ``share * (the replica's loss of its own rows)``, and so is its
-    gradient. The one rule every engine weighs a replica's loss by.
-
-    Args:
-        kind: ``loss_kind(model)``.
-        rows, global_rows: real rows of this replica's batch, and of the global batch.
-        weights, global_weights: the sums of the sample weights here and over all
-            replicas ("weights" only; None: no sample weights, a mean over rows).
-            A zero global sum is the caller's to replace by 1 (every loss is 0 then).
-
-    Returns:
-        ``rows / global_rows`` for a mean over rows, ``weights / global_weights`` for
-        "mean_with_sample_weight" with sample weights, 1 for a sum (or an unreduced
-        loss, whose gradient is that of its sum). Plain arithmetic: numbers or tensors.
-    """
-    if kind in ("sum", "none"):
-        return 1.0
-    if kind == "weights" and weights is not None:  # tensors
-        return weights / global_weights
-    return rows / global_rows
-
-
-def tracker_update(kind, local, part, rows, global_rows):
-    """(value, weight) a replica updates a loss tracker (a ``keras.metrics.Mean``) with,
-    so that summed over replicas the tracker holds what one device adds for the global
-    batch (its loss, with weight ``global_rows``).
-
-    Args:
-        kind: ``loss_kind(model)``.
-        local: the replica's loss of its own rows, as one device computes it (for
-            "none", the mean of its per-row losses: what a ``Mean`` makes of them).
-        part: the replica's part of the global loss (``replica_share * local``).
-        rows, global_rows: real rows here (> 0: a replica without rows adds nothing)
-            and in the global batch.
-    """
-    if kind in ("rows", "none"):
-        return local, rows
-    return part * (global_rows / rows), rows
-
-
-def replica_loss(model, x, y, y_pred, sample_weight, training, rows, global_rows,
-                 sum_weights, keras_scale=1):
-    """This replica's loss, as one device computes it for its rows, and its part of
-    the global batch's loss (``replica_share``).
-
-    Keras's own ``compute_loss`` is the compiled loss plus the model's own losses
-    (regularizers, ``add_loss``); the compiled loss weighs by ``replica_share``, the
-    model's own by rows (one device adds them once per batch). A model's own
-    ``compute_loss`` is taken as a mean over rows.
-
-    Args:
-        model, x, y, y_pred, sample_weight, training: as ``Trainer.compute_loss``.
-        rows, global_rows: real rows here and in the global batch (tensors or numbers).
-        sum_weights: ``sum_weights(w)`` is the scalar ``w`` summed over replicas (called
-            only for "mean_with_sample_weight" with sample weights).
-        keras_scale: what Keras divided a mean reduction and the model's own losses by
-            (tf.distribute: the number of replicas). The model's own losses are read
-            from ``model.losses`` (TensorFlow's replica threads each keep their own:
-            ``tensorflow.step_keras_fixes.per_thread_losses``).
-
-    Returns:
-        (kind, local loss, part of the global loss).
-    """
-    import keras
-    from keras import ops
-    from keras.src.trainers.trainer import Trainer
-
-    own_losses = list(model.losses)
-    fraction = (rows / global_rows if isinstance(rows, (int, float))
-                else ops.cast(rows, "float32") / ops.cast(global_rows, "float32"))
-    own_terms = _own_terms(model, own_losses, rows, keras_scale)
-    if type(model).compute_loss is Trainer.compute_loss and model._compile_loss is None \
-            and own_losses:  # add_loss alone: weighed as the model's own losses below
-        local = sum(own_terms[1:], own_terms[0])
-        return "rows", local, _times(local, fraction)
-    if type(model).compute_loss is not Trainer.compute_loss or model._compile_loss is None:
-        local = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                    training=training) * keras_scale
-        return "rows", local, _times(local, fraction)
-    kind = loss_kind(model)
-    weights = global_weights = None
-    if kind == "weights" and sample_weight is not None:
-        # one array for every output (Keras repeats it per output on TF); weights that
-        # differ per output would need a share per output: the first one's is taken
-        leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
-        weights = ops.sum(ops.cast(leaves[0], "float32"))
-        global_weights = sum_weights(weights)
-        global_weights = ops.where(global_weights == 0, 1.0, global_weights)
-    share = replica_share(kind, fraction, 1.0, weights, global_weights)
-    _weigh_output_trackers(model)
-    factor = None  # what an output's loss tracker's value is multiplied by
-    if kind != "rows":
-        factor = 1.0 / keras_scale if kind == "none" else _times(
-            share * global_rows / (max(rows, 1) if isinstance(rows, (int, float))
-                                   else ops.maximum(rows, 1)),
-            1.0 if kind == "weights" else 1.0 / keras_scale)
-    if isinstance(rows, (int, float)) and not rows:  # a stand-in row (torch): none counts
-        factor = 0
-    _STEP.factor = factor
-    masked_losses()
-    _STEP.masked = (sum_weights, share) if kind in ("rows", "weights") else None
-    try:
-        local = part = model._compile_loss(y, y_pred, sample_weight)
-    finally:
-        _STEP.factor = _STEP.masked = None
-    if kind in ("rows", "weights"):
-        local = part = local * keras_scale
-    if kind != "none":
-        part = _times(local, share)
-    for own in own_terms:
-        local, part = local + own, part + (own if kind == "none" else _times(own, fraction))
-    return kind, local, part
-
-
-def _own_terms(model, own_losses, rows, keras_scale):
-    """The model's own losses, each the global batch's value: a layer written outside
-    Keras that adds one runs on the global batch (``global_losses``); Keras's own layers
-    add means over rows (activity regularizers, divided by the batch size), and weight
-    regularizers do not depend on the rows. So a replica's part of each is its share of
-    the rows."""
-    return [_without_rows(model._aggregate_additional_loss(own) * keras_scale, rows)
-            for own in own_losses]
-
-
-def _without_rows(own, rows):
-    """A model's own loss, 0 on a replica without rows (TensorFlow's split of a small last
-    batch; a mean over no rows is NaN, and NaN * 0 is NaN in the loss tracker)."""
-    from keras import ops
-
-    if isinstance(rows, (int, float)):
-        return own
-    return ops.where(ops.cast(rows, "float32") > 0, own, ops.zeros_like(own))
-
-
-_STEP = threading.local()  # TF replicas trace their steps in threads
-
-
-def masked_losses():
-    """Wrap Keras's ``reduce_weighted_values`` (once) so that, within ``replica_loss``, a
-    loss with a mask (``Embedding(mask_zero=True)``, ``Masking``, a layer's own
-    ``compute_mask``) reduced as a mean weighs as one device's: Keras divides the
-    replica's summed loss by its own valid entries ``D_r`` (sample weights of valid
-    entries for "mean_with_sample_weight"), one device by those of the whole batch
-    ``D``. The replica's value is multiplied by ``D_r / (D * share)``, so that
-    ``replica_loss``'s ``share *`` it is the replica's part ``S_r / D``; each output
-    its own ``D``. Outside ``replica_loss``, and for losses without a mask, Keras's own.
-    """
-    from keras import ops
-    from keras.src.losses import loss as losses
-
-    if getattr(losses.reduce_weighted_values, "_kmgpu", False):
-        return
-    original = losses.reduce_weighted_values
-
-    def reduce_weighted_values(values, sample_weight=None, mask=None,
-                               reduction="sum_over_batch_size", dtype=None):
-        value = original(values, sample_weight, mask, reduction, dtype)
-        masked = getattr(_STEP, "masked", None)
-        if masked is None or mask is None or reduction not in (
-                "sum_over_batch_size", "mean", "mean_with_sample_weight"):
-            return value
-        sum_over_replicas, share = masked
-        dtype = value.dtype
-        if reduction == "mean_with_sample_weight":
-            weights = losses.apply_mask(sample_weight, ops.convert_to_tensor(mask, dtype),
-                                        dtype=dtype, reduction=reduction)
-            _, weights = losses.squeeze_or_expand_to_same_rank(
-                ops.convert_to_tensor(values, dtype=dtype), ops.cast(weights, dtype))
-            here = ops.sum(ops.broadcast_to(weights, ops.shape(values))) \
-                if sample_weight is not None else ops.sum(ops.cast(mask, dtype))
-        else:
-            here = ops.sum(ops.cast(mask, dtype))
-        everywhere = ops.cast(sum_over_replicas(here), dtype)
-        return value * ops.divide_no_nan(here, everywhere * ops.cast(share, dtype))
-
-    reduce_weighted_values._kmgpu = True
-    losses.reduce_weighted_values = reduce_weighted_values
-
-
-def _weigh_output_trackers(model):
-    """A model with several outputs tracks each output's loss (``CompileLoss.metrics``),
-    with the replica's own value of it: within ``replica_loss`` each value is multiplied
-    by ``_STEP.factor`` (``part * global_rows / rows``, over the Keras 1/N scaling a
-    sum never had), so that a sum or a mean over sample weights adds up as one device's."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
-            or getattr(compile_loss, "_kmgpu_outputs", False)):
-        return
-
-    def weighed(update_state):
-        def update(values, sample_weight=None):
-            factor = getattr(_STEP, "factor", None)
-            if isinstance(factor, int) and factor == 0:
-                values, sample_weight = values * 0, 0
-            elif factor is not None:
-                values = _times(values, factor)
-            return update_state(values, sample_weight=sample_weight)
-        return update
-
-    for metric in compile_loss.metrics:
-        metric.update_state = weighed(metric.update_state)
-    compile_loss._kmgpu_outputs = True
-
-
-def _times(tensor, factor):
-    from keras import ops
-
-    if isinstance(factor, (int, float)):
-        return tensor * factor
-    return tensor * ops.cast(factor, tensor.dtype)
-
-
-# -- Python data: batches for the per-replica feed ---------------------------------------
-def standardize_batch(batch, class_weight=None):
-    """A generator's batch as Keras reads it: (x,), (x, y) or (x, y, sample_weight)."""
-    import numpy as np
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    if isinstance(batch, dict) or isinstance(batch, np.ndarray):
-        batch = (batch,)
-    batch = tuple(batch)
-    if class_weight is not None and len(batch) == 2:
-        batch += (data_adapter_utils.class_weight_to_sample_weights(batch[1], class_weight),)
-    return batch
-
-
-def py_dataset_pass(dataset, shuffle=False, class_weight=None):
-    """One pass over a PyDataset through Keras's own adapter (its workers, its batch
-    shuffling, its class weights), with the dataset's epoch hooks around it; endless
-    for a PyDataset without length."""
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
-
-    adapter = PyDatasetAdapter(dataset, class_weight=class_weight, shuffle=shuffle)
-    adapter.on_epoch_begin()
-    try:
-        yield from adapter._get_iterator()
-    finally:
-        adapter.on_epoch_end()

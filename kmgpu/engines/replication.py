@@ -21,7 +21,7 @@ import sys
 
 import keras
 
-from kmgpu.engines import global_losses, keras_fixes, user_objects
+from kmgpu.engines import global_losses, model_fixes, user_objects
 
 
 def identity(template):
@@ -38,7 +38,7 @@ def identity(template):
     return (layers, tuple(id(v) for v in template.weights), template.compiled,
             id(getattr(template, "_compile_config", None)),
             id(optimizer) if optimizer is not None else None,
-            _digest(keras_fixes.own_state(template)))
+            _digest(model_fixes.own_state(template)))
 
 
 def _settings(layer):
@@ -74,9 +74,9 @@ def _digest(state):
 def carried(template):
     """What a replica needs from ``template`` beside its config, compile config and
     weights, as picklable data: the state Keras's saving path writes for its adapted
-    layers (``keras_fixes.own_state``) and its optimizer's settings outside its config
-    (``keras_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
-    return keras_fixes.own_state(template), keras_fixes.optimizer_settings(template)
+    layers (``model_fixes.own_state``) and its optimizer's settings outside its config
+    (``model_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
+    return model_fixes.own_state(template), model_fixes.optimizer_settings(template)
 
 
 def load_carried(replica, carried, compiled=False):
@@ -86,9 +86,9 @@ def load_carried(replica, carried, compiled=False):
     (``compiled=True``), the optimizer's settings."""
     layers, optimizer = carried
     if compiled:
-        keras_fixes.apply_optimizer_settings(replica, optimizer)
+        model_fixes.apply_optimizer_settings(replica, optimizer)
     else:
-        keras_fixes.load_own_state(replica, layers)
+        model_fixes.load_own_state(replica, layers)
 
 
 @contextlib.contextmanager

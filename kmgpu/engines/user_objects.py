@@ -95,7 +95,7 @@ class Fresh:
     """A new instance of an object that holds variables of its own (a metric, an
     optimizer), made from its class and config; with ``settings``, the plain
     attributes of the user's instance that its config drops are put back (an
-    optimizer's are ``keras_fixes.optimizer_settings``, applied after compile)."""
+    optimizer's are ``model_fixes.optimizer_settings``, applied after compile)."""
 
     def __init__(self, obj, settings=True):
         self.cls = type(obj)

@@ -5,7 +5,7 @@ per-batch ``randperm`` (``"batch"``) on torch's default CPU generator, and a
 ``PyDataset``'s batches with Python's ``random``; kmgpu's ranks start each call from the
 driver's random states and draw the same way (``engines/torch/shuffle.py``), and the
 driver's states end where plain Keras leaves them. TensorFlow: Keras's array pipeline
-reads the same permutation every epoch under a global seed (``keras_fixes.
+reads the same permutation every epoch under a global seed (``data_fixes.
 first_pass_order``). Before, both drew their own orders: weights 0.05-0.06 relative from
 one device after shuffled fits on 4 devices. JAX runs Keras's own pipeline.
 """

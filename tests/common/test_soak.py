@@ -55,7 +55,7 @@ def resources():
     return {
         "processes": kids,
         # not TensorFlow's drops of a call's iterators: a thread each, which ends by itself
-        # (kmgpu/engines/tensorflow/iterator_keras_fixes.py, _release)
+        # (kmgpu/engines/tensorflow/data_fixes.py, _release)
         "threads": sum(t.name != "kmgpu-iterator-release" for t in threading.enumerate()),
         "fds": sum(f for f, _ in fds),
         "sockets": sum(s for _, s in fds),

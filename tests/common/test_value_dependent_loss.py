@@ -131,13 +131,13 @@ def _data():
 
 def _reference(model):
     """``model`` for the one-device side, with the fix kmgpu's JAX replicas get
-    (``keras_fixes.fresh_loss_ids``): Keras's own JAX steps may drop one layer's loss
+    (``step_fixes.fresh_loss_ids``): Keras's own JAX steps may drop one layer's loss
     from a batch of a new shape (the last, partial one), by where objects happen to land
     in memory."""
     if keras.backend.backend() == "jax":
-        from kmgpu.engines.jax import keras_fixes
+        from kmgpu.engines.jax import step_fixes
 
-        keras_fixes.fresh_loss_ids(model)
+        step_fixes.fresh_loss_ids(model)
     return model
 
 

@@ -3,7 +3,7 @@
 Each replica's pipeline of a ``MultiDeviceIterator`` (what tf.distribute feeds a replica
 from) had tf.data's autotuning on; its autotune thread sleeps between rounds (10 ms,
 30 ms, ... 5.11 s, 10.23 s after the first batch, doubling up to 60 s), and destroying
-the iterator waited out that sleep (keras_fixes.untuned_device_pipelines). The script
+the iterator waited out that sleep (data_fixes.untuned_iterators). The script
 below ends 5.3 s after its fit's first batch, so a destruction that waits takes 4.9 s or
 more: before the fix, 5 of 6 such runs took 6-78 s from their last line to their exit;
 after it, 1.4-1.5 s on an idle machine.

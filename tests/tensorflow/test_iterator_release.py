@@ -1,4 +1,4 @@
-"""TensorFlow: the distributed iterators a call leaves parked (iterator_keras_fixes.park_iterators)
+"""TensorFlow: the distributed iterators a call leaves parked (data_fixes.park_iterators)
 are dropped at the next call on a thread of their own, and that call does not wait for
 the drop. TensorFlow's teardown of a MultiDeviceIterator now and then waits 0.2-20 s
 (idle); done inside the next call, it stalled that call. Here the drop is held until
@@ -17,10 +17,10 @@ HOLD_S = 30.0
 
 
 def test_the_next_call_does_not_wait_for_the_last_calls_iterators(monkeypatch):
-    from kmgpu.engines.tensorflow import iterator_keras_fixes as keras_fixes
+    from kmgpu.engines.tensorflow import data_fixes
 
     gate, dropped, drops = threading.Event(), threading.Event(), []
-    real_drop = keras_fixes._drop
+    real_drop = data_fixes._drop
 
     def held_drop(kept):  # TensorFlow's teardown at its slowest: it waits
         drops.append((len(kept), threading.current_thread().name))
@@ -28,7 +28,7 @@ def test_the_next_call_does_not_wait_for_the_last_calls_iterators(monkeypatch):
         real_drop(kept)
         dropped.set()
 
-    monkeypatch.setattr(keras_fixes, "_drop", held_drop)
+    monkeypatch.setattr(data_fixes, "_drop", held_drop)
     x, y = data("mlp", 48)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
@@ -42,5 +42,5 @@ def test_the_next_call_does_not_wait_for_the_last_calls_iterators(monkeypatch):
     gate.set()
     assert dropped.wait(HOLD_S), "the fit's iterators were never dropped"
     assert held and took < HOLD_S / 2, took  # evaluate returned while the drop waited
-    assert drops[0][0] >= 1 and drops[0][1] == keras_fixes.RELEASE_THREAD, drops
+    assert drops[0][0] >= 1 and drops[0][1] == data_fixes.RELEASE_THREAD, drops
     assert np.isfinite(loss)

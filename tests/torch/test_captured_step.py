@@ -189,19 +189,19 @@ def test_device_scalars_give_kerass_values():
     import torch
     from keras.src.backend.torch import core  # noqa: the function the fix swaps
 
-    from kmgpu.engines.torch import keras_fixes
+    from kmgpu.engines.torch import capture_fixes
 
     f = core.convert_to_tensor
     values = [1, 2**40, -3, 1.5, 0.1, True, [1, 2, 3], (2.5, 1.0), [True, False]]
     want = [f(v) for v in values] + [f(0.1, "float16"), f(3, "float32"), f(2, "int64")]
-    with keras_fixes.device_scalars(), keras_fixes.device_scalars():
+    with capture_fixes.device_scalars(), capture_fixes.device_scalars():
         got = [f(v) for v in values] + [f(0.1, "float16"), f(3, "float32"), f(2, "int64")]
         again = f([1, 2, 3])
     assert f.__kwdefaults__ is None  # swapped back
     for a, b in zip(want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
     again.add_(1)  # a cached constant list is handed out as a copy
-    with keras_fixes.device_scalars():
+    with capture_fixes.device_scalars():
         assert f([1, 2, 3]).tolist() == [1, 2, 3]
 
 

@@ -5,7 +5,7 @@ where there is a CUDA device, Keras's eager step on a CPU; ``run_eagerly=True`` 
 the capture off. A "GPU" is simulated here (``graphs.available`` True, a fake capture
 whose replay re-runs the recorded stage, as test_captured_step does). While kmgpu's
 step runs, Keras's random functions draw from the seed generators' device state
-(``keras_fixes.device_random``, ``rng``): fresh numbers every step and on every rank, the
+(``capture_fixes.device_random``, ``rng``): fresh numbers every step and on every rank, the
 same numbers for the same seed.
 """
 
@@ -138,13 +138,13 @@ def test_own_train_step_on_a_gpu_says_once_why_it_is_eager(monkeypatch, capsys):
 def test_device_random_draws_fresh_reproducible_numbers_without_host_copies():
     from keras.src.backend.torch import random as keras_random  # noqa: the swapped module
 
-    from kmgpu.engines.torch import keras_fixes
+    from kmgpu.engines.torch import capture_fixes
 
     before = keras_random.normal
 
     def draws():
         gen = keras.random.SeedGenerator(11)
-        with keras_fixes.device_random():
+        with capture_fixes.device_random():
             a = keras.random.normal((20000,), seed=gen)
             b = keras.random.normal((20000,), seed=gen)
             u = keras.random.uniform((20000,), 2.0, 3.0, seed=gen)
@@ -241,14 +241,14 @@ def test_augmentation_layers_draw_from_the_device_state(layer):
     draws; each call draws new ones."""
     import torch
 
-    from kmgpu.engines.torch import keras_fixes
+    from kmgpu.engines.torch import capture_fixes
 
     make = {"RandomFlip": lambda: keras.layers.RandomFlip(seed=1),
             "RandomCrop": lambda: keras.layers.RandomCrop(5, 5, seed=2),
             "RandomRotation": lambda: keras.layers.RandomRotation(0.3, seed=3)}[layer]
     images = torch.arange(8 * 8 * 8 * 3, dtype=torch.float32).reshape(8, 8, 8, 3)
     aug = make()
-    with keras_fixes.device_random():
+    with capture_fixes.device_random():
         first, second = aug(images, training=True), aug(images, training=True)
     assert not torch.equal(first, second)
     if layer == "RandomCrop":  # a window of the image, as Keras's own crop

@@ -1,5 +1,5 @@
 """Keras's torch convolutions and poolings without the two copies of their input
-(engines/torch/fast_conv.py, swapped in by fast_keras_fixes.fast_ops inside kmgpu's steps on
+(engines/torch/fast_conv.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
 CUDA; made to swap on a CPU here) against Keras's own: each layer kind's outputs and
 gradients, that the convolution gets the input's own memory (no copy), what stays Keras's,
 and a 2-epoch fit of a small CNN through kmgpu's split step against plain Keras."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-from kmgpu.engines.torch import fast_conv, fast_keras_fixes, fast_layers
+from kmgpu.engines.torch import fast_conv, fast_fixes, fast_layers
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit
 
@@ -28,7 +28,7 @@ def swap_on(monkeypatch):
         return original(inputs, fallback=fallback)
 
     monkeypatch.setattr(fast_conv, "spatial_inputs", counted)
-    monkeypatch.setattr(fast_keras_fixes, "on_cuda", lambda device: True)
+    monkeypatch.setattr(fast_fixes, "on_cuda", lambda device: True)
     for name in fast_layers.SWITCHES.values():
         monkeypatch.delenv(name, raising=False)
     return taken
@@ -69,7 +69,7 @@ def test_layer_equals_kerass(swap_on, case):
     x = torch.as_tensor(np.random.default_rng(1).normal(size=shape).astype("float32"))
     layer(x)
     ref = _out_and_grads(layer, x)
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         got = _out_and_grads(layer, x)
     assert (swap_on[0] > 0) == (case != "conv1d"), swap_on
     for a, b in zip(ref, got):
@@ -95,7 +95,7 @@ def test_convolution_reads_the_inputs_memory(swap_on, monkeypatch):
     layer(x)
     assert seen == [(seen[0][0], True)] and seen[0][0] != x.data_ptr()
     seen.clear()
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         layer(x)
     assert seen == [(x.data_ptr(), True)]
 
@@ -138,10 +138,10 @@ def test_switch_and_describe(swap_on, monkeypatch):
     model = _cnn()
     assert "without Keras's two copies" in fast_layers.describe_ops(model, on_gpu=True)
     assert fast_layers.describe_ops(model, on_gpu=False) == ""
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras_nn._transpose_spatial_inputs.__wrapped_by_kmgpu__ is keras_fn
     assert keras_nn._transpose_spatial_inputs is keras_fn
     monkeypatch.setenv("KMGPU_TORCH_FAST_CONV", "0")
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras_nn._transpose_spatial_inputs is keras_fn
     assert "convolutions: Keras's own" in fast_layers.describe_ops(model, on_gpu=True)

@@ -111,7 +111,7 @@ def test_what_it_leaves_to_keras():
     fast_layers.batch_norm_call(renorm, torch.randn(4, 2), True, fallback=fallback)
     synced = BN()
     synced.build((4, 2))
-    synced._moments = synced._moments  # as keras_fixes.global_batch_moments does
+    synced._moments = synced._moments  # as layer_fixes.global_batch_moments does
     fast_layers.batch_norm_call(synced, torch.randn(4, 2), True, fallback=fallback)
     assert calls == ["a mask", "one value per channel in the batch", "renorm=True",
                      "its moments are replaced (global-batch moments)"]
@@ -154,20 +154,20 @@ def test_in_a_model_trains_like_keras():
 
 
 def test_swapped_in_only_inside_kmgpus_step_on_cuda_unless_off(monkeypatch):
-    """keras_fixes.fused_batchnorm: by default a CUDA device swaps Keras's call for the
+    """fast_fixes.fused_batchnorm: by default a CUDA device swaps Keras's call for the
     fused one inside the block (re-entrant) and back after; a CPU, or
     KMGPU_TORCH_FUSED_BN=0, keeps Keras's own call. describe() says which."""
     import keras
 
-    from kmgpu.engines.torch import fast_layers, keras_fixes
+    from kmgpu.engines.torch import fast_fixes, fast_layers
 
     keras_call = BN.call
     monkeypatch.delenv("KMGPU_TORCH_FUSED_BN", raising=False)
-    with keras_fixes.fused_batchnorm("cpu"):
+    with fast_fixes.fused_batchnorm("cpu"):
         assert BN.call is keras_call
-    with keras_fixes.fused_batchnorm("cuda:0"):
+    with fast_fixes.fused_batchnorm("cuda:0"):
         assert BN.call.__wrapped_by_kmgpu__ is keras_call
-        with keras_fixes.fused_batchnorm("cuda:0"):
+        with fast_fixes.fused_batchnorm("cuda:0"):
             assert BN.call.__wrapped_by_kmgpu__ is keras_call
         assert BN.call.__wrapped_by_kmgpu__ is keras_call
         layer, x = BN(), torch.randn(6, 3)
@@ -181,6 +181,6 @@ def test_swapped_in_only_inside_kmgpus_step_on_cuda_unless_off(monkeypatch):
     assert fast_layers.describe(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
                                 on_gpu=True) == ""
     monkeypatch.setenv("KMGPU_TORCH_FUSED_BN", "0")
-    with keras_fixes.fused_batchnorm("cuda:0"):  # switched off: Keras's own
+    with fast_fixes.fused_batchnorm("cuda:0"):  # switched off: Keras's own
         assert BN.call is keras_call
     assert "Keras's own layer" in fast_layers.describe(with_bn, on_gpu=True)

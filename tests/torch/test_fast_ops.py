@@ -1,5 +1,5 @@
 """Dense through F.linear and the sparse cross-entropy over a contiguous (rows, classes) view
-(engines/torch/fast_layers.py, swapped in by fast_keras_fixes.fast_ops inside kmgpu's steps
+(engines/torch/fast_layers.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps
 on CUDA) against Keras's own: loss values and gradients, masks, sample weights,
 ignore_class, what each leaves to Keras's code, and a 2-epoch fit through kmgpu's split
 step (made to swap on a CPU here) against plain Keras. Tiny tensors on a CPU."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-from kmgpu.engines.torch import fast_keras_fixes, fast_layers
+from kmgpu.engines.torch import fast_fixes, fast_layers
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit, rel
 
@@ -34,7 +34,7 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(fast_layers, "sparse_categorical_crossentropy", counted_loss)
     monkeypatch.setattr(fast_layers, "dense_call", counted_dense)
-    monkeypatch.setattr(fast_keras_fixes, "on_cuda", lambda device: True)
+    monkeypatch.setattr(fast_fixes, "on_cuda", lambda device: True)
     for name in fast_layers.SWITCHES.values():
         monkeypatch.delenv(name, raising=False)
     return taken
@@ -76,7 +76,7 @@ def test_sparse_ce_equals_kerass(spy, case):
         keras.src.backend.set_keras_mask(logits, torch.as_tensor(rng.uniform(size=(3, 5)) > 0.3))
     loss = SCCE(axis=axis, **loss_kw)
     ref = _loss_and_grad(loss, y, logits, **kw)
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras_nn.sparse_categorical_crossentropy.__wrapped_by_kmgpu__ is not None
         fast = _loss_and_grad(loss, y, logits, **kw)
     assert not hasattr(keras_nn.sparse_categorical_crossentropy, "__wrapped_by_kmgpu__")
@@ -110,7 +110,7 @@ def test_dense_equals_kerass(spy, case):
         return [out] + list(grads)
 
     ref = run()
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         fast = run()
     assert spy["dense"] == int(case in ("gelu", "linear_2d", "mixed_bfloat16")), case
     tol = 1e-2 if case == "mixed_bfloat16" else TOL  # bfloat16: one rounding more or less
@@ -164,15 +164,15 @@ def test_switches_and_describe(spy, monkeypatch):
     assert "contiguous (rows, classes)" in fast_layers.describe_ops(model, on_gpu=True)
     assert fast_layers.describe_ops(model, on_gpu=False) == ""
     monkeypatch.setenv("KMGPU_TORCH_FAST_LOSS", "0")
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras_nn.sparse_categorical_crossentropy is keras_loss
         assert keras.layers.Dense.call.__wrapped_by_kmgpu__ is keras_call
     monkeypatch.setenv("KMGPU_TORCH_FAST_DENSE", "0")
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras.layers.Dense.call is keras_call
     assert "Keras's own (KMGPU_TORCH_FAST_LOSS=0)" in fast_layers.describe_ops(model, True)
-    monkeypatch.setattr(fast_keras_fixes, "on_cuda", lambda device: False)
+    monkeypatch.setattr(fast_fixes, "on_cuda", lambda device: False)
     monkeypatch.delenv("KMGPU_TORCH_FAST_LOSS")
-    with fast_keras_fixes.fast_ops("cpu"):
+    with fast_fixes.fast_ops("cpu"):
         assert keras_nn.sparse_categorical_crossentropy is keras_loss
     assert keras.layers.Dense.call is keras_call

@@ -1,5 +1,5 @@
 """A masked GRU/LSTM on torch's fused RNN kernel over the compacted sequence
-(engines/torch/fast_rnn.py, swapped in by fast_keras_fixes.fast_ops inside kmgpu's steps on
+(engines/torch/fast_rnn.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
 CUDA, forced on a CPU here, where torch's own GRU/LSTM kernel has cuDNN's equations)
 against Keras's own masked loop: outputs, final states and gradients for every kind of
 mask, go_backwards, return_sequences, zero_output_for_mask, Bidirectional over
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kmgpu.engines.torch import fast_keras_fixes, fast_layers, fast_rnn
+from kmgpu.engines.torch import fast_fixes, fast_layers, fast_rnn
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit, rel
 
@@ -38,7 +38,7 @@ def spy(monkeypatch):
         return real(kind, *args, **kw)
 
     monkeypatch.setattr(fast_rnn, "masked_rnn", counted)
-    monkeypatch.setattr(fast_keras_fixes, "on_cuda", lambda device: True)
+    monkeypatch.setattr(fast_fixes, "on_cuda", lambda device: True)
     for name in fast_layers.SWITCHES.values():
         monkeypatch.delenv(name, raising=False)
     return taken
@@ -69,7 +69,7 @@ def _compare(make, rows, initial=False, training=None, expect=1):
     keras.utils.set_random_seed(3)
     ref = _run(layer, x, mask, h0, training)
     keras.utils.set_random_seed(3)
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         fast = _run(layer, x, mask, h0, training)
     assert len(ref) == len(fast)
     for a, b in zip(ref, fast):
@@ -161,7 +161,7 @@ def test_what_stays_with_kerass_code(spy, case):
     mask = None if case == "no_mask" else torch.as_tensor(np.array(MASKS["holes"], bool))
     seen = x.to(getattr(torch, layer.compute_dtype))  # what the layer passes inner_loop
     assert fast_rnn.why_not(layer, seen, mask, "lstm" if "lstm" in case else "gru")
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         out = layer(x, mask=mask)
     assert spy == []
     assert torch.isfinite(out[0] if isinstance(out, (list, tuple)) else out).all()
@@ -205,7 +205,7 @@ def _same_inside_and_outside(run, spy, taken):
     """``run()``'s tensors outside the swap and inside it equal to ``TOL``, the spy having
     seen ``taken`` inside; returns the ones from outside."""
     ref = run()
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         fast = run()
     assert spy == taken
     for a, b in zip(ref, fast):
@@ -242,11 +242,11 @@ def test_switch_and_describe(spy, monkeypatch):
     assert "GRU with a mask: cuDNN over the compacted sequence" in \
         fast_layers.describe_ops(model, on_gpu=True)
     assert fast_layers.describe_ops(model, on_gpu=False) == ""
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras.layers.GRU.inner_loop.__wrapped_by_kmgpu__ is keras_gru
         assert keras.layers.LSTM.inner_loop.__wrapped_by_kmgpu__ is keras_lstm
     monkeypatch.setenv("KMGPU_TORCH_FAST_RNN", "0")
-    with fast_keras_fixes.fast_ops("cuda:0"):
+    with fast_fixes.fast_ops("cuda:0"):
         assert keras.layers.GRU.inner_loop is keras_gru
         model(_tokens(3))
     assert spy == []

@@ -1,6 +1,6 @@
 """A masked sequence loss in kmgpu's split step on 2 gloo ranks, with the capture forced on
 a CPU and strict (a host read raises, as under CUDA-graph capture): the masked loss's
-all-reduce of valid timesteps (``keras_fixes.masked_losses``) runs inside the captured
+all-reduce of valid timesteps (``loss_fixes.masked_losses``) runs inside the captured
 forward pass, and the weights equal Keras's fit on one device.
 
 Keras's torch LSTM/GRU with a mask always runs its Python loop over a tensor time

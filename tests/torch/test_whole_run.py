@@ -267,13 +267,13 @@ def test_device_scalars_keep_numpy_constants_by_content():
     from pageable host memory is what CUDA-graph capture refuses), same values as Keras."""
     from keras.src.backend.torch import core  # noqa: the function the fix swaps
 
-    from kmgpu.engines.torch import keras_fixes
+    from kmgpu.engines.torch import capture_fixes
 
     f = core.convert_to_tensor
     values = [np.linspace(0, 1, 7), np.float64(0.25), np.arange(3, dtype="int32"),
               np.where(True, 3, 1)]
     want = [f(v) for v in values]
-    with keras_fixes.device_scalars():
+    with capture_fixes.device_scalars():
         got = [f(v) for v in values]
         a = values[0].copy()
         first = f(a)
@@ -312,7 +312,7 @@ def test_device_cond_equals_kerass_branches_with_overflow_accumulation_and_ema()
     accumulation and EMA overwrites: every weight and optimizer variable equal."""
     import torch
 
-    from kmgpu.engines.torch import cond_keras_fixes
+    from kmgpu.engines.torch import cond_fixes
 
     def run(device):
         keras.utils.set_random_seed(0)
@@ -328,7 +328,7 @@ def test_device_cond_equals_kerass_branches_with_overflow_accumulation_and_ema()
             if step in (3, 6):
                 grads[0][0, 0] = float("inf")
             if device:
-                with cond_keras_fixes.device_conditions(opt, m.trainable_variables):
+                with cond_fixes.device_conditions(opt, m.trainable_variables):
                     opt.apply(grads, m.trainable_variables)
             else:
                 opt.apply(grads, m.trainable_variables)

@@ -1,4 +1,4 @@
-"""``keras_fixes.own_state``: what travels beside the weights is the adapted layers'
+"""``model_fixes.own_state``: what travels beside the weights is the adapted layers'
 state only. It is read at every kmgpu call (the replicas' identity), so walking every
 layer made each ``evaluate`` copy all the weights to the host: ConvNeXtTiny (a
 Normalization layer, 28M weights) evaluated 0.22x plain Keras on one H200."""
@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 from kmgpu.engines import replication
-from kmgpu.engines import keras_fixes
+from kmgpu.engines import model_fixes
 
 
 def _model():
@@ -24,7 +24,7 @@ def _model():
 
 def test_only_adapted_layers_state_is_read():
     model, _ = _model()
-    weights, _ = keras_fixes.own_state(model)
+    weights, _ = model_fixes.own_state(model)
     arrays = [a for entries in weights.values() for a in entries.values()]
     # Normalization keeps mean, variance (4 each) and a count: 9 numbers, not the 2,572
     # of the Dense layers' weights
@@ -40,7 +40,7 @@ def test_no_assets_walk_without_a_layer_that_has_assets(monkeypatch):
     walked = []
     monkeypatch.setattr(saving_lib, "_save_assets_to_dict", lambda m: walked.append(m))
     model, _ = _model()
-    assert keras_fixes.own_state(model)[1] is None and walked == []
+    assert model_fixes.own_state(model)[1] is None and walked == []
 
 
 def test_a_replica_gets_the_adapted_state_through_the_nested_model():

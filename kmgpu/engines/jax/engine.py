@@ -30,7 +30,7 @@ Keras's step is kept.
 import contextlib
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.jax import keras_fixes, zero
+from kmgpu.engines.jax import data_fixes, layer_fixes, optimizer_fixes, step_fixes, zero
 
 
 class JaxEngine(InProcessEngine):
@@ -70,18 +70,18 @@ class JaxEngine(InProcessEngine):
         if self.config.shard_optimizer:  # before its optimizer makes a variable
             zero.shard(getattr(replica, "optimizer", None), self.distribution)
         # the replica's next step donates its variables: none may share an array
-        keras_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
+        optimizer_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
         return replica
 
     def prepare_replica(self, replica, template):
         d = self.distribution
         self._bn = (0, [])
         if not self.config.sync_batchnorm and self.num_replicas > 1:
-            self._bn = keras_fixes.local_batchnorm(replica, d)
-        keras_fixes.track_states(replica, d)  # stateful RNNs: carried through the jit
-        keras_fixes.fresh_loss_ids(replica)  # a step's own losses, every trace
+            self._bn = layer_fixes.local_batchnorm(replica, d)
+        layer_fixes.track_states(replica, d)  # stateful RNNs: carried through the jit
+        step_fixes.fresh_loss_ids(replica)  # a step's own losses, every trace
         if self.multiprocess:
-            keras_fixes.replicated_predictions(replica, d.device_mesh.backend_mesh)
+            step_fixes.replicated_predictions(replica, d.device_mesh.backend_mesh)
 
     def same_values(self, pairs):
         """JAX arrays are immutable: a variable whose value is still the array it held
@@ -163,7 +163,7 @@ class JaxEngine(InProcessEngine):
 
     @contextlib.contextmanager
     def call_context(self, method):
-        with keras_fixes.replicate_indivisible(self.distribution):
+        with data_fixes.replicate_indivisible(self.distribution):
             yield
 
     def optimizer_bytes(self, template):

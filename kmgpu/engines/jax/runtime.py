@@ -68,11 +68,11 @@ def start_job(job):
     """
     import keras
 
-    from kmgpu.engines import keras_fixes
+    from kmgpu.engines import model_fixes
 
     keras.distribution.initialize(f"{job.master_addr}:{job.master_port + 1}",
                                   job.world, job.rank)
-    keras_fixes.warm_saving()
+    model_fixes.warm_saving()
 
 
 def multiprocess():

@@ -18,7 +18,7 @@ the weights equal the unsharded run's.
 ``use_ema``'s moving averages are slots like the others, sharded. Fit's
 ``finalize_variable_values`` assigns each to its weight, whose own layout (whole on every
 device) places the value whole (``JaxVariable._direct_assign``), and
-``keras_fixes.separate_ema_overwrite`` gives the weight a copy: the weights stay whole,
+``optimizer_fixes.separate_ema_overwrite`` gives the weight a copy: the weights stay whole,
 the averages sharded, with nothing added here.
 
 The user's model holds the whole state after every ``fit``: ``gather`` brings a
@@ -26,7 +26,7 @@ sharded value back whole (the engine's ``copy_back``; under ``kmgpu launch``
 ``host_value``, which gathers the shards of every process).
 """
 
-from kmgpu.engines.jax import keras_fixes
+from kmgpu.engines.jax import optimizer_fixes
 
 
 def layout(shape, distribution):
@@ -53,7 +53,7 @@ def shard(optimizer, distribution):
         return
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is not None:
-            keras_fixes.lay_out_optimizer(opt, lambda shape: layout(shape, distribution))
+            optimizer_fixes.lay_out_optimizer(opt, lambda shape: layout(shape, distribution))
 
 
 def gather(value):

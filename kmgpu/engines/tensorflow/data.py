@@ -21,7 +21,7 @@ difference from one device for a generator, a PyDataset and a DataLoader).
 import inspect
 import itertools
 
-from kmgpu.engines import keras_fixes as common
+from kmgpu.engines import data_fixes as common
 
 
 def is_python_data(x):

@@ -4,7 +4,7 @@ The replica is created and compiled inside ``strategy.scope()`` (both are requir
 by tf.distribute). Keras splits each global batch over the replicas and scales each
 replica's mean loss by 1/N (a sum not at all), which is exact only for a mean and an
 even split; kmgpu's train step weighs each replica's loss by its part of the global
-batch's loss (``kmgpu.engines.keras_fixes.replica_loss``: by rows, by sample weights
+batch's loss (``kmgpu.engines.loss_fixes.replica_loss``: by rows, by sample weights
 or 1, as the loss reduces), so a partial last batch and every reduction give the
 one-device update, and an optimizer that clips clips the summed gradient.
 ``sync_batchnorm`` uses Keras's own ``BatchNormalization(synchronized=True)``.
@@ -23,7 +23,7 @@ import types
 
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
-from kmgpu.engines.tensorflow import data, kept_input, keras_fixes
+from kmgpu.engines.tensorflow import data, data_fixes, kept_input, layer_fixes, step_fixes
 
 
 class TensorFlowEngine(InProcessEngine):
@@ -61,8 +61,8 @@ class TensorFlowEngine(InProcessEngine):
 
     @contextlib.contextmanager
     def call_context(self, method):
-        with keras_fixes.reduce_fix(self.strategy), keras_fixes.all_reduce_without_walk(), \
-                keras_fixes.park_iterators(), keras_fixes.untuned_iterators():
+        with step_fixes.reduce_fix(self.strategy), layer_fixes.all_reduce_without_walk(), \
+                data_fixes.park_iterators(), data_fixes.untuned_iterators():
             yield
 
     def replica_batch(self, global_batch):
@@ -132,7 +132,7 @@ class TensorFlowEngine(InProcessEngine):
             import keras
 
             kept = self._kept if not keras.config.max_steps_per_epoch() else None
-            kwargs = keras_fixes.repeating_datasets(kwargs, kept)
+            kwargs = data_fixes.repeating_datasets(kwargs, kept)
         if method == "fit" and self._kept is not None:
             if self._kept.holds(kwargs.get("x")):
                 self._feed["first"] = self._kept.first  # built from it: Keras reads no batch
@@ -186,11 +186,11 @@ class TensorFlowEngine(InProcessEngine):
                                                   first.get("sample_weight")))
         result = getattr(replica, method)(**dict(kwargs, **placed))
         step = "train_step" if method == "train_on_batch" else "test_step"
-        if method == "predict_on_batch" or keras_fixes.keeps_keras_step(replica, step):
+        if method == "predict_on_batch" or step_fixes.keeps_keras_step(replica, step):
             return result  # kmgpu's own step returns the global batch's (global_logs)
         # Keras returns the mean of the replicas' own results, wrong for an uneven
         # split: read the metrics as fit does, summed over replicas
-        return keras_fixes.metrics_logs(replica, kwargs.get("return_dict", False))
+        return step_fixes.metrics_logs(replica, kwargs.get("return_dict", False))
 
     def _average_moving_statistics(self, replica, template):
         """Local BatchNorm: each replica kept its own moving mean and variance; the
@@ -211,11 +211,9 @@ class TensorFlowEngine(InProcessEngine):
     def prepare_replica(self, replica, template):
         import keras
 
-        from kmgpu.engines import keras_fixes as fixes
-
         # every replica count: Keras's own build reads a throwaway distributed iterator
         replica._maybe_symbolic_build = functools.partial(
-            keras_fixes.symbolic_build, replica, feed=self._feed,
+            step_fixes.symbolic_build, replica, feed=self._feed,
             replica_fixes=self.num_replicas > 1)
         if self.num_replicas == 1:
             return
@@ -223,16 +221,16 @@ class TensorFlowEngine(InProcessEngine):
             for layer in replica._flatten_layers():
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.synchronized = True
-                    keras_fixes.synced_moments(layer)
-        keras_fixes.per_thread_losses(replica)  # layers run on the global batch all-gather
-        keras_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
-        keras_fixes.synced_logs(replica)
-        keras_fixes.global_logs(replica)  # per-batch logs of the global batch
-        keras_fixes.traced_reset_metrics(replica)
-        if keras_fixes.keeps_keras_step(template):
-            replica.train_step = types.MethodType(keras_fixes.train_step, replica)
-        if keras_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
-            replica.test_step = types.MethodType(keras_fixes.test_step, replica)
+                    layer_fixes.synced_moments(layer)
+        layer_fixes.per_thread_losses(replica)  # layers run on the global batch all-gather
+        step_fixes.exact_custom_steps(replica)  # the user's own train_step / test_step
+        step_fixes.synced_logs(replica)
+        step_fixes.global_logs(replica)  # per-batch logs of the global batch
+        step_fixes.traced_reset_metrics(replica)
+        if step_fixes.keeps_keras_step(template):
+            replica.train_step = types.MethodType(step_fixes.train_step, replica)
+        if step_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
+            replica.test_step = types.MethodType(step_fixes.test_step, replica)
 
 
 def _per_replica(strategy, batch):

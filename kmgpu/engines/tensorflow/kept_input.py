@@ -12,7 +12,7 @@ when that call's batches are provably those a fresh pipeline would give:
   builds a new pipeline);
 - the same batch size, class weights and shuffling. Under a global seed a shuffled fit
   comes here unshuffled, its arrays in the order of Keras's first pass (the same at every
-  call: ``keras_fixes.first_pass_order``); a pipeline that shuffles is kept only without a
+  call: ``data_fixes.first_pass_order``); a pipeline that shuffles is kept only without a
   global seed, where its next pass draws a new permutation as a fresh pipeline would (with
   one, a continued iterator would draw the next permutation where plain Keras draws the
   first one again);
@@ -23,12 +23,12 @@ when that call's batches are provably those a fresh pipeline would give:
 
 The pipeline holds one copy of the arrays (as plain Keras's does during a call) until
 another ``fit`` brings other data, the engine closes, or the process exits; dropped
-iterators go through ``iterator_keras_fixes.park`` (destroyed at the next call, idle).
+iterators go through ``data_fixes.park`` (destroyed at the next call, idle).
 """
 
 import weakref
 
-from kmgpu.engines.tensorflow import iterator_keras_fixes
+from kmgpu.engines.tensorflow import data_fixes
 
 #: bytes compared at a time (bounds the temporary memory of the comparison)
 CHUNK_BYTES = 1 << 24
@@ -41,7 +41,7 @@ class KeptInput:
     def __init__(self, strategy):
         self.strategy = strategy
         self._slot = []  # the live iterator, if any (parked when this object goes)
-        weakref.finalize(self, iterator_keras_fixes.park, self._slot)
+        weakref.finalize(self, data_fixes.park, self._slot)
         self._clear()
         self.builds = 0  # distributed datasets made, for tests
 
@@ -99,12 +99,12 @@ class KeptInput:
         self._dataset = self.strategy.experimental_distribute_dataset(repeated)
         self._tensors = [t for t in keras.tree.flatten(tensors) if t is not None]
         self._signature, self._settings, self._steps = signature, settings, steps
-        iterator_keras_fixes.own(self._dataset, self)
+        data_fixes.own(self._dataset, self)
         return self._dataset, self._steps
 
     def iterator(self):
         """The kept iterator, or a new one (at the start of a pass) when none is kept:
-        what Keras's fit reads this call (``iterator_keras_fixes`` hands it over)."""
+        what Keras's fit reads this call (``data_fixes`` hands it over)."""
         if not self._slot:
             self._slot.append(iter(self._dataset))
         self._used = True
@@ -114,14 +114,14 @@ class KeptInput:
         """After each call: the iterator this call read stays only if the call read
         whole passes (else it is parked and dropped at the next call)."""
         if self._used and not whole_passes:
-            iterator_keras_fixes.park(self._slot)
+            data_fixes.park(self._slot)
         self._used = False
 
     def drop(self):
         """Forget the kept input (its iterator parked, dropped at the next call)."""
-        iterator_keras_fixes.park(self._slot)
+        data_fixes.park(self._slot)
         if self._dataset is not None:
-            iterator_keras_fixes.disown(self._dataset)
+            data_fixes.disown(self._dataset)
         self._clear()
 
 

@@ -78,12 +78,12 @@ def start_job(job):
         os.environ["TF_CONFIG"] = _tf_config_for(job)
     import tensorflow as tf
 
-    from kmgpu.engines import keras_fixes
+    from kmgpu.engines import model_fixes
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     _STRATEGY.append(strategy)
     _common_seed(strategy)
-    keras_fixes.warm_saving()
+    model_fixes.warm_saving()
 
 
 def strategy():

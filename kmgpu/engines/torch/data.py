@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from kmgpu.engines.datasets import is_dataset
-from kmgpu.engines.torch import feeds, keras_fixes, shuffle, transport
+from kmgpu.engines.torch import data_fixes, feeds, shuffle, transport
 
 #: the call arguments that hold data
 DATA_KEYS = ("x", "y", "sample_weight", "validation_data")
@@ -76,7 +76,7 @@ def _read_for_ranks(method, kwargs, make_feed, keep, template):
     shuffle these) and the validation data (one pass per validation); ``train`` is (x,
     steps_per_epoch, template) and ``validation`` (data, validation_steps, the epochs
     that validate, from the fit's first), each None where the ranks index the data.
-    ``draws`` is (``keras_fixes.validation_draws``, the epochs that validate) for
+    ``draws`` is (``data_fixes.validation_draws``, the epochs that validate) for
     arrays validating training data read here (else None): the reader makes Keras's
     draws from torch's global generator between its passes, in Keras's order.
     evaluate's and predict's ``x`` becomes ``keep(batches)`` of one pass (``steps``
@@ -97,7 +97,7 @@ def _read_for_ranks(method, kwargs, make_feed, keep, template):
             validation = (vd, steps, validating)
         elif train is not None and vd is not None and not is_dataset(vd):
             batch = kwargs.get("validation_batch_size") or kwargs.get("batch_size")
-            draws = (keras_fixes.validation_draws(vd, batch, steps,
+            draws = (data_fixes.validation_draws(vd, batch, steps,
                                                   template.steps_per_execution), validating)
         x_out, vd_out = make_feed(max(epochs - start, 1), train, validation, draws)
         if train is not None:

@@ -19,7 +19,7 @@ from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
 from kmgpu.engines.torch import (data, eval_steps, fast_layers, feeds, graphs,
-                                 keras_fixes, launchers, relay, replicas, resident, shuffle,
+                                 capture_fixes, launchers, relay, replicas, resident, shuffle,
                                  timing, zero)
 from kmgpu.engines.torch.messages import Aborted, Call
 
@@ -196,7 +196,7 @@ class TorchLocalEngine(LocalEngine):
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
         kind, why = graphs.plan(template, self._on_gpu(template))
-        jit = keras_fixes.wants_captured_step(template)
+        jit = capture_fixes.wants_captured_step(template)
         if kind == graphs.OWN and self._on_gpu(template) and self._said != id(template):
             self._said = id(template)
             print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")

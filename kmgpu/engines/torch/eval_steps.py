@@ -18,7 +18,7 @@ metrics are summed over ranks when Keras reads them, outside the step), so a ran
 that falls back to eager never leaves the others waiting.
 """
 
-from kmgpu.engines.torch import data, graphs, keras_fixes
+from kmgpu.engines.torch import capture_fixes, data, graphs, step_fixes
 
 #: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
 WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
@@ -64,7 +64,7 @@ class CapturedEval(graphs.CapturedSteps):
 
         def test(x, y, sw):  # Keras's TorchTrainer.test_step
             y_pred = forward(x)
-            loss = keras_fixes.compute_loss(model, x, y, y_pred, sw, training=False)
+            loss = step_fixes.compute_loss(model, x, y, y_pred, sw, training=False)
             model._loss_tracker.update_state(loss, sample_weight=data.num_rows(x))
             return model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
@@ -86,7 +86,7 @@ def rank_kinds(replica, device):
     ``compile(jit_compile=True)`` (then eagerly on a CPU, as the split train step), not
     with ``run_eagerly=True``. Read before the rank sets ``jit_compile`` False."""
     if getattr(replica, "run_eagerly", False) or not (
-            graphs.available(device) or keras_fixes.wants_captured_step(replica)):
+            graphs.available(device) or capture_fixes.wants_captured_step(replica)):
         return set()
     return wants(replica)
 
@@ -107,7 +107,7 @@ def on_rank(strategy, replica, kinds):
         test = strategy.test
         return test.current if test is not None else (0, 0)
 
-    from kmgpu.engines import keras_fixes as common
+    from kmgpu.engines import loss_fixes as common
 
     refused = {}
     if "test" in kinds and common.loss_kind(replica) == "weights":
@@ -126,9 +126,9 @@ def wants(model):
     """Which of Keras's steps ``model`` runs as written (its own test_step or
     predict_step are kept): the set of kinds kmgpu may capture."""
     kinds = set()
-    if not keras_fixes.has_own_test_step(model) and getattr(model, "compiled", False):
+    if not step_fixes.has_own_test_step(model) and getattr(model, "compiled", False):
         kinds.add("test")
-    if not keras_fixes.has_own_predict_step(model):
+    if not step_fixes.has_own_predict_step(model):
         kinds.add("predict")
     return kinds
 

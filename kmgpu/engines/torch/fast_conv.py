@@ -1,5 +1,5 @@
 """Keras's torch convolutions and poolings without the two layout copies of their input,
-inside kmgpu's steps on CUDA (``fast_keras_fixes``: switch
+inside kmgpu's steps on CUDA (``fast_fixes``: switch
 ``KMGPU_TORCH_FAST_CONV``, "0" keeps Keras's).
 
 Keras 3.15.1 (``keras/src/backend/torch/nn.py``) moves a ``channels_last`` input's channel

@@ -33,9 +33,9 @@ Against float64 (``reference_call``) this layer is as close as Keras's or closer
 method or two passes where Keras uses E[x^2] - E[x]^2 in float32, which loses digits when
 a channel's mean is large against its spread. What it does not cover runs Keras's own
 ``call`` (``fallback``): a mask, ``renorm``, ``synchronized=True``, moments replaced on
-the layer (kmgpu's ``sync_batchnorm``: ``keras_fixes.global_batch_moments``), a batch of
+the layer (kmgpu's ``sync_batchnorm``: ``layer_fixes.global_batch_moments``), a batch of
 one value per channel, integer inputs, symbolic (meta) tensors. Nothing here is
-installed: ``keras_fixes`` decides that.
+installed: ``fast_fixes`` decides that.
 
 ``reference_call`` is the yardstick of the tests and ``benchmarks/torch_bn_parity.py``:
 the layer in float64. Keras's own layer cannot be: Keras 3.15.1 computes
@@ -60,7 +60,7 @@ def why_not(layer, inputs, training=None, mask=None):
         return "renorm=True"
     if getattr(layer, "synchronized", False):
         return "synchronized=True"
-    if "_moments" in vars(layer):  # kmgpu's sync_batchnorm (keras_fixes.global_batch_moments)
+    if "_moments" in vars(layer):  # kmgpu's sync_batchnorm (layer_fixes.global_batch_moments)
         return "its moments are replaced (global-batch moments)"
     if not torch.is_tensor(inputs) or inputs.device.type == "meta":
         return "symbolic inputs"
@@ -231,7 +231,7 @@ def describe(model, on_gpu):
 
 def enabled():
     """Whether kmgpu's steps on CUDA run BatchNormalization fused
-    (``keras_fixes.fused_batchnorm``): unless ``KMGPU_TORCH_FUSED_BN=0``."""
+    (``fast_fixes.fused_batchnorm``): unless ``KMGPU_TORCH_FUSED_BN=0``."""
     return environment.enabled("KMGPU_TORCH_FUSED_BN")
 
 

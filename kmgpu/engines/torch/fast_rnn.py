@@ -1,5 +1,5 @@
 """Keras's GRU and LSTM with a mask on torch's fused RNN kernel (cuDNN on CUDA), exact and
-without a host read. ``fast_keras_fixes`` installs ``inner_loop_method`` in
+without a host read. ``fast_fixes`` swaps ``inner_loop_method`` in
 place of ``GRU.inner_loop`` / ``LSTM.inner_loop`` inside kmgpu's steps on CUDA.
 
 Keras 3.15.1's torch ``gru()`` / ``lstm()`` raise NotImplementedError whenever a mask is

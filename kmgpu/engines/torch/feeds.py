@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import torch
 
-from kmgpu.engines.torch import keras_fixes, transport
+from kmgpu.engines.torch import data_fixes, transport
 
 
 def reads_itself(x):
@@ -57,7 +57,7 @@ def read_pass(iterator, fresh=False):
 def one_pass(x, steps=None, build=None):
     """The batches of one epoch of ``x``, as Keras's evaluate (``build``: the user's
     model) or predict (None) takes them."""
-    iterator = keras_fixes.epoch_iterator(x, steps, build)
+    iterator = data_fixes.epoch_iterator(x, steps, build)
     return read_pass(iterator)
 
 
@@ -246,7 +246,7 @@ class LocalStream(_Passes):
     def __init__(self, x, host, steps=None, build=None, validation=False, draws=None):
         self._host, self._draws = host, draws
         with host.active():
-            self._iterator = keras_fixes.epoch_iterator(x, steps, build)
+            self._iterator = data_fixes.epoch_iterator(x, steps, build)
             self._first, self._fresh = read_pass(self._iterator), validation
             self._validation_draws(0)
         if not self._first and not validation:
@@ -297,7 +297,7 @@ class _Stream:
     Args:
         path: the feed's folder.
         prefix: the passes' file names (``<prefix><i>.json``).
-        iterator: ``keras_fixes.epoch_iterator`` over the data.
+        iterator: ``data_fixes.epoch_iterator`` over the data.
         what: the data, for errors.
         fresh: reset the iterator before each pass (validation data).
     """
@@ -361,7 +361,7 @@ class Feed:
         draws: (a function, the epochs that validate) for arrays validating the
             training data (the ranks index them): it draws from torch's global
             generator what such a validation draws in Keras, after its epoch's pass
-            (``keras_fixes.validation_draws``); or None.
+            (``data_fixes.validation_draws``); or None.
     """
 
     def __init__(self, files, passes, train=None, validation=None, draws=None):
@@ -375,14 +375,14 @@ class Feed:
         try:
             if train is not None:
                 x, steps_per_epoch, build = train
-                self.train = _Stream(self.path, "pass", keras_fixes.epoch_iterator(
+                self.train = _Stream(self.path, "pass", data_fixes.epoch_iterator(
                     x, steps_per_epoch, build), "the training data for epoch", False)
                 self.steps = len(self.train.read())
                 if not self.steps:
                     raise ValueError("kmgpu (torch): the training data yielded no batch.")
             if validation is not None:
                 data, steps, epochs = validation
-                self.validation = _Stream(self.path, "vpass", keras_fixes.epoch_iterator(
+                self.validation = _Stream(self.path, "vpass", data_fixes.epoch_iterator(
                     data, steps), "the validation data for validation", True)
                 self.validation.read()
                 self._later = list(epochs)[1:]

@@ -28,7 +28,7 @@ unscaled first), ``use_ema`` (``ema_overwrite_frequency`` as a device-side selec
 variable constraints, and under a ``LossScaleOptimizer`` (``mixed_float16``) as Keras's:
 the gradient unscaled, the step kept only where every gradient is finite (one select per
 flat buffer on the device, no host branch: Keras's ``ops.cond`` selected each state
-tensor, a kernel per tensor, ``cond_keras_fixes``), the scale doubled after
+tensor, a kernel per tensor, ``cond_fixes``), the scale doubled after
 ``dynamic_growth_steps`` finite steps and halved after one that is not. Not covered
 (Keras's own code stays): other optimizers and subclasses, ``gradient_accumulation_steps``,
 variables with ``overwrite_with_gradient``.

@@ -34,9 +34,9 @@ remakes its gradient buffers (either moves ``flat_layout.generation``), every gr
 dropped, to be recorded anew. The graphs and their memory (``graph_bytes``) live as long as the
 step object (on one device, the ParallelModel: ``close()`` frees them). While a step runs
 (``step_context``), Keras's ``convert_to_tensor`` makes python scalars on the device
-(``keras_fixes.device_scalars``: capture refuses Keras's blocking scalar copies) and
+(``capture_fixes.device_scalars``: capture refuses Keras's blocking scalar copies) and
 Keras's random functions draw from the seed generators' device state
-(``keras_fixes.device_random``, ``rng``), so random layers capture and draw anew at
+(``capture_fixes.device_random``, ``rng``), so random layers capture and draw anew at
 every replay.
 """
 
@@ -48,7 +48,8 @@ import torch
 
 from kmgpu import environment
 from kmgpu.engines import global_losses
-from kmgpu.engines.torch import cuda_graphs, flat_layout, keras_fixes, precision, split_step
+from kmgpu.engines.torch import (capture_fixes, cond_fixes, cuda_graphs, fast_fixes, flat_layout,
+                                 precision, split_step, step_fixes)
 from kmgpu.engines.torch.split_step import SplitStep
 
 #: eager steps of one batch signature (on a side stream) before it is captured
@@ -90,13 +91,13 @@ def plan(model, on_gpu):
     Keras's eager step (the way to turn the capture off). A model with its own
     ``train_step`` keeps it (kmgpu cannot split a step it did not write).
     """
-    if keras_fixes.has_own_train_step(model):
+    if step_fixes.has_own_train_step(model):
         return OWN, "a model's own train_step runs as written, eagerly"
     if not getattr(model, "compiled", False) or not model.trainable_weights:
         return KERAS, "nothing to train"
     if model.run_eagerly:
         return KERAS, "compile(run_eagerly=True) asks for Keras's eager step"
-    if keras_fixes.wants_captured_step(model) or on_gpu:
+    if capture_fixes.wants_captured_step(model) or on_gpu:
         return SPLIT, None
     return KERAS, ("on a CPU there is nothing to capture (compile(jit_compile=True) runs "
                    "kmgpu's split step eagerly)")
@@ -142,9 +143,9 @@ def step_context(model, device, tf32):
     """What every captured step runs within, warm-up, capture and replay alike: Keras's
     scalars and random draws on the device (capture refuses host copies), the float32
     matmul policy, the fused BatchNorm and fast ops on CUDA, conditions on the device."""
-    with keras_fixes.device_scalars(), keras_fixes.device_random(), \
-            precision.matmul_precision(tf32), keras_fixes.fused_batchnorm(device), \
-            keras_fixes.fast_ops(device), keras_fixes.step_conditions(model):
+    with capture_fixes.device_scalars(), capture_fixes.device_random(), \
+            precision.matmul_precision(tf32), fast_fixes.fused_batchnorm(device), \
+            fast_fixes.fast_ops(device), cond_fixes.step_conditions(model):
         yield
 
 
@@ -426,7 +427,7 @@ def installed(model, steps, kinds=("train",)):
     and Keras compiles nothing (jit_compile False; its step functions are made anew);
     afterwards the model is as it was."""
     was = model.jit_compile
-    keras_fixes.set_jit_compile(model, False)
+    capture_fixes.set_jit_compile(model, False)
     for kind in kinds:
         setattr(model, f"{kind}_step", getattr(steps, f"{kind}_step"))
     try:
@@ -434,7 +435,7 @@ def installed(model, steps, kinds=("train",)):
     finally:
         for kind in kinds:
             model.__dict__.pop(f"{kind}_step", None)
-        keras_fixes.set_jit_compile(model, was)
+        capture_fixes.set_jit_compile(model, was)
 
 
 def eager_keras(model):

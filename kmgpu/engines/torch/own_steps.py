@@ -6,7 +6,7 @@ user's step (the Keras guide's pattern: ``compute_loss``, ``loss.backward()``,
 made equal to one device around it:
 
 - ``optimizer.apply`` sums the ranks' gradients weighted by each rank's part of the
-  global loss (``kmgpu.engines.keras_fixes.replica_share``: ``n_rank / n_global`` for
+  global loss (``kmgpu.engines.loss_fixes.replica_share``: ``n_rank / n_global`` for
   a mean, 1 for a sum): the gradient of the global batch's loss, also when the last
   batch splits unevenly (a model's own losses, regularizers included, are taken to
   reduce like the compiled loss here);
@@ -37,7 +37,7 @@ class OwnSteps:
         self.strategy = strategy
         self.rows = None  # (real rows here, rows in the global batch) inside a step
         self.share = None  # this rank's weight in the step's global loss, inside a step
-        self.kind = "rows"  # how the model's loss reduces (kmgpu.engines.keras_fixes)
+        self.kind = "rows"  # how the model's loss reduces (kmgpu.engines.loss_fixes)
 
     def prepare(self, replica, averaged):
         """Install the hooks on ``replica`` (instance attributes; its class untouched).
@@ -46,14 +46,14 @@ class OwnSteps:
             replica: the rank's replica, with its own train_step or test_step.
             averaged: BatchNorm moving statistics to average after every update.
         """
-        from kmgpu.engines import keras_fixes as common
-        from kmgpu.engines.torch import keras_fixes
+        from kmgpu.engines import loss_fixes as common
+        from kmgpu.engines.torch import step_fixes
 
         self.kind = common.loss_kind(replica) if replica.compiled else "rows"
-        if keras_fixes.has_own_train_step(replica):
+        if step_fixes.has_own_train_step(replica):
             replica.train_step = self._step(replica, replica.train_step, "train")
             self._hook_optimizer(replica, averaged)
-        if keras_fixes.has_own_test_step(replica):
+        if step_fixes.has_own_test_step(replica):
             replica.test_step = self._step(replica, replica.test_step, "test")
         for metric in replica.metrics:
             if type(metric) is keras.metrics.Mean:
@@ -107,8 +107,8 @@ class OwnSteps:
 
     def _share(self, replica, data, rows):
         """This rank's weight in the step's global loss (``replica_share``, the rule of
-        ``kmgpu.engines.keras_fixes``), or None outside a distributed call."""
-        from kmgpu.engines import keras_fixes as common
+        ``kmgpu.engines.loss_fixes``), or None outside a distributed call."""
+        from kmgpu.engines import loss_fixes as common
 
         if rows is None or not rows[1]:
             return None
@@ -130,7 +130,7 @@ class OwnSteps:
             rows, share = self.rows, self.share
             if (rows is not None and sample_weight is None and rows[1] and share is not None
                     and len(getattr(values, "shape", ())) == 0):
-                from kmgpu.engines import keras_fixes as common
+                from kmgpu.engines import loss_fixes as common
 
                 if rows[0]:
                     values, _ = common.tracker_update(self.kind, values, values * share,

@@ -135,9 +135,9 @@ class RankSteps:
 
     def _track_loss(self, replica, x, y, y_pred, sample_weight, training, n_real, n_global):
         """Update the loss tracker with this rank's value (``replica_loss``, the rule of
-        ``kmgpu.engines.keras_fixes``); returns the rank's part of the global loss (0
+        ``kmgpu.engines.loss_fixes``); returns the rank's part of the global loss (0
         for a stand-in row)."""
-        from kmgpu.engines import keras_fixes as common
+        from kmgpu.engines import loss_fixes as common
 
         kind, local, part = common.replica_loss(
             replica, x, y, y_pred, sample_weight, training, n_real, max(n_global, 1),

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kmgpu.engines import lr
-from kmgpu.engines.torch import keras_fixes
+from kmgpu.engines.torch import step_fixes
 from kmgpu.engines.torch.messages import Event, HistoryRecord, Reply
 
 TRAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
@@ -41,7 +41,7 @@ def implemented_hooks(callbacks):
     for cb in callbacks or []:
         for hook in TRAIN_HOOKS + TEST_HOOKS + PREDICT_HOOKS + tuple(_ALIASES):
             method = getattr(cb, hook, None)
-            if method is not None and not keras_fixes.is_default(method):
+            if method is not None and not step_fixes.is_default(method):
                 out.add(_ALIASES.get(hook, hook))
     return out
 
@@ -57,7 +57,7 @@ def plain_logs(logs):
         return logs
     return keras.tree.map_structure(
         lambda v: keras.ops.convert_to_numpy(v) if hasattr(v, "shape") and v.shape else v,
-        keras_fixes.pythonify_logs(logs),
+        step_fixes.pythonify_logs(logs),
     )
 
 
@@ -205,7 +205,7 @@ def _declared_weight_free(callback):
         return False
     for hook in TRAIN_HOOKS + TEST_HOOKS + PREDICT_HOOKS + tuple(_ALIASES):
         method = getattr(callback, hook, None)
-        if method is None or keras_fixes.is_default(method):
+        if method is None or step_fixes.is_default(method):
             continue
         if getattr(getattr(method, "__func__", None), "__module__", None) != owner.__module__:
             return False

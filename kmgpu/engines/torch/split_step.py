@@ -12,7 +12,7 @@ import contextlib
 import keras
 import torch
 
-from kmgpu.engines.torch import cond_keras_fixes, flat_layout, flat_optim, keras_fixes, zero
+from kmgpu.engines.torch import cond_fixes, flat_layout, flat_optim, step_fixes, zero
 
 
 def _copy(dst, src):
@@ -115,11 +115,11 @@ class SplitStep:
 
     def _loss(self, x, y, y_pred, sw, n_real, n_global):
         """(what the loss tracker gets, with weight n_real; this replica's part of the
-        global loss): the rule of ``kmgpu.engines.keras_fixes.replica_loss``."""
-        from kmgpu.engines import keras_fixes as common
+        global loss): the rule of ``kmgpu.engines.loss_fixes.replica_loss``."""
+        from kmgpu.engines import loss_fixes as common
 
         if self.world == 1:  # one replica: Keras's own loss, whatever its reductions
-            loss = keras_fixes.compute_loss(self.model, x, y, y_pred, sw, training=True)
+            loss = step_fixes.compute_loss(self.model, x, y, y_pred, sw, training=True)
             return loss, loss
 
         def sum_weights(w):
@@ -161,7 +161,7 @@ class SplitStep:
                 grads = [g if used else None for g, used in zip(views[:n], self.used)]
                 if not model.optimizer.built:  # its variables exist before the branches run
                     model.optimizer.build(self.trainable)
-                with cond_keras_fixes.device_conditions(model.optimizer, self.trainable):
+                with cond_fixes.device_conditions(model.optimizer, self.trainable):
                     model.optimizer.apply(grads, self.trainable)
             if not n_real:  # a stand-in row: nothing of it counts
                 return model.get_metrics_result()

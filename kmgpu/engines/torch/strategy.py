@@ -9,7 +9,7 @@ How one global batch becomes N equal steps: every rank feeds Keras the same numb
 of batches (``data.RankSlices``). The step (``train_step``, the documented Keras
 extension point) runs the forward pass through ``DistributedDataParallel`` and
 weighs the rank's loss by its part of the global batch's loss before ``backward``
-(``kmgpu.engines.keras_fixes.replica_loss``: ``n_local / n_global`` for a mean); DDP's
+(``kmgpu.engines.loss_fixes.replica_loss``: ``n_local / n_global`` for a mean); DDP's
 buckets are summed (not averaged) by a comm hook, so the update equals the
 one-device update of the global batch, also for a partial last batch. Keras's loss
 tracker is updated with the rank's value (``tracker_update``) and row count, and at
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, data, keras_fixes, resident
+from kmgpu.engines.torch import collectives, data, data_fixes, layer_fixes, resident, step_fixes
 from kmgpu.engines.torch.messages import Aborted, Predictions
 from kmgpu.engines.torch.rank_steps import RankSteps
 from kmgpu.engines.torch.relay import Abort, SyncCallback
@@ -110,7 +110,7 @@ class DDPStrategy(RankSteps):
         averaged = []
         if self.config.sync_batchnorm:
             for layer in bn_layers:
-                keras_fixes.global_batch_moments(
+                layer_fixes.global_batch_moments(
                     layer, collectives.SumOverRanks.apply,
                     lambda: self.n_real if self.in_train_step else None)
         else:
@@ -118,7 +118,7 @@ class DDPStrategy(RankSteps):
                         if "float" in str(v.dtype)]
         self._offset_seeds(replica)
         for layer in replication.stateful_layers(replica):
-            keras_fixes.copy_states_in(layer)
+            layer_fixes.copy_states_in(layer)
         from kmgpu.engines.torch import eval_steps, graphs
 
         # graphs.plan: the captured step on CUDA devices (the same on every rank: one
@@ -154,10 +154,10 @@ class DDPStrategy(RankSteps):
             if kind == graphs.OWN and self.rank == 0 and graphs.available(self.device):
                 print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
             self._hook_optimizer(replica, averaged)
-        if not keras_fixes.has_own_test_step(replica):
+        if not step_fixes.has_own_test_step(replica):
             replica.test_step = self._test_step(replica)
         self.evals = eval_steps.on_rank(self, replica, evals)
-        keras_fixes.read_logs_within(replica, lambda: self._summed_metrics(replica))
+        step_fixes.read_logs_within(replica, lambda: self._summed_metrics(replica))
         replica.evaluate = self._evaluate(replica)
         return replica
 
@@ -172,7 +172,7 @@ class DDPStrategy(RankSteps):
                 generator.state.assign(state.astype(generator.state.dtype))
 
     def _evaluate(self, replica):
-        evaluate = keras_fixes.keras_evaluate(replica)
+        evaluate = step_fixes.keras_evaluate(replica)
 
         def evaluate_(x=None, *args, **kwargs):
             mine = isinstance(x, data.RankSlices)
@@ -283,7 +283,7 @@ class DDPStrategy(RankSteps):
             if self.sharded is not None and self.sharded.zero is not None:
                 self.sharded.zero.materialize(self.gather_everywhere)  # for the snapshot
             with self._summed_metrics(replica):
-                logs = keras_fixes.pythonify_logs(replica.get_metrics_result())
+                logs = step_fixes.pythonify_logs(replica.get_metrics_result())
         finally:
             setattr(self, part, saved[0])
             self.collective = saved[1]
@@ -313,7 +313,7 @@ class DDPStrategy(RankSteps):
             if data.is_dataset(x):
                 raise ValueError("validation_split needs arrays, not a PyDataset: pass "
                                  "validation_data instead.")
-            (x, y, sw), validation_data = keras_fixes.train_validation_split(
+            (x, y, sw), validation_data = data_fixes.train_validation_split(
                 (x, y, sw), validation_split)
         train = data.RankSlices(
             resident.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),

@@ -1,26 +1,19 @@
 """Keras's ``cond`` as a device select while kmgpu's torch step runs: the optimizer in
 graph B (LossScaleOptimizer, gradient accumulation, EMA) and whatever else branches on a
 tensor in a train, test or predict step (the hinge losses and metrics' label check).
-Split from graph_keras_fixes by role; ``keras_fixes.PATCHES`` includes this table.
+Rows of ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
-#: (module, attribute (dotted within the module), why)
-PATCHES = [
-    ("keras.src.backend.torch.core", "cond",
-     "swapped while kmgpu's step runs (step_conditions; device_conditions around the "
-     "optimizer): Keras 3.15.1's torch cond is a Python if on a tensor, a host read "
-     "CUDA-graph capture refuses; LossScaleOptimizer (mixed_float16: its finite-gradient "
-     "check and loss-scale update), gradient_accumulation_steps and EMA overwrites branch "
-     "with it, and so do the Hinge/SquaredHinge/CategoricalHinge losses and metrics (their "
-     "0/1-label check), so those steps could not be captured; the swap runs both branches "
-     "from the same state and keeps the taken one with torch.where: the same values, no "
-     "host read (upstream: no issue known to kmgpu)"),
-]
+import contextlib
 
-_COND = {"state": None, "original": None, "depth": 0}
+from kmgpu.engines import keras_fixes
+
+#: the state of each open block, innermost last: a list of variables, or a callable that
+#: makes it at the block's first cond
+_STATES = []
 
 
-def _device_cond(pred, true_fn, false_fn):
+def _device_cond(original, pred, true_fn, false_fn):
     """Keras's ``cond`` inside ``device_conditions`` / ``step_conditions``: both branches
     run from the same state, the taken one's writes are kept (``torch.where``), nothing
     read on the host. Only the state tensors a branch writes are copied and selected
@@ -31,12 +24,12 @@ def _device_cond(pred, true_fn, false_fn):
     import keras
     import torch
 
-    state = _COND["state"]
+    state = _STATES[-1] if _STATES else None
     if state is None or not torch.is_tensor(pred) or pred.numel() != 1 or \
             pred.device.type == "meta":
-        return _COND["original"](pred, true_fn, false_fn)
+        return original(pred, true_fn, false_fn)
     if callable(state):
-        state = _COND["state"] = list(state())
+        state = _STATES[-1] = list(state())
     taken = pred.reshape(()).to(torch.bool)
     values = [v.value for v in state]
     true_writes = false_writes = None
@@ -54,7 +47,7 @@ def _device_cond(pred, true_fn, false_fn):
             for writes in (false_writes, true_writes):  # undo, latest first
                 for k, before in (writes.before.items() if writes is not None else ()):
                     values[k].copy_(before)
-        return _COND["original"](pred, true_fn, false_fn)
+        return original(pred, true_fn, false_fn)
     with torch.no_grad():
         for k in sorted(set(keys) | set(false_writes.before)):
             a = after_true[k] if k in after_true else false_writes.before[k]
@@ -116,35 +109,27 @@ def _copy_into(dst, src):
             d.copy_(s)
 
 
-class _Conditions:
-    """The context of ``device_conditions`` / ``step_conditions`` (re-entrant; the
-    innermost block's state is the one a cond selects, the outer one's comes back as it
-    ends). ``variables``: a list, or a callable that makes it at the first cond (a step
-    without one pays nothing)."""
+def _selecting(original):
+    """Keras's torch ``cond`` (``original``) as ``_device_cond``."""
+    def cond(pred, true_fn, false_fn):
+        return _device_cond(original, pred, true_fn, false_fn)
+    return cond
 
-    def __init__(self, variables):
-        self.variables = variables
-        self.outer = None
 
-    def __enter__(self):
-        from keras.src.backend.torch import core
+@contextlib.contextmanager
+def _conditions(variables):
+    """The block of ``device_conditions`` / ``step_conditions``: ``cond`` swapped
+    (re-entrant); the innermost block's state is the one a cond selects, the outer one's
+    comes back as it ends. ``variables``: a list, or a callable that makes it at the
+    first cond (a step without one pays nothing)."""
+    from keras.src.backend.torch import core
 
-        if _COND["depth"] == 0:
-            _COND["original"] = core.cond
-            core.cond = _device_cond
-        self.outer = _COND["state"]
-        _COND["state"] = self.variables if callable(self.variables) else list(self.variables)
-        _COND["depth"] += 1
-        return self
-
-    def __exit__(self, *exc):
-        from keras.src.backend.torch import core
-
-        _COND["depth"] -= 1
-        _COND["state"], self.outer = self.outer, None
-        if _COND["depth"] == 0:
-            core.cond, _COND["original"], _COND["state"] = _COND["original"], None, None
-        return False
+    with keras_fixes.swapped((core, "cond", _selecting)):
+        _STATES.append(variables if callable(variables) else list(variables))
+        try:
+            yield
+        finally:
+            _STATES.pop()
 
 
 def optimizer_state(optimizer, trainable):
@@ -166,7 +151,7 @@ def device_conditions(optimizer, trainable):
     both branches run from the same state of ``optimizer_state`` and the taken one is
     kept, so a LossScaleOptimizer's finite check, ``gradient_accumulation_steps`` and
     EMA overwrites need no host read and graph B captures whole. Exact (a select)."""
-    return _Conditions(optimizer_state(optimizer, trainable))
+    return _conditions(optimizer_state(optimizer, trainable))
 
 
 def step_state(model):
@@ -188,4 +173,4 @@ def step_conditions(model):
     """Within the block (a kmgpu train, test or predict step), Keras's torch ``cond``
     selects on the device as in ``device_conditions``, its state every variable of
     ``step_state(model)``, listed at the first cond of the block."""
-    return _Conditions(lambda: step_state(model))
+    return _conditions(lambda: step_state(model))

@@ -1,31 +1,63 @@
-"""Keras internals that carry to a replica what the template holds beside its config and
-weights: what Keras's saving path writes for each layer (adapted preprocessing layers,
-lookup vocabularies) and the optimizer's settings outside its config.
-
-Split from ``keras_fixes`` by role (that module's ``PATCHES`` includes this one's).
+"""The model as Keras keeps it beside its config and weights: whether it is functional,
+what its saving path writes for its layers (adapted preprocessing layers, lookup
+vocabularies), its optimizer's settings outside ``get_config()``, and saving's cache and
+serializer made safe for every process. Rows of ``kmgpu/engines/keras_fixes.py``.
 """
 
-KERAS = "3.15.1"
+import sys
 
-#: (module, attribute (dotted within the module), why)
-PATCHES = [
-    ("keras.src.saving.saving_lib", "_save_state",
-     "own_state: a replica is made from the template's config, which leaves out what "
-     "Keras's saving path carries beside it (each layer's save_own_variables and its "
-     "load_own_variables, which finalizes adapted layers; lookup vocabularies): that "
-     "walk, with an in-memory store, carries it"),
-    ("keras.src.saving.saving_lib", "_load_state", "same"),
-    ("keras.src.saving.saving_lib", "NpzIOStore", "same: the store class _load_state accepts"),
-    ("keras.src.saving.saving_lib", "_save_assets_to_dict", "same, for assets (vocabularies)"),
-    ("keras.src.saving.saving_lib", "_load_assets_from_dict", "same"),
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
-     "optimizer_settings: it keeps var_list (as _var_key ids) and var_names (as a "
-     "compiled pattern) in private attributes, _exclude_from_weight_decay and "
-     "_exclude_from_weight_decay_pattern, not in get_config(), so an optimizer made "
-     "from its config decays every variable"),
-    ("keras.src.optimizers.base_optimizer", "BaseOptimizer._use_weight_decay",
-     "same: what reads them"),
-]
+from kmgpu.engines import keras_fixes
+
+
+def warm_saving():
+    """Saving a model makes throw-away Keras objects once per type (an Optimizer, with
+    a variable) to learn which attributes to skip. Made by process 0 alone inside
+    fit (ModelCheckpoint), that variable would join a collective the other
+    processes never enter: TensorFlow fails ("Collective instance ... expected
+    type"), JAX asserts. Every process makes them here, outside any scope, and they
+    are cached under the name Keras 3.15 looks them up by (it stores them as
+    "saving_attr_skipset_*" but reads "saving_attr_skiplist_*", so its own cache
+    never hits).
+    """
+    from keras.src.backend.common import global_state
+    from keras.src.saving import saving_lib
+
+    for kind in ("Operation", "Layer", "Functional", "Sequential", "Metric", "Optimizer",
+                 "Loss"):
+        global_state.set_global_attribute(f"saving_attr_skiplist_{kind}",
+                                          saving_lib.get_attr_skipset(kind))
+
+
+class _TensorflowIfImported:
+    """Keras's lazy ``tensorflow`` module, "available" only once something imported it:
+    before that, no object can be one of its types."""
+
+    def __init__(self, lazy):
+        self._lazy = lazy
+
+    @property
+    def available(self):
+        return "tensorflow" in sys.modules and self._lazy.available
+
+    def __getattr__(self, name):
+        return getattr(self._lazy, name)
+
+
+def serialize_without_tensorflow():
+    """Keras's serializer (``get_config``, ``serialize_keras_object``) stops importing
+    TensorFlow to ask whether an object is one of its types (see ``PATCHES``)."""
+    from keras.src.saving import serialization_lib
+
+    keras_fixes.install(serialization_lib, "tf", _TensorflowIfImported,
+                        key="serialize_without_tensorflow")
+
+
+def is_functional(model):
+    """True for a Sequential or functional model (one whose Input fixes the batch)."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, (keras.Sequential, Functional))
 
 
 def keeps_own_state(layer):
@@ -164,4 +196,3 @@ def apply_optimizer_settings(model, settings):
     opt.exclude_from_weight_decay(var_list=[variables[i] for i in
                                             settings["exclude_positions"]])
     opt._exclude_from_weight_decay_pattern = settings["exclude_pattern"]
-

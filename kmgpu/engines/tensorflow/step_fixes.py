@@ -1,59 +1,103 @@
-"""Keras internals the TensorFlow engine's train and test steps use or replace: each
-replica's loss weighed by its part of the global batch (``train_step``, ``test_step``,
-custom steps, per-output loss trackers), and the metrics read across replicas.
-
-Split from ``keras_fixes`` by role (that module's ``PATCHES`` includes this one's).
-Keras 3.15.1; each entry of ``PATCHES`` names the internal, and why.
+"""The TensorFlow engine's train and test steps under tf.distribute: each replica's loss
+weighed by its part of the global batch (``train_step``, ``test_step``, custom steps,
+per-output loss trackers), the metrics read across replicas, Keras's symbolic build from
+a batch it can split, and its multi-worker reduction of step outputs. Rows of
+``kmgpu/engines/tensorflow/keras_fixes.py``.
 """
 
 import threading
 
-from kmgpu.engines.tensorflow import global_batch
+from kmgpu.engines import keras_fixes, loss_fixes
+from kmgpu.engines.tensorflow import global_batch, optimizer_fixes
 
-KERAS = "3.15.1"
 
-#: (module, attribute (dotted within the module), why)
-PATCHES = [
-    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer",
-     "its train_step is replaced on replicas (train_step below) only where the user's "
-     "model keeps Keras's own"),
-    ("keras.src.trainers.trainer", "Trainer.compute_loss",
-     "replaced on replicas of models with their own train_step (exact_custom_steps): its "
-     "result is scaled by 1/N for tf.distribute, so a loss tracker fed with it shows the "
-     "loss divided by N, and a partial last batch weighs every replica alike"),
-    ("keras.src.trainers.compile_utils", "CompileLoss.call",
-     "replaced on replicas (weigh_output_losses): it records each output's loss with "
-     "weight y_pred.shape[0], None in a traced step, so every replica counts alike"),
-    ("keras.src.metrics.reduction_metrics", "Mean.update_state",
-     "replaced on the per-output loss trackers, same"),
-    ("keras.src.layers.layer", "Layer.add_loss",
-     "per_thread_losses: a layer keeps the losses its call added in one list (_losses, "
-     "an instance attribute), shared by tf.distribute's replica threads; they take "
-     "turns at every all-reduce, and a layer run on the global batch (global_losses) "
-     "all-gathers within the forward pass, so one replica's losses would be read, or "
-     "cleared, by another"),
-    ("keras.src.layers.layer", "Layer._get_own_losses", "same: what reads _losses"),
-    ("keras.src.layers.layer", "Layer._clear_losses", "same: what clears it"),
-    ("keras.src.utils.python_utils", "pythonify_logs",
-     "metrics_logs: train_on_batch / test_on_batch under MirroredStrategy return the "
-     "mean of each replica's own metric results, wrong when a batch splits unevenly; "
-     "kmgpu reads the summed metric variables instead, formatted as Keras does"),
-    ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order", "same"),
-    ("keras.src.trainers.trainer", "Trainer._get_metrics_result_or_logs",
-     "replaced on replicas (synced_logs): it returns the metrics read across replicas "
-     "only when the step's logs have their keys; a custom step that returns "
-     "{m.name: m.result()} (keras.io's guide) nests CompileMetrics' results, so Keras "
-     "returns the mean of each replica's own results, wrong when batches split unevenly"),
-    ("keras.src.trainers.trainer", "Trainer.reset_metrics",
-     "replaced on replicas whose metrics are all Keras's own (traced_reset_metrics): "
-     "under tf.distribute each metric variable's reset is eager, an assign to every "
-     "replica's copy and a read summed over them; train_on_batch resets at every call"),
-    ("keras.src.trainers.trainer", "Trainer.get_metrics_result",
-     "replaced on replicas (global_logs): inside a step each replica reads its own metric "
-     "variables, and Keras's TF trainer hands on_train_batch_end the mean of the replicas' "
-     "results, which differs from one device's when a batch splits unevenly (the loss "
-     "tracker's counts then differ between replicas)"),
-]
+def reduce_fix(strategy):
+    """Keras 3.15's TF trainer reduces multi-worker step outputs with
+    ``strategy.reduce("MEAN", v, axis=0)``, which fails on scalar metrics
+    ("Invalid reduction dimension 0 for input with 0 dimensions", keras #20585).
+    Within the block, a mean over all replicas (``axis=None``) is used instead.
+    """
+    import keras
+    from keras.src.backend.tensorflow import trainer
+
+    def mean_over_replicas(original):
+        def reduce_per_replica(values, strategy, reduction):
+            if reduction in ("auto", "mean") and \
+                    trainer._collective_all_reduce_multi_worker(strategy):
+                return keras.tree.map_structure(
+                    lambda v: strategy.reduce("MEAN", v, axis=None), values)
+            return original(values, strategy, reduction)
+        return reduce_per_replica
+
+    return keras_fixes.swapped((trainer, "reduce_per_replica", mean_over_replicas))
+
+
+def symbolic_build(self, iterator=None, data_batch=None, feed=None, replica_fixes=True):
+    """Keras builds metrics and optimizer from the first batch, averaged over replicas,
+    which fails when the first batch splits unevenly. Only its shapes matter, so
+    build from the first batch kmgpu already read from a generator (``feed``), or
+    from the first replica's rows of the first batch of the data's own
+    undistributed ``tf.data`` pipeline.
+    Keras pulls one from a new distributed iterator and drops it at once
+    (``EpochIterator.reset``): destroying a multi-device iterator whose prefetch
+    has just started crashed the process now and then (SIGSEGV / SIGABRT in
+    ``reset``, 1 in ~4 suite runs), so kmgpu only does that for data it cannot
+    read otherwise (a user's own DistributedDataset). The optimizer needs no
+    batch. Then, unless ``replica_fixes`` is false (one replica), install the replica
+    fixes that need the compiled parts built (per-output loss weights, gradient
+    accumulation).
+    """
+    needs_batch = (not all(layer.built for layer in self._flatten_layers())
+                   or any(part is not None and not part.built for part in
+                          (getattr(self, name, None) for name in  # none if never compiled
+                           ("_compile_metrics", "_compile_loss"))))
+    optimizer = getattr(self, "optimizer", None)
+    if needs_batch or (optimizer is not None and not optimizer.built):
+        if not needs_batch:
+            data_batch = None
+        elif data_batch is None and feed and feed.get("first") is not None:
+            data_batch = _replica_rows(self.distribute_strategy, feed["first"])
+        elif data_batch is None and iterator is not None:
+            data_batch = _first_batch(self.distribute_strategy, iterator)
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+    if not replica_fixes:
+        return
+    weigh_output_losses(self)
+    if optimizer is not None:
+        optimizer_fixes.accumulate_across_replicas(optimizer)
+        optimizer_fixes.reduce_before_clipping(optimizer)
+        optimizer_fixes.finite_over_replicas(optimizer)
+
+
+def _first_batch(strategy, iterator):
+    """The first batch of an epoch iterator's data, for its shapes only."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
+
+    adapter = iterator.data_adapter
+    if isinstance(adapter, (array_data_adapter.ArrayDataAdapter,
+                            tf_dataset_adapter.TFDatasetAdapter)):
+        dataset = adapter.get_tf_dataset()
+        if isinstance(dataset, tf.data.Dataset):
+            return _replica_rows(strategy, next(iter(dataset.take(1))))
+    for _, _, it in iterator:
+        return strategy.experimental_local_results(next(it))[0]
+
+
+def _replica_rows(strategy, batch):
+    """The first replica's rows of a global ``batch``, as tf.distribute (ceil) and
+    kmgpu's own feed (even) both hand them: a stateful RNN is built for its replica's
+    batch size."""
+    import tensorflow as tf
+
+    rows = tf.nest.flatten(batch)[0].shape[0]
+    if rows is None:
+        return batch
+    first = -(-rows // strategy.num_replicas_in_sync)
+    return tf.nest.map_structure(
+        lambda t: t[:first] if getattr(t, "shape", None) is not None and len(t.shape)
+        else t, batch)
 
 
 def train_step(self, data):
@@ -101,69 +145,21 @@ def test_step(self, data):
 
 def _track_loss(model, x, y, y_pred, sample_weight, training):
     """Update the loss tracker as one device's would be for the global batch; returns
-    this replica's part of the global loss (``kmgpu.engines.keras_fixes.replica_loss``,
+    this replica's part of the global loss (``kmgpu.engines.loss_fixes.replica_loss``,
     Keras's 1/N scaling of means for tf.distribute undone)."""
     import tensorflow as tf
-
-    from kmgpu.engines import keras_fixes as common
 
     context = tf.distribute.get_replica_context()
     rows = tf.cast(_rows(x), "float32")
     total = context.all_reduce("sum", rows)
-    kind, local, part = common.replica_loss(
+    kind, local, part = loss_fixes.replica_loss(
         model, x, y, y_pred, sample_weight, training, rows, total,
         lambda w: context.all_reduce("sum", w), keras_scale=context.num_replicas_in_sync)
     if kind == "none":  # a loss per row: what a Mean makes of it, without NaN for no rows
         local = tf.math.divide_no_nan(tf.reduce_sum(local), tf.cast(rows, local.dtype))
-    value, _ = common.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
+    value, _ = loss_fixes.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
     model._loss_tracker.update_state(value, sample_weight=rows)
     return part
-
-
-class _PerThread(list):
-    """A layer's list of added losses, one per thread (``per_thread_losses``)."""
-
-    def __init__(self):
-        super().__init__()
-        self._local = threading.local()
-
-    @property
-    def _items(self):
-        if not hasattr(self._local, "items"):
-            self._local.items = []
-        return self._local.items
-
-    def extend(self, values):
-        self._items.extend(values)
-
-    def append(self, value):
-        self._items.append(value)
-
-    def clear(self):
-        self._items.clear()
-
-    def __getitem__(self, i):
-        return self._items[i]
-
-    def __delitem__(self, i):
-        del self._items[i]
-
-    def __len__(self):
-        return len(self._items)
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __bool__(self):
-        return bool(self._items)
-
-
-def per_thread_losses(model):
-    """Each layer of ``model`` (a replica) keeps its added losses per thread: every
-    replica thread reads and clears only its own (``PATCHES``)."""
-    for layer in model._flatten_layers(include_self=True):
-        if not isinstance(layer._losses, _PerThread):
-            object.__setattr__(layer, "_losses", _PerThread())
 
 
 def keeps_keras_step(model, step="train_step"):
@@ -187,16 +183,15 @@ def _rows(*structures):
 
 def exact_custom_steps(model):
     """A model with its own ``train_step`` or ``test_step`` that calls Keras's
-    ``compute_loss``: within that step ``compute_loss`` returns the one-device loss of the global batch's share
-    (``mean_r * N * n_r / n``, whose mean over replicas is the global mean), with the
+    ``compute_loss``: within that step ``compute_loss`` returns the one-device loss of
+    the global batch's share (``mean_r * N * n_r / n``, whose mean over replicas is the
+    global mean), with the
     gradient of ``mean_r * n_r / n``, which tf.distribute's summed gradients turn into
     the one-device gradient also for a partial last batch. A loss tracker fed with it
     then shows what one device shows.
     """
     import tensorflow as tf
     from keras.src.trainers.trainer import Trainer
-
-    from kmgpu.engines import keras_fixes as common
 
     if type(model).compute_loss is not Trainer.compute_loss:
         return  # the user's own compute_loss: theirs to scale
@@ -210,7 +205,7 @@ def exact_custom_steps(model):
         if not inside or rows is None or context is None or replicas == 1:
             return compute_loss(*args, **kwargs)
         rows = tf.cast(rows, "float32")
-        exact = common.replica_loss(  # the rule of kmgpu.engines.keras_fixes
+        exact = loss_fixes.replica_loss(  # the rule every engine weighs a replica by
             model, named.get("x"), named.get("y"), named.get("y_pred"),
             named.get("sample_weight"), named.get("training", True), rows,
             context.all_reduce("sum", rows), lambda w: context.all_reduce("sum", w),
@@ -230,10 +225,11 @@ def exact_custom_steps(model):
                 inside.pop()
         return run
 
-    model.compute_loss = exact_compute_loss
+    keras_fixes.install(model, "compute_loss", lambda keras_own: exact_compute_loss)
     for name in ("train_step", "test_step"):  # the user's own (keras.io's guide writes both)
         if not keeps_keras_step(model, name):
-            setattr(model, name, within(getattr(model, name), name == "train_step"))
+            keras_fixes.install(model, name,
+                                lambda step, training=name == "train_step": within(step, training))
 
 
 def weigh_output_losses(model):
@@ -244,31 +240,28 @@ def weigh_output_losses(model):
     Needs the model's compile loss built (after the symbolic build).
     """
     compile_loss = getattr(model, "_compile_loss", None)
-    if (compile_loss is None or not compile_loss.built or not compile_loss.metrics
-            or hasattr(compile_loss, "_kmgpu_share")):
+    if compile_loss is None or not compile_loss.built or not compile_loss.metrics:
         return  # no per-output trackers (one loss): no extra all-reduce per step
     import tensorflow as tf
 
-    from kmgpu.engines import keras_fixes as common
+    local = threading.local()  # replicas trace in threads, and meet at every
+    # all-reduce: one list of shares for all would hand one replica another's
 
-    import threading
-
-    local, call = threading.local(), compile_loss.call  # replicas trace in threads, and
-    # meet at every all-reduce: one list of shares for all would hand one replica another's
-
-    def weighed_call(y_true, y_pred, sample_weight=None):
-        shares = local.__dict__.setdefault("shares", [])
-        rows, context = _rows(y_pred), tf.distribute.get_replica_context()
-        if rows is None or context is None or context.num_replicas_in_sync == 1 or \
-                common.loss_kind(model) == "none":  # a loss per row: one device counts rows
-            shares.append(None)
-        else:  # rows here / rows in the global batch
-            shares.append(tf.cast(rows, "float32") / tf.cast(context.all_reduce("sum", rows),
-                                                             "float32"))
-        try:
-            return call(y_true, y_pred, sample_weight)
-        finally:
-            shares.pop()
+    def sharing(call):
+        def weighed_call(y_true, y_pred, sample_weight=None):
+            shares = local.__dict__.setdefault("shares", [])
+            rows, context = _rows(y_pred), tf.distribute.get_replica_context()
+            if rows is None or context is None or context.num_replicas_in_sync == 1 or \
+                    loss_fixes.loss_kind(model) == "none":  # a loss per row: rows count
+                shares.append(None)
+            else:  # rows here / rows in the global batch
+                shares.append(tf.cast(rows, "float32") / tf.cast(
+                    context.all_reduce("sum", rows), "float32"))
+            try:
+                return call(y_true, y_pred, sample_weight)
+            finally:
+                shares.pop()
+        return weighed_call
 
     def weighed(update_state):
         def update(values, sample_weight=None):
@@ -278,9 +271,9 @@ def weigh_output_losses(model):
             return update_state(values, sample_weight=sample_weight)
         return update
 
-    for metric in compile_loss.metrics:
-        metric.update_state = weighed(metric.update_state)
-    compile_loss.call, compile_loss._kmgpu_share = weighed_call, True
+    if keras_fixes.install(compile_loss, "call", sharing, key="weigh_output_losses"):
+        for metric in compile_loss.metrics:
+            keras_fixes.install(metric, "update_state", weighed)
 
 
 def global_logs(model):
@@ -292,15 +285,15 @@ def global_logs(model):
     (``exact_custom_steps``). Outside a step Keras's own reading applies."""
     import tensorflow as tf
 
-    results = model.get_metrics_result
+    def across_replicas(results):
+        def get_metrics_result():
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                return results()
+            return context.merge_call(lambda _: results())
+        return get_metrics_result
 
-    def get_metrics_result():
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return results()
-        return context.merge_call(lambda _: results())
-
-    model.get_metrics_result = get_metrics_result
+    keras_fixes.install(model, "get_metrics_result", across_replicas)
 
 
 def traced_reset_metrics(model):
@@ -317,17 +310,19 @@ def traced_reset_metrics(model):
 
     if type(model).reset_metrics is not Trainer.reset_metrics:
         return
-    reset, traced = model.reset_metrics, {}
+    traced = {}
 
-    def reset_metrics():
-        if not all(keras_own(m) for m in model.metrics):
-            return reset()
-        key = tuple(id(v) for v in model.metrics_variables)  # a metric built since: anew
-        if traced.get("key") != key:
-            traced.update(key=key, fn=tf.function(reset, autograph=False))
-        return traced["fn"]()
+    def traced_reset(reset):
+        def reset_metrics():
+            if not all(keras_own(m) for m in model.metrics):
+                return reset()
+            key = tuple(id(v) for v in model.metrics_variables)  # a metric built since: anew
+            if traced.get("key") != key:
+                traced.update(key=key, fn=tf.function(reset, autograph=False))
+            return traced["fn"]()
+        return reset_metrics
 
-    model.reset_metrics = reset_metrics
+    keras_fixes.install(model, "reset_metrics", traced_reset)
 
 
 def _global_step_logs(model, logs):
@@ -347,16 +342,16 @@ def synced_logs(model):
     step returns them nested, as ``{m.name: m.result() for m in self.metrics}`` does for
     the compiled metrics: Keras compares the step's keys with the flat metric names and
     otherwise reports the mean of the replicas' own results."""
-    original = model._get_metrics_result_or_logs
+    def summed_if_metrics(original):
+        def get_metrics_result_or_logs(logs):
+            if isinstance(logs, dict):
+                keys = set()
+                for key, value in logs.items():
+                    keys.update(value) if isinstance(value, dict) else keys.add(key)
+                metric_logs = model.get_metrics_result()
+                if keys == set(metric_logs):
+                    return metric_logs
+            return original(logs)
+        return get_metrics_result_or_logs
 
-    def get_metrics_result_or_logs(logs):
-        if isinstance(logs, dict):
-            keys = set()
-            for key, value in logs.items():
-                keys.update(value) if isinstance(value, dict) else keys.add(key)
-            metric_logs = model.get_metrics_result()
-            if keys == set(metric_logs):
-                return metric_logs
-        return original(logs)
-
-    model._get_metrics_result_or_logs = get_metrics_result_or_logs
+    keras_fixes.install(model, "_get_metrics_result_or_logs", summed_if_metrics)

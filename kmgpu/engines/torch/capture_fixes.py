@@ -1,68 +1,12 @@
-"""Keras internals the captured torch step (``graphs``) uses or swaps, in one place.
-
-Split from ``keras_fixes`` by role (that module keeps the rank step's internals); its
-``PATCHES`` table includes these rows, so ``tests/unit/test_structure.py`` checks them.
+"""Keras's torch code that CUDA-graph capture refuses, made capturable while kmgpu's step
+runs: python scalars and constants made on the device (``device_scalars``), random draws
+from the seed state on the device (``device_random``), the metrics' segment sums,
+scatters and ``max(initial=)`` without a host read; and the ``jit_compile`` flag that asks
+for the captured step. Rows of ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
-import contextlib
-import os
-import threading
+from kmgpu.engines import keras_fixes
 
-import torch
-
-#: (module, attribute (dotted within the module), why)
-PATCHES = [
-    ("keras.src.backend.torch.math", "_segment_reduction_fn",
-     "swapped with the random functions while kmgpu's step runs: segment_sum (AUC, "
-     "Precision/Recall at thresholds) repeats ids by a device count, a host read on CUDA; "
-     "kmgpu's broadcasts them: the same sums"),
-    ("keras.src.backend.torch.core", "scatter",
-     "swapped likewise: Keras adds row by row in Python (confusion_matrix: MeanIoU and the "
-     "IoU metrics); kmgpu's is one index_put_ with accumulate: the same sums"),
-    ("keras.src.backend.torch.numpy", "max",
-     "swapped likewise: with initial= Keras 3.15.1 fills torch.full(shape, initial) from "
-     "the initial value it has just made a tensor, a host read (PrecisionAtRecall, "
-     "RecallAtPrecision, SensitivityAtSpecificity, SpecificityAtSensitivity in result()); "
-     "kmgpu's takes torch.maximum with that tensor, as Keras's min does: the same values"),
-    ("keras.src.backend.torch.core", "convert_to_tensor",
-     "its code is swapped while a captured train step runs (graphs.py, "
-     "compile(jit_compile=True)): Keras 3.15.1 makes a python scalar or a constant list "
-     "a device tensor with torch.as_tensor(x, device=cuda), a blocking copy from "
-     "pageable memory that CUDA-graph capture refuses (\"Cannot copy between CPU and "
-     "CUDA tensors during CUDA graph capture\": the loss's reduce_values, BatchNorm's "
-     "momentum, the optimizer's iterations.assign_add(1) and beta casts); the swap fills "
-     "scalars on the device (torch.full) and caches constant lists (also the TrackedList "
-     "a metric's list attribute becomes: BinaryIoU's target_class_ids in result()) and "
-     "numpy constants (AUC's thresholds): the same values (upstream: no issue known to kmgpu)"),
-    ("keras.src.backend.torch.random", "normal",
-     "swapped (with uniform, randint, dropout, shuffle, categorical) while kmgpu's torch "
-     "train step runs (device_random): Keras 3.15.1 seeds a new torch.Generator with "
-     "int(seed) for every SeedGenerator draw, a device-to-host copy CUDA-graph capture "
-     "refuses, so Dropout(seed=/noise_shape=), GaussianNoise, the augmentation layers and "
-     "keras.random.* broke the capture; the swap draws from the seed state on the device "
-     "(rng.py; upstream: no issue known to kmgpu)"),
-    ("keras.src.backend.torch.random", "_get_concrete_noise_shape",
-     "Dropout's noise shape, as Keras's torch dropout computes it"),
-    ("keras.src.layers.preprocessing.image_preprocessing.random_crop",
-     "RandomCrop.transform_images",
-     "swapped with the random functions: its training crop slices at offset tensors "
-     "(a host read each, which capture refuses); kmgpu's crops with index_select on the "
-     "device, then Keras's own code runs on the cropped images"),
-    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization.call",
-     "swapped while kmgpu's step runs on a CUDA device (fused_batchnorm; "
-     "KMGPU_TORCH_FUSED_BN=0 keeps Keras's layer; as close to a float64 layer as Keras's or "
-     "closer, benchmarks/torch_bn_parity.py): Keras 3.15.1's torch BatchNormalization is "
-     "dozens of kernels per layer per training step (moments, normalisation, moving "
-     "averages and their backward: a large share of a BatchNorm-heavy network's GPU "
-     "time); fast_layers.batch_norm_call computes the "
-     "same layer with torch's fused batch norm (Keras's own call for what it does not "
-     "cover: masks, renorm, synchronized, kmgpu's global-batch moments)"),
-    ("keras.src.random.seed_generator", "global_seed_generator",
-     "seed=None draws from Keras's global SeedGenerator, as draw_seed does"),
-]
-
-
-_SWAP = {"code": None, "kwdefaults": None}
 _CONSTANTS = {}
 _CONSTANTS_MAX = 1024
 _ARRAY_MAX = 1 << 16  # elements of a numpy constant kept on the device (by content)
@@ -108,7 +52,9 @@ def _device_scalar(x, dtype=None, sparse=None, ragged=None, *, _original=None, _
     return _original(x, dtype, sparse, ragged)
 
 
-def _swap_in():
+def _scalar_defaults(f):
+    """``_device_scalar``'s keyword-only defaults for Keras's ``convert_to_tensor`` ``f``,
+    whose own code (unswapped) comes in as ``_original``."""
     import types
 
     import numpy as np
@@ -116,46 +62,11 @@ def _swap_in():
     from keras.src.backend.config import floatx
     from keras.src.backend.torch import core
 
-    f = core.convert_to_tensor
     original = types.FunctionType(f.__code__, f.__globals__, "convert_to_tensor",
                                   f.__defaults__, f.__closure__)
-    _SWAP["code"], _SWAP["kwdefaults"] = f.__code__, f.__kwdefaults__
-    f.__code__ = _device_scalar.__code__
-    f.__kwdefaults__ = dict(_original=original, _torch=torch, _to_dtype=core.to_torch_dtype,
-                            _floatx=floatx, _device=core.get_device, _constants=_CONSTANTS,
-                            _limit=_CONSTANTS_MAX, _np=np, _array_limit=_ARRAY_MAX)
-
-
-def _swap_out():
-    from keras.src.backend.torch import core
-
-    f = core.convert_to_tensor
-    f.__code__, f.__kwdefaults__ = _SWAP["code"], _SWAP["kwdefaults"]
-    _SWAP["code"] = _SWAP["kwdefaults"] = None
-
-
-class _Swap:
-    """Re-entrant, thread-safe: swap_in() as the outer block opens, swap_out() as it ends."""
-
-    def __init__(self, swap_in, swap_out):
-        self._in, self._out, self._depth, self._lock = swap_in, swap_out, 0, threading.Lock()
-
-    def __enter__(self):
-        with self._lock:
-            if self._depth == 0:
-                self._in()
-            self._depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0:
-                self._out()
-        return False
-
-
-_SCALARS = _Swap(_swap_in, _swap_out)
+    return dict(_original=original, _torch=torch, _to_dtype=core.to_torch_dtype,
+                _floatx=floatx, _device=core.get_device, _constants=_CONSTANTS,
+                _limit=_CONSTANTS_MAX, _np=np, _array_limit=_ARRAY_MAX)
 
 
 def device_scalars():
@@ -163,8 +74,13 @@ def device_scalars():
     the device (``torch.full``) and constant lists once (then a device copy each
     call), so a step has no host-to-device copy and can be captured as a CUDA
     graph; the values are Keras's own. The function's code object is swapped (not
-    the module attribute: Keras's modules import it by name). Re-entrant."""
-    return _SCALARS
+    the module attribute: Keras's modules import it by name), its keyword-only
+    defaults first (the code Keras's function has never reads them). Re-entrant."""
+    from keras.src.backend.torch import core
+
+    f = core.convert_to_tensor
+    return keras_fixes.swapped((f, "__kwdefaults__", lambda keras_own: _scalar_defaults(f)),
+                               (f, "__code__", lambda keras_own: _device_scalar.__code__))
 
 
 def wants_captured_step(model):
@@ -181,9 +97,6 @@ def set_jit_compile(model, value):
 
 
 # -- random layers inside the captured step (graphs.py) ----------------------------------
-_RANDOM = {"made": None}
-
-
 def _draw_key(seed, device):
     """Keras's ``draw_seed``, on the device: the key of one draw, (k0, k1).
 
@@ -303,8 +216,8 @@ def _random_functions():
 
     patched = dict(normal=normal, uniform=uniform, randint=randint, dropout=dropout,
                    shuffle=shuffle, categorical=categorical)
-    return [(keras_random, name, original[name], fn) for name, fn in patched.items()] + [
-        (RandomCrop, "transform_images", crop, crop_images)] + _metric_functions()
+    return [(keras_random, name, fn) for name, fn in patched.items()] + [
+        (RandomCrop, "transform_images", crop_images)] + _metric_functions()
 
 
 def _metric_functions():
@@ -356,17 +269,11 @@ def _metric_functions():
         # Keras adds row by row (zeros[tuple(index)] += value: a launch per row)
         return zeros.index_put_(tuple(indices.T), values, accumulate=True)
 
-    return [(keras_math, "_segment_reduction_fn", segment, segment_reduction),
-            (core, "scatter", scatter, scatter_), (keras_numpy, "max", keras_max, max_)]
+    return [(keras_math, "_segment_reduction_fn", segment_reduction),
+            (core, "scatter", scatter_), (keras_numpy, "max", max_)]
 
 
-def _swap_random(use):
-    _RANDOM["made"] = _RANDOM["made"] or _random_functions()
-    for owner, name, keras_fn, device_fn in _RANDOM["made"]:
-        setattr(owner, name, device_fn if use else keras_fn)
-
-
-_RANDOMS = _Swap(lambda: _swap_random(True), lambda: _swap_random(False))
+_RANDOM = {"swaps": None}  # device_random's swaps, made at its first block
 
 
 def device_random():
@@ -379,37 +286,7 @@ def device_random():
     ``RandomCrop`` crops at its device offsets. Module attributes are swapped (Keras
     calls them as ``backend.random.<name>``).
     Re-entrant."""
-    return _RANDOMS
-
-
-_BATCHNORM = {"keras_call": None}
-
-
-def _swap_batchnorm(use):
-    from keras.src.layers.normalization import batch_normalization
-
-    from kmgpu.engines.torch import fast_layers
-
-    cls = batch_normalization.BatchNormalization
-    if use:
-        _BATCHNORM["keras_call"] = cls.call
-        cls.call = fast_layers.batch_norm_method(cls.call)
-    else:
-        cls.call = _BATCHNORM["keras_call"]
-
-
-_FUSED_BATCHNORM = _Swap(lambda: _swap_batchnorm(True), lambda: _swap_batchnorm(False))
-
-
-def fused_batchnorm(device):
-    """Within the block, on a CUDA ``device``, Keras's ``BatchNormalization`` runs on
-    torch's fused batch norm (``fast_layers``: torch's native kernel, one each way instead
-    of dozens per layer: measurably faster on a GPU, see docs/backends.md), as close to a
-    float64 layer as Keras's own or closer (benchmarks/torch_bn_parity.py).
-    ``KMGPU_TORCH_FUSED_BN=0`` keeps Keras's layer. Elsewhere Keras's own call.
-    Re-entrant."""
-    from kmgpu.engines.torch import fast_layers
-
-    on = fast_layers.enabled()
-    return (_FUSED_BATCHNORM if on and torch.device(device).type == "cuda"
-            else contextlib.nullcontext())
+    if _RANDOM["swaps"] is None:
+        _RANDOM["swaps"] = [(owner, name, lambda keras_own, fn=device_fn: fn)
+                            for owner, name, device_fn in _random_functions()]
+    return keras_fixes.swapped(*_RANDOM["swaps"])

@@ -1,0 +1,37 @@
+"""Batches as Keras's JAX trainer places them under ``keras.distribution``: one the
+device count does not divide goes replicated instead of failing. Rows of
+``kmgpu/engines/jax/keras_fixes.py``.
+"""
+
+from kmgpu.engines import keras_fixes
+
+
+def replicate_indivisible(distribution):
+    """Within the block, Keras's JAX trainer replicates batches it cannot shard evenly.
+
+    The trainer caches one layout per epoch from the first batch and calls the
+    module-level ``_distribute_data(data, layouts)`` for every batch; this wraps it.
+    """
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+    from keras.src.backend.jax import trainer as jax_trainer
+
+    n = distribution.num_model_replicas
+    replicated = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec())
+
+    def replicating(original):
+        def distribute(data, layouts=None):
+            if jax.process_count() > 1:  # each process holds the whole batch (kmgpu launch)
+                from kmgpu.engines.jax import runtime
+
+                return runtime.put_global(data, replicated.mesh, distribution.batch_dim_name)
+            flat = [d for d in keras.tree.flatten(data) if d is not None]
+            if all(d.shape and d.shape[0] % n == 0 for d in flat):
+                return original(data, layouts)
+            return keras.tree.map_structure(
+                lambda d: None if d is None else jax.device_put(d, replicated), data
+            )
+        return distribute
+
+    return keras_fixes.swapped((jax_trainer, "_distribute_data", replicating))

@@ -1,0 +1,58 @@
+"""Keras optimizers on JAX replicas: slots laid out sharded (``shard_optimizer=True``) and
+EMA overwrites that leave each variable a buffer of its own. Rows of
+``kmgpu/engines/jax/keras_fixes.py``.
+"""
+
+from kmgpu.engines import keras_fixes
+
+
+def lay_out_optimizer(optimizer, layout_of):
+    """``shard_optimizer=True`` (``zero.py``): give ``optimizer``'s variables the layout
+    ``layout_of(shape)`` (None: the layout Keras gives).
+
+    Keras's ``add_variable_from_reference`` passes each slot its weight's ``_layout``
+    (whole on every device under DataParallel) to ``add_variable``; an instance
+    attribute ``add_variable`` (on the replica's optimizer, never the user's) swaps in
+    the sharded layout, so a slot is created sharded. Variables the optimizer has
+    already are re-laid (``_layout``, then re-assigned: ``_direct_assign`` places the
+    value by it).
+    """
+    def sharded(original):
+        def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
+                         layout=None, name=None):
+            layout = layout_of(tuple(shape)) or layout
+            return original(shape, initializer=initializer, dtype=dtype,
+                            aggregation=aggregation, layout=layout, name=name)
+        return add_variable
+
+    if not keras_fixes.install(optimizer, "add_variable", sharded, key="lay_out_optimizer"):
+        return
+    for v in optimizer.variables:
+        new = layout_of(tuple(v.shape))
+        if new is not None:
+            v._layout = new
+            v.assign(v.value)
+
+
+def separate_ema_overwrite(optimizer):
+    """``use_ema``: after Keras overwrites the variables with their averages (the end of
+    ``fit``), each variable holds a copy, not its average's own array.
+
+    Keras's ``_overwrite_model_variables_with_average_value`` assigns the average's
+    array; a variable and its average sharing one buffer reach the next donated train
+    step as two arguments. Replaces the method on ``optimizer`` (and a loss-scale
+    wrapper's inner optimizer, which does the overwrite) by an instance attribute.
+    """
+    import jax.numpy as jnp
+
+    name = "_overwrite_model_variables_with_average_value"
+    def copying(original):
+        def overwrite(trainable_variables):
+            original(trainable_variables)
+            for v in trainable_variables:
+                v.assign(jnp.copy(v.value))
+        return overwrite
+
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is not None and getattr(opt, "use_ema", False):
+            keras_fixes.install(opt, name, copying, key="separate_ema_overwrite")

@@ -1,0 +1,81 @@
+"""Keras's torch train, test and predict steps as kmgpu's rank steps use them: which steps
+a model keeps, the loss as Keras's steps compute it, and the logs Keras makes of metric
+variables (read after they are summed over ranks, relayed as plain numbers to the
+driver's callbacks). Keras 3.15 has no DDP in its torch trainer (keras master has), so
+kmgpu's rank step works through the documented ``train_step`` / ``test_step`` extension
+points and these few internals. Rows of ``kmgpu/engines/torch/keras_fixes.py``.
+"""
+
+from kmgpu.engines import keras_fixes
+
+
+def _trainer():
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return TorchTrainer
+
+
+def has_own_train_step(model):
+    """True when ``model``'s class overrides Keras's torch ``train_step``."""
+    return type(model).train_step is not _trainer().train_step
+
+
+def has_own_test_step(model):
+    """True when ``model``'s class overrides Keras's torch ``test_step``."""
+    return type(model).test_step is not _trainer().test_step
+
+
+def has_own_predict_step(model):
+    """True when ``model``'s class overrides Keras's torch ``predict_step``."""
+    return type(model).predict_step is not _trainer().predict_step
+
+
+def keras_evaluate(model):
+    """Keras's own torch ``evaluate``, bound to ``model`` (to wrap it on the instance)."""
+    return _trainer().evaluate.__get__(model)
+
+
+def read_logs_within(model, context):
+    """Make Keras read ``model``'s metric results within ``context()``.
+
+    Keras's torch trainer turns metric variables into logs in
+    ``_get_metrics_result_or_logs(logs)`` at every epoch and evaluation end. This
+    replaces it on the instance: ``context()`` is a context manager yielding True when
+    it changed the variables for the read (then the logs are made plain Python
+    numbers before it puts them back).
+    """
+    read = _trainer()._get_metrics_result_or_logs.__get__(model)  # Keras's own
+
+    def get_metrics_result_or_logs(logs):
+        with context() as changed:
+            out = read(logs)
+            if changed and out is logs and isinstance(logs, dict):
+                # a step of the user's own returned other keys than model.metrics (the
+                # guide's {m.name: m.result()}): what it named after a metric is that
+                # metric's result over every rank, not this rank's last step
+                results = {m.name: m.result() for m in model.metrics}
+                out = {k: results.get(k, v) for k, v in logs.items()}
+            return pythonify_logs(out) if changed else out
+
+    keras_fixes.install(model, "_get_metrics_result_or_logs",
+                        lambda current: get_metrics_result_or_logs)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training):
+    """The loss as Keras's torch steps compute it (``Trainer._compute_loss``)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                               training=training)
+
+
+def pythonify_logs(logs):
+    """Keras's logs with tensors turned into Python numbers."""
+    from keras.src.utils.python_utils import pythonify_logs as pythonify
+
+    return pythonify(logs)
+
+
+def is_default(method):
+    """True when a callback's hook is Keras's own do-nothing default."""
+    from keras.src import utils
+
+    return utils.is_default(method)
