@@ -17,6 +17,7 @@ the global batch).
 (2 + 2 + 1 + 1 on torch; TensorFlow's split of a ``tf.data`` batch 2 + 2 + 2 + 0).
 """
 
+import functools
 import re
 
 import keras
@@ -145,7 +146,19 @@ def _fit(model, x, y, parallel):
     fitting = kmgpu.parallelize(model) if parallel else model
     history = fitting.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                           validation_data=(x[:20], y[:20]))
-    return history.history
+    return history.history, fitting
+
+
+@functools.lru_cache(maxsize=None)
+def _fits(build):
+    """``build``'s model fitted on one device and on 4, once per module: (the one-device
+    model, its History, the user's model of the ParallelModel, its History, the
+    ParallelModel). The evaluate test and torch's split step start from these."""
+    x, y = _data()
+    reference, model = _reference(build()), build()
+    one, _ = _fit(reference, x, y, parallel=False)
+    many, parallel = _fit(model, x, y, parallel=True)
+    return reference, one, model, many, parallel
 
 
 @pytest.mark.parametrize("build", [_combined, _subclassed], ids=["layers", "subclassed-model"])
@@ -153,10 +166,7 @@ def test_own_loss_of_any_form_trains_as_one_device(build):
     """Weights, History and the moving mean ``Centered`` updates in ``call`` (its first
     call in a step runs on the replica's rows before kmgpu knows it adds a loss; that
     call's update is undone, so the mean moves once per step, as on one device)."""
-    x, y = _data()
-    reference, model = _reference(build()), build()
-    one = _fit(reference, x, y, parallel=False)
-    many = _fit(model, x, y, parallel=True)
+    reference, one, model, many, _ = _fits(build)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(many[key], one[key], rtol=1e-5)
@@ -168,10 +178,11 @@ def test_own_loss_of_any_form_trains_as_one_device(build):
 
 
 def test_evaluate_counts_the_global_batch_loss():
+    """From the weights the layers' fit left (equal on both sides): the whole 78 rows,
+    the last batch of 6 split 2 + 2 + 1 + 1 (or 2 + 2 + 2 + 0)."""
     x, y = _data()
-    reference, model = _reference(_combined()), _combined()
+    reference, _, _, _, parallel = _fits(_combined)
     one = reference.evaluate(x, y, batch_size=BATCH, verbose=0)
-    parallel = kmgpu.parallelize(model)
     many = parallel.evaluate(x, y, batch_size=BATCH, verbose=0)
     np.testing.assert_allclose(many, one, rtol=1e-5)
     plan = str(parallel.describe(print_fn=lambda text: None))
@@ -282,9 +293,10 @@ def _split_step_equals_one_device():
     """torch's split step (the default on GPUs; on a CPU with jit_compile=True) gathers
     alike inside its forward pass."""
     x, y = _data()
-    reference, model = _combined(), _combined()
+    reference, one, _, _, _ = _fits(_combined)  # the one-device side of the layers' test
+    model = _combined()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
-    one, many = _fit(reference, x, y, parallel=False), _fit(model, x, y, parallel=True)
+    many, _ = _fit(model, x, y, parallel=True)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
     np.testing.assert_allclose(many["val_loss"], one["val_loss"], rtol=1e-5)
 
