@@ -1,6 +1,7 @@
 """The contract around parity: inputs Keras accepts, state kept in the user's model,
 bad input refused with the model untouched."""
 
+import functools
 import json
 
 import numpy as np
@@ -119,7 +120,8 @@ def test_one_device_says_so_and_works():
 
 def test_template_compiled_before_wrapping_and_optimizer_state_carries_over(tmp_path):
     """Two fits of one epoch == one fit of two epochs (Adam moments and step count
-    carry over), and the user's own optimizer holds that state for saving."""
+    carry over), and the user's own optimizer holds that state for saving. 2 devices:
+    what carries over is the same on any count."""
     import keras
 
     x, y = data("mlp", 40)
@@ -129,7 +131,7 @@ def test_template_compiled_before_wrapping_and_optimizer_state_carries_over(tmp_
 
     model = mlp()
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    parallel = kmgpu.parallelize(model, gpus=4)
+    parallel = kmgpu.parallelize(model, gpus=2)
     with few_steps():
         parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     history = parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -173,19 +175,27 @@ class _StopAt:
         return Stop()
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("callback failed")])
-def test_interrupted_fit_keeps_progress(error):
+@functools.lru_cache(maxsize=None)
+def _one_epoch_on_one_device():
+    """The weights plain Keras has after epoch 1 of the interrupted fit below, made once
+    for both of its cases."""
     x, y = data("mlp", 32)
     ref = mlp()
     ref.compile(optimizer="sgd", loss="mse")
     ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return ref.get_weights()
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("callback failed")])
+def test_interrupted_fit_keeps_progress(error):
+    x, y = data("mlp", 32)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=2)
     parallel.compile(optimizer="sgd", loss="mse")
     with pytest.raises(type(error)), few_steps():
         parallel.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
                      callbacks=[_StopAt(1, error)])
-    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert rel_diff(_one_epoch_on_one_device(), model.get_weights()) <= TOL
 
 
 def test_keras_fit_features():
