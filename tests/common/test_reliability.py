@@ -214,7 +214,8 @@ def _subclassed_stateful():
     return model
 
 
-# stateful RNNs (t.stateful: an LSTM with a fixed batch of 8 on 4 devices) and rebatch
+# stateful RNNs (t.stateful: an LSTM with a fixed batch of 8 on STATEFUL_GPUS devices) and
+# rebatch
 CATALOGUE += [
     Bad("parallelize-stateful-subclassed",
         lambda t: kmgpu.parallelize(_subclassed_stateful(), gpus=2), TypeError,
@@ -270,6 +271,11 @@ CATALOGUE += [
 
 
 # -- the test -------------------------------------------------------------------------
+#: the stateful cases are refused before any replica runs: 2 devices on TensorFlow, whose
+#: fit that gives the optimizer state traces twice as long on 4; torch and JAX keep 4
+STATEFUL_GPUS = 2 if _keras().backend.backend() == "tensorflow" else 4
+
+
 class Target:
     """What the cases act on; one per module (the engine and its workers are reused)."""
 
@@ -292,7 +298,7 @@ class Target:
         self.sy = self.sx.sum(axis=(1, 2))[:, None]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.stateful = kmgpu.parallelize(self.stateful_model, gpus=4)
+            self.stateful = kmgpu.parallelize(self.stateful_model, gpus=STATEFUL_GPUS)
             self.stateful.fit(self.sx, self.sy, epochs=1, verbose=0)
 
     @staticmethod
