@@ -42,11 +42,12 @@ def test_dataloader_last_batch_split_unevenly_trains_as_one_device():
 def test_shuffled_dataloader_trains_as_one_device():
     """Sum and mean own losses, 2 epochs of a shuffled DataLoader (validation: arrays):
     equal to one device, History included: one pass an epoch, reshuffled by the loader
-    from torch's random state as Keras reads it (before: 0.72 from one device)."""
+    from torch's random state as Keras reads it (before: 0.72 from one device). 2 devices
+    (batches of 7 split 4 + 3): the order of the rows is the same on any count."""
     x, y = _xy()
     reference, model = _sum_mean_model(), _sum_mean_model()
     histories = []
-    for runner in (reference, kmgpu.parallelize(model)):
+    for runner in (reference, kmgpu.parallelize(model, gpus=2)):
         torch.manual_seed(0)
         histories.append(_quiet_fit(runner, _loader(x, y, 7, shuffle=True), epochs=2,
                                     validation_data=(x[:20], y[:20])))
