@@ -104,7 +104,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
               float64=False):
     import torch
 
-    from kmgpu.engines.torch import capture_fixes, cond_fixes, cuda_graphs, fast_fixes, graphs
+    from kmgpu.engines.torch import capture_fixes, cond_fixes, fast_fixes, graphs, precision
 
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -133,7 +133,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
 
             def eager():
                 with capture_fixes.device_scalars(), capture_fixes.device_random(), \
-                        cuda_graphs.matmul_precision(True), fast_fixes.fused_batchnorm(dev), \
+                        precision.matmul_precision(True), fast_fixes.fused_batchnorm(dev), \
                         fast_fixes.fast_ops(dev), cond_fixes.step_conditions(model):
                     split.layout()
                     return split.step(x, y, None, n, n)

@@ -324,9 +324,9 @@ def timed(fn, steps, gpu):
 def keras_torch(name, quick, steps, gpu, tf32=None):
     """``tf32``: the float32 matmul policy of both steps (None: torch's global settings,
     full float32 matmuls; True: TF32, kmgpu's default inside ``parallelize``)."""
-    from kmgpu.engines.torch import cuda_graphs
+    from kmgpu.engines.torch import precision
 
-    with cuda_graphs.matmul_precision(tf32):
+    with precision.matmul_precision(tf32):
         return _keras_torch(name, quick, steps, gpu, tf32)
 
 

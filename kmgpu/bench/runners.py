@@ -168,9 +168,9 @@ def _kmgpu(workload, n, model, policy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "one device - running as a single replica"
         parallel = kmgpu.parallelize(model, gpus=n, batch=policy)
-    import os
+    from kmgpu import environment
 
-    jit = os.environ.get("KMGPU_BENCH_JIT_COMPILE") == "1"
+    jit = environment.setting("KMGPU_BENCH_JIT_COMPILE") == "1"
     extra = {"jit_compile": True} if jit else {}
     parallel.compile(**workload.compile_args(), **extra)  # per_replica: LR x N by kmgpu
     x, y = workload.data(global_batch(workload, n, policy))

@@ -85,13 +85,14 @@ def main(out_path=None):
     # where the difference goes: the rank's own path in this process (NCCL, world 1)
     import torch.distributed as dist
 
+    from kmgpu.engines.base import Config
     from kmgpu.engines.torch import data, strategy
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
                           wait_for_workers=False)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1,
                             device_id=torch.device("cuda:0"))
-    ddp = strategy.DDPStrategy("cuda:0", False)
+    ddp = strategy.DDPStrategy("cuda:0", Config())
     rank_model = build()
     rank_model.compile(optimizer="adam", loss="mse")
     ddp.prepare(rank_model)

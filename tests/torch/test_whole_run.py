@@ -288,7 +288,7 @@ def test_device_scalars_keep_numpy_constants_by_content():
 def test_tf32_policy_is_one_argument_said_by_describe_and_scoped(monkeypatch):
     import torch
 
-    from kmgpu.engines.torch import cuda_graphs, graphs
+    from kmgpu.engines.torch import graphs, precision
 
     model = _model()
     with pytest.raises(TypeError, match="tf32"):
@@ -301,7 +301,7 @@ def test_tf32_policy_is_one_argument_said_by_describe_and_scoped(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = matmul.allow_tf32, cudnn.allow_tf32
-    with cuda_graphs.matmul_precision(not saved[0]):
+    with precision.matmul_precision(not saved[0]):
         assert matmul.allow_tf32 is (not saved[0]) and cudnn.allow_tf32 is (not saved[0])
     assert (matmul.allow_tf32, cudnn.allow_tf32) == saved
 

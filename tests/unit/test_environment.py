@@ -93,7 +93,6 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
 # -- kmgpu's switches: one table, one reader ---------------------------------------------
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: modules another owner still has to route through ``environment.setting`` (empty when done)
-NOT_YET_ROUTED = {"kmgpu/bench/runners.py"}
 
 
 def _strings(node):
@@ -157,12 +156,9 @@ def test_every_switch_is_read_through_environment_setting():
         if name == "kmgpu/environment.py":
             continue
         read = kmgpu_reads(path.read_text())
-        if read and name not in NOT_YET_ROUTED:
+        if read:
             found[name] = sorted(read)
     assert not found, f"read environment.setting(name) instead of os.environ: {found}"
-    for name in NOT_YET_ROUTED:  # each still reads a switch of the table (else it leaves)
-        read = kmgpu_reads((ROOT / name).read_text())
-        assert read and read <= set(environment.SWITCHES), (name, read)
 
 
 def test_the_settings_page_lists_every_switch_with_its_default():
