@@ -1,5 +1,5 @@
 """An exception or KeyboardInterrupt from any callback hook leaves the user's model where
-plain Keras leaves it, on every backend (issue 21, item 4); on torch the worker pool
+plain Keras leaves it, on every backend; on torch the worker pool
 survives it and the next fit works.
 
 80 samples, global batch 8 (10 steps per epoch), validation data of 16 rows, 2 devices.

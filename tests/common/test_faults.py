@@ -1,4 +1,4 @@
-"""Faults inside fit, on every backend (issue 8): an interruption keeps the progress made
+"""Faults inside fit, on every backend: an interruption keeps the progress made
 (weights and optimizer state of one consistent point), TerminateOnNaN and EarlyStopping
 stop every replica together, and BackupAndRestore resumes an interrupted fit to the
 weights of an uninterrupted one.

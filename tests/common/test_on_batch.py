@@ -1,4 +1,4 @@
-"""train_on_batch / test_on_batch / predict_on_batch on every replica (issue 21, item 5):
+"""train_on_batch / test_on_batch / predict_on_batch on every replica:
 the rows of each batch are split over the replicas (also batches the device count does
 not divide, and smaller than it), the results equal one device, the user's model holds
 the current weights after every call, and a loop copies nothing in while the model is

@@ -1,4 +1,4 @@
-"""Reliability (issue 8): bad input is refused before anything runs, with an error that
+"""Reliability: bad input is refused before anything runs, with an error that
 says what to do, and the user's model stays byte-identical; a property test over sizes,
 device counts and batch policies.
 

@@ -1,4 +1,4 @@
-"""Long sessions (issue 8): 50 consecutive fit / evaluate / predict calls in one process
+"""Long sessions: 50 consecutive fit / evaluate / predict calls in one process
 leave no extra process, thread, file descriptor, socket (port) or shared-memory / temp
 file, and resident memory (this process plus its workers) grows by less than 10% after
 a warm-up. Tiny model and data: it measures leaks, not speed."""

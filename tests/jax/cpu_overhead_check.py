@@ -1,5 +1,5 @@
 """kmgpu's overhead over ``keras.distribution.DataParallel`` + ``fit`` on simulated CPU
-devices (a standalone script, not a pytest file; issue 15).
+devices (a standalone script, not a pytest file).
 
     KERAS_BACKEND=jax .venv/bin/python tests/jax/cpu_overhead_check.py [--devices 4]
 

@@ -1,4 +1,4 @@
-"""Local vs synchronised BatchNorm on 2 GPUs, JAX: ResNet-50 at 64x64 (issue 15).
+"""Local vs synchronised BatchNorm on 2 GPUs, JAX: ResNet-50 at 64x64.
 
 A standalone script (not a pytest file). On a machine with 2 GPUs:
 

@@ -1,4 +1,4 @@
-"""``kmgpu bench`` times each run after its own warm-up (issue 22): one untimed epoch
+"""``kmgpu bench`` times each run after its own warm-up: one untimed epoch
 through the same fit, then the weights and optimizer state as they were, so the timed
 run trains exactly as a fit without warm-up would."""
 

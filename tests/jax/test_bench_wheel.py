@@ -1,4 +1,4 @@
-"""``kmgpu bench`` from a wheel installed outside the checkout (issue 13). Backend-neutral:
+"""``kmgpu bench`` from a wheel installed outside the checkout. Backend-neutral:
 it runs once, in the JAX session (the installed copy runs its --quick on JAX).
 """
 

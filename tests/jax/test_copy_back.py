@@ -1,5 +1,5 @@
 """A repeated fit on several devices copies the trained state back into the template's own
-buffers (issue 30, per call): a fresh 400 MB of buffers per fit cost ~0.2 s of page faults
+buffers: a fresh 400 MB of buffers per fit cost ~0.2 s of page faults
 on CPU for a 34M-parameter MLP + Adam. The template still holds exactly the replica's
 state, equal to one device's training, and stays usable on its own."""
 

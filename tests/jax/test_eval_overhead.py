@@ -1,4 +1,4 @@
-"""evaluate and predict cost no more than plain Keras's (issue 29): kmgpu does not scan their
+"""evaluate and predict cost no more than plain Keras's: kmgpu does not scan their
 x for NaN/inf (on one H200 the scan of ResNet-50's 4,096 64x64 rows was a large part of
 kmgpu's evaluate at 0.63x plain), still refuses a NaN label, and a NaN in x shows in the
 loss as with plain Keras; on one device evaluate and predict are the model's own."""

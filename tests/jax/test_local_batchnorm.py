@@ -162,7 +162,7 @@ _FITTED = {}  # sync -> the ParallelModel (k = 1) test_a_fit_step trained: its r
 
 
 def test_a_fit_step_equals_the_mean_of_per_replica_steps():
-    """Gradient mean and moving statistics: the mean over replicas (issue 17)."""
+    """Gradient mean and moving statistics: the mean over replicas."""
     x, y = _data()
     model = _net()
     parallel = _FITTED[False] = _parallel(model)

@@ -1,4 +1,4 @@
-"""Issue 14's full-size workloads are the models it names (parameter counts, shapes, the
+"""The full-size workloads are the models it names (parameter counts, shapes, the
 transformer's FLOPs by hand). They are built once, in the TensorFlow session: TensorFlow
 builds them fastest.
 """

@@ -1,4 +1,4 @@
-"""TensorFlow: fit's training arrays kept across calls (``kept_input``, issue 30). A loop
+"""TensorFlow: fit's training arrays kept across calls (``kept_input``). A loop
 of ``fit`` calls on the same arrays reads one distributed iterator instead of making one
 per call; each call must still train on exactly the batches plain Keras trains on, on one
 device, with the same calls: the same rows in the same order, a fresh pass per call.

@@ -1,5 +1,5 @@
-"""Ordinary Keras 3 training code under kmgpu on TensorFlow equals one device
-(issue 17): custom train steps, dict inputs with named outputs, local BatchNorm
+"""Ordinary Keras 3 training code under kmgpu on TensorFlow equals one device:
+custom train steps, dict inputs with named outputs, local BatchNorm
 statistics, generators and PyDatasets, gradient accumulation.
 """
 
