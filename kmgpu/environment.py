@@ -196,8 +196,7 @@ def for_this_process(call):
             if isinstance(cb, writers):
                 continue
             if isinstance(cb, keras.callbacks.BackupAndRestore):
-                cb._save_model = lambda *a, **k: None
-                cb.delete_checkpoint = False
+                cb = _restore_only(cb)
             kept.append(cb)
         call["callbacks"] = kept
     return call
@@ -209,3 +208,20 @@ def tf_config(hosts, per_node, rank, master_port):
                for r, h in enumerate(hosts) for i in range(per_node)]
     return json.dumps({"cluster": {"worker": workers},
                        "task": {"type": "worker", "index": rank}})
+
+
+def _restore_only(backup):
+    """``backup`` (a ``BackupAndRestore``) as a callback that restores at the start of
+    training and never writes or deletes: process 0 keeps the backup. The user's callback
+    is left as it is."""
+    import keras
+
+    class RestoreOnly(keras.callbacks.Callback):
+        def set_model(self, model):
+            super().set_model(model)
+            backup.set_model(model)
+
+        def on_train_begin(self, logs=None):
+            backup.on_train_begin(logs)
+
+    return RestoreOnly()

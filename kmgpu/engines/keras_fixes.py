@@ -90,10 +90,6 @@ PATCHES = [
      "reads a PyDataset (workers, shuffling, class weights) for a per-replica feed"),
     ("keras.src.trainers.data_adapters.data_adapter_utils", "class_weight_to_sample_weights",
      "data_fixes.standardize_batch", "class weights of a generator fed per replica"),
-    ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model",
-     "kmgpu.environment.for_this_process",
-     "replaced on the callback of every process but process 0 (for the call): process 0 "
-     "alone writes the backup, the others only restore from it"),
 ]
 
 #: (module, attribute, what for): private Keras attributes kmgpu reads, or sets as Keras does

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 
+import numpy as np
 import pytest
 
 from kmgpu import environment
@@ -85,9 +86,27 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
                        "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     mine = environment.for_this_process(call)
-    assert mine["verbose"] == 0 and mine["callbacks"] == [backup, stop]
-    backup._save_model()  # writes nothing here: process 0 keeps the backup
-    assert not os.path.exists(backup._weights_path) and backup.delete_checkpoint is False
+    assert mine["verbose"] == 0 and len(mine["callbacks"]) == 2 and mine["callbacks"][1] is stop
+    # process 0 wrote a backup (a plain fit, 2 epochs); here it is restored, never written
+    keras.utils.set_random_seed(0)
+    trained = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    trained.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    writer = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False)
+    trained.fit(x, y, epochs=2, verbose=0, callbacks=[writer])
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "backup").iterdir()}
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    fresh.compile(optimizer="sgd", loss="mse")
+    restore = mine["callbacks"][0]
+    restore.set_model(fresh)
+    restore.on_train_begin()
+    for a, b in zip(fresh.get_weights(), trained.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for hook in (restore.on_epoch_end, restore.on_train_batch_end):
+        hook(0, {"loss": 0.0})
+    restore.on_train_end()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "backup").iterdir()} == files
+    assert backup.delete_checkpoint is True  # the user's callback is as it was
 
 
 # -- kmgpu's switches: one table, one reader ---------------------------------------------

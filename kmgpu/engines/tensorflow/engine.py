@@ -18,8 +18,6 @@ statistics are the mean over the replicas.
 """
 
 import contextlib
-import functools
-import types
 
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
@@ -211,10 +209,7 @@ class TensorFlowEngine(InProcessEngine):
     def prepare_replica(self, replica, template):
         import keras
 
-        # every replica count: Keras's own build reads a throwaway distributed iterator
-        replica._maybe_symbolic_build = functools.partial(
-            step_fixes.symbolic_build, replica, feed=self._feed,
-            replica_fixes=self.num_replicas > 1)
+        step_fixes.own_build(replica, self._feed, replica_fixes=self.num_replicas > 1)
         if self.num_replicas == 1:
             return
         if self.config.sync_batchnorm:
@@ -227,10 +222,7 @@ class TensorFlowEngine(InProcessEngine):
         step_fixes.synced_logs(replica)
         step_fixes.global_logs(replica)  # per-batch logs of the global batch
         step_fixes.traced_reset_metrics(replica)
-        if step_fixes.keeps_keras_step(template):
-            replica.train_step = types.MethodType(step_fixes.train_step, replica)
-        if step_fixes.keeps_keras_step(template, "test_step"):  # a masked mean needs it too
-            replica.test_step = types.MethodType(step_fixes.test_step, replica)
+        step_fixes.replica_steps(replica, template)
 
 
 def _per_replica(strategy, batch):

@@ -5,7 +5,9 @@ a batch it can split, and its multi-worker reduction of step outputs. Rows of
 ``kmgpu/engines/tensorflow/keras_fixes.py``.
 """
 
+import functools
 import threading
+import types
 
 from kmgpu.engines import keras_fixes, loss_fixes
 from kmgpu.engines.tensorflow import global_batch, optimizer_fixes
@@ -160,6 +162,22 @@ def _track_loss(model, x, y, y_pred, sample_weight, training):
     value, _ = loss_fixes.tracker_update(kind, local, part, tf.maximum(rows, 1.0), total)
     model._loss_tracker.update_state(value, sample_weight=rows)
     return part
+
+
+def own_build(replica, feed, replica_fixes):
+    """A replica's ``_maybe_symbolic_build`` becomes ``symbolic_build`` (above), on every
+    replica count: Keras's own build reads a throwaway distributed iterator."""
+    keras_fixes.install(replica, "_maybe_symbolic_build", lambda keras_own: functools.partial(
+        symbolic_build, replica, feed=feed, replica_fixes=replica_fixes))
+
+
+def replica_steps(replica, template):
+    """kmgpu's ``train_step`` and ``test_step`` (above) on a replica whose template keeps
+    Keras's own (the test step for a masked mean too)."""
+    for name, step in (("train_step", train_step), ("test_step", test_step)):
+        if keeps_keras_step(template, name):
+            keras_fixes.install(replica, name,
+                                lambda keras_own, step=step: types.MethodType(step, replica))
 
 
 def keeps_keras_step(model, step="train_step"):
