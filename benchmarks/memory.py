@@ -1,7 +1,7 @@
 """``shard_optimizer=True`` (ZeRO stage 1): what it saves and what it costs.
 
 ``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices;
-``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]``: torch (``engines/torch/zero.py``),
+``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]``: torch (``engines/torch/optim/zero.py``),
 where 1. is the bytes of each rank's pieces from the layout ``zero.Shards`` makes (every
 variable 256-byte aligned, each dtype padded to N equal pieces; ``tests/torch/test_zero.py``
 asserts a rank's tensors are that), without starting the ranks, and 3. compares two
@@ -83,7 +83,7 @@ def memory_torch(width, depth):
     """torch: bytes per parameter per rank from the layout of ``zero.Shards``."""
     import keras
 
-    from kmgpu.engines.torch import flat_layout, zero
+    from kmgpu.engines.torch.optim import flat_layout, zero
 
     model = _model(width, depth)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")

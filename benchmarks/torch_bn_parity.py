@@ -1,4 +1,4 @@
-"""kmgpu's fused BatchNorm (engines/torch/fast_layers.py, inside kmgpu's torch steps on
+"""kmgpu's fused BatchNorm (engines/torch/fast/layers.py, inside kmgpu's torch steps on
 CUDA) against Keras's own BatchNormalization: how close each is to float64, and how fast.
 One GPU (or a CPU at --quick sizes, where kmgpu's steps keep Keras's layer). The variants:
 
@@ -57,7 +57,7 @@ def rel_norm(a, b):
 @contextlib.contextmanager
 def variant(name):
     """kmgpu's steps use this BatchNorm variant within the block."""
-    from kmgpu.engines.torch import fast_layers
+    from kmgpu.engines.torch.fast import layers as fast_layers
 
     kernel, saved = VARIANTS[name], (os.environ.get("KMGPU_TORCH_FUSED_BN"),
                                      fast_layers.CUDA_KERNEL)
@@ -92,7 +92,7 @@ def float64(batch_norm):
     """A float64 Keras with ``batch_norm`` ("exact": reference_call; "keras": Keras's own)."""
     import keras
 
-    from kmgpu.engines.torch import fast_layers
+    from kmgpu.engines.torch.fast import layers as fast_layers
 
     keras.config.set_floatx("float64")
     try:
@@ -130,7 +130,7 @@ def one_layer(call, x, up, dtype, **kw):
 def part_layers(quick):
     import keras
 
-    from kmgpu.engines.torch import fast_layers
+    from kmgpu.engines.torch.fast import layers as fast_layers
 
     keras_call = keras.layers.BatchNormalization.call
     fused = fast_layers.batch_norm_method(keras_call)
@@ -208,7 +208,7 @@ def train(build, image, batch, steps, offset, kmgpu_variants):
         model.fit(x, y, **fit)
         out["plain Keras"] = model.get_weights()
         if not cuda():  # kmgpu keeps Keras's layer on a CPU: the fused one in a plain fit
-            from kmgpu.engines.torch import fast_layers
+            from kmgpu.engines.torch.fast import layers as fast_layers
 
             model.set_weights(init)
             with batch_norm_call(fast_layers.batch_norm_method(

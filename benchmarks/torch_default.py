@@ -388,7 +388,7 @@ def run_fit(model, init, compile_args, x, y, batch, epochs, default):
            "peak_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda() else 0.0,
            "printed": [ln for ln in text.getvalue().splitlines() if "kmgpu (torch)" in ln]}
     if default:
-        from kmgpu.engines.torch import graphs
+        from kmgpu.engines.torch.capture import graphs
 
         res["captured"], res["why"] = step_state(runner)
         step = runner._engine._step

@@ -30,7 +30,7 @@ def transformer(steps, quick):
 
     import kmgpu
     from kmgpu.bench import workloads
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     w = workloads.get("transformer", quick=quick, devices=1, steps=10)
     model = w.build()
@@ -95,7 +95,7 @@ def leftover(quick):
     import torch
 
     import kmgpu
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     if not td.cuda():
         OUT["leftover"] = "no CUDA device"
@@ -134,7 +134,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     _MAY_CAPTURE = graphs.CapturedStep.may_capture
     for fn in (lambda: transformer(3 if args.quick else 5, args.quick),

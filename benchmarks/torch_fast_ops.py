@@ -104,7 +104,8 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
               float64=False):
     import torch
 
-    from kmgpu.engines.torch import capture_fixes, cond_fixes, fast_fixes, graphs, precision
+    from kmgpu.engines.torch import capture_fixes, cond_fixes, fast_fixes, precision
+    from kmgpu.engines.torch.capture import graphs
 
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -196,7 +197,7 @@ def parity(name, quick, init, x, y, steps, pair=("keras", "both"), float64=False
     import numpy as np
     import torch
 
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     b = torch.backends
     saved = b.cudnn.deterministic, b.cudnn.benchmark

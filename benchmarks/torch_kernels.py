@@ -333,7 +333,8 @@ def keras_torch(name, quick, steps, gpu, tf32=None):
 def _keras_torch(name, quick, steps, gpu, tf32):
     import torch
 
-    from kmgpu.engines.torch import capture_fixes, graphs
+    from kmgpu.engines.torch import capture_fixes
+    from kmgpu.engines.torch.capture import graphs
 
     labelled()
     model = compiled(name, quick)
@@ -516,7 +517,8 @@ def fixed_step(model, variant, device):
     ``FlatOptimizer`` over the split step's flat gradient buffer (what the lead hooks in)."""
     import torch
 
-    from kmgpu.engines.torch import flat_optim, graphs
+    from kmgpu.engines.torch.capture import graphs
+    from kmgpu.engines.torch.optim import flat_optim
 
     class FlatSplit(graphs.SplitStep):
         def layout(self):
@@ -543,7 +545,7 @@ def fast_bn(on):
     """Install (or remove) fast_layers' BatchNormalization.call in this process."""
     import keras
 
-    from kmgpu.engines.torch import fast_layers
+    from kmgpu.engines.torch.fast import layers as fast_layers
 
     cls = keras.layers.BatchNormalization
     original = getattr(cls.call, "__wrapped_by_kmgpu__", cls.call)
@@ -554,7 +556,7 @@ def fixes(names, quick, steps, gpu, parity_steps):
     import numpy as np
     import torch
 
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     dev = "cuda" if gpu else "cpu"
     out = {}

@@ -60,7 +60,8 @@ class Counts:
     """Train steps, eager steps and size-1 all-reduces (issued while capturing or not)."""
 
     def __init__(self):
-        from kmgpu.engines.torch import graphs, split_step
+        from kmgpu.engines.torch.capture import graphs
+        from kmgpu.engines.torch.steps import split_step
 
         self.steps = self.eager = 0
         self.small_captured = self.small_eager = 0
@@ -115,7 +116,8 @@ def runs(kind, units, fit, gpu):
     import torch.distributed as dist
 
     import kmgpu
-    from kmgpu.engines.torch import graphs, split_step
+    from kmgpu.engines.torch.capture import graphs
+    from kmgpu.engines.torch.steps import split_step
 
     reference = model(units, kind)
     start = time.perf_counter()

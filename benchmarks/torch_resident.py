@@ -1,5 +1,5 @@
 """A call's arrays copied to the GPU before the steps, or in chunks beside them
-(``engines/torch/resident.py``). A script that prints a Markdown table, not a test.
+(``engines/torch/data/resident.py``). A script that prints a Markdown table, not a test.
 
     KERAS_BACKEND=torch python benchmarks/torch_resident.py [--quick]
         [--models efficientnetb0,resnet50] [--steps 10] [--rounds 3]
@@ -34,7 +34,7 @@ def run_model(name, quick, steps, rounds):
     import torch
 
     import kmgpu
-    from kmgpu.engines.torch import resident
+    from kmgpu.engines.torch.data import resident
 
     xn, yn = tk.batch_arrays(name, quick)
     x, y = np.concatenate([xn] * steps), np.concatenate([yn] * steps)

@@ -55,7 +55,7 @@ def log(*a):
 def state():
     if not cuda():
         return {}
-    from kmgpu.engines.torch import cuda_graphs
+    from kmgpu.engines.torch.capture import cuda_graphs
 
     return cuda_graphs.state()
 
@@ -150,7 +150,7 @@ def one_fallback(name, build, policy="float32"):
 
 def replay_failure(build):
     """Every replay raises once it ran once: train, test and predict fall back to eager."""
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     real = graphs.capture
 
@@ -318,7 +318,7 @@ def every_metric():
 
 def shuffled():
     """fit(shuffle=True / "batch") under a global seed on the one-device captured path (rows
-    kept on the GPU): plain Keras's order (engines/torch/shuffle.py), TF32 off both sides;
+    kept on the GPU): plain Keras's order (engines/torch/data/shuffle.py), TF32 off both sides;
     the generators left where plain Keras leaves them."""
     import random
 

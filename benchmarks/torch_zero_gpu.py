@@ -88,7 +88,7 @@ def sharded_parity(n, epochs):
     import numpy as np
     import torch.distributed as dist
 
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     device = _group()
 

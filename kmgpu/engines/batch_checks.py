@@ -5,7 +5,7 @@ Under "mean_with_sample_weight" each replica's share of the loss is weighed by o
 sample-weight sums, so per-output sample weights must be one set for every output.
 ``check_weighable`` checks a call's arrays whole and a dataset's first batch before any
 work. A dataset's later batches reach kmgpu's own code one by one (torch: each rank's
-``data.DatasetSource``; TensorFlow: the per-replica feed of a generator, a PyDataset or a
+``inputs.DatasetSource``; TensorFlow: the per-replica feed of a generator, a PyDataset or a
 torch DataLoader, one worker or several, and a ``tf.data`` dataset mapped through
 ``tensorflow.data.checked``), and each gets the same check there (``Guard``), on the
 host, before its step runs. A refused batch raises ``BatchRefused`` naming it; the call

@@ -3,7 +3,7 @@
 torch: Keras's trainer shuffles arrays with a ``RandomSampler`` (``shuffle=True``) or a
 per-batch ``randperm`` (``"batch"``) on torch's default CPU generator, and a
 ``PyDataset``'s batches with Python's ``random``; kmgpu's ranks start each call from the
-driver's random states and draw the same way (``engines/torch/shuffle.py``), and the
+driver's random states and draw the same way (``engines/torch/data/shuffle.py``), and the
 driver's states end where plain Keras leaves them. TensorFlow: Keras's array pipeline
 reads the same permutation every epoch under a global seed (``data_fixes.
 first_pass_order``). Before, both drew their own orders: weights 0.05-0.06 relative from

@@ -86,7 +86,8 @@ def main(out_path=None):
     import torch.distributed as dist
 
     from kmgpu.engines.base import Config
-    from kmgpu.engines.torch import data, strategy
+    from kmgpu.engines.torch import strategy
+    from kmgpu.engines.torch.data import inputs
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
                           wait_for_workers=False)
@@ -98,7 +99,7 @@ def main(out_path=None):
     ddp.prepare(rank_model)
     report["rank_path_samples_per_s"] = timed(lambda e: ddp.run(
         rank_model, "fit", dict(x=x, y=y, batch_size=batch, epochs=e, verbose=0)))
-    slices = data.RankSlices(data.ArraySource(x, y), batch, ddp.rank, ddp.world, shuffle=True)
+    slices = inputs.RankSlices(inputs.ArraySource(x, y), batch, ddp.rank, ddp.world, shuffle=True)
     report["plain_on_rank_slices_samples_per_s"] = timed(
         lambda e: plain.fit(slices, epochs=e, shuffle=False, verbose=0))
     dist.destroy_process_group()

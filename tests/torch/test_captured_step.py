@@ -20,7 +20,7 @@ TOL = 1e-5
 
 
 def _close_pools():
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     launchers.close_pools()
 
@@ -31,7 +31,7 @@ def _fit(build, x, y, gpus, jit, batch=20, epochs=2, sync=False, shuffle=False, 
     with one_device() if gpus == 1 else nullcontext():
         runner = model if gpus is None else kmgpu.parallelize(model, **kwargs)
     runner.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=jit)
-    torch.manual_seed(7)  # what the shuffle draws from (engines/torch/shuffle.py): both runs
+    torch.manual_seed(7)  # what the shuffle draws from (engines/torch/data/shuffle.py): both runs
     warns = gpus is not None and -(-len(x) // batch) < 10  # kmgpu's note on few steps
     with few_steps() if warns else nullcontext():
         history = runner.fit(x, y, batch_size=batch, epochs=epochs, shuffle=shuffle, verbose=0,
@@ -123,7 +123,7 @@ class _FakeGraph:
 
 
 def _forced_capture(monkeypatch, fail_update, fail_forward=False):
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     calls = []
 
@@ -141,7 +141,7 @@ def _forced_capture(monkeypatch, fail_update, fail_forward=False):
 
 
 def test_a_failing_capture_falls_back_to_eager_with_one_line(monkeypatch, capsys):
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     x, y = data("mlp", 97)
     ref, ref_history, _ = _fit(mlp, x, y, None, jit=False)
@@ -208,15 +208,15 @@ def test_device_scalars_give_kerass_values():
 # -- rows kept on the device (resident.DeviceArraySource; a CUDA device in use, a CPU here) ----
 @pytest.mark.parametrize("shuffle", [False, True, "batch"])
 def test_rows_on_the_device_give_the_same_batches(shuffle):
-    from kmgpu.engines.torch import data, resident, shuffle as orders
+    from kmgpu.engines.torch.data import inputs, resident, shuffle as orders
 
     x, y = data_of(45)
     torch.manual_seed(3)
     for world in (2, 3):
         for rank in range(world):
-            plain = data.RankSlices(data.ArraySource(x, y), 20, rank, world, shuffle=shuffle)
-            kept = data.RankSlices(resident.DeviceArraySource(data.ArraySource(x, y), "cpu"), 20,
-                                   rank, world, shuffle=shuffle)
+            plain = inputs.RankSlices(inputs.ArraySource(x, y), 20, rank, world, shuffle=shuffle)
+            device_source = resident.DeviceArraySource(inputs.ArraySource(x, y), "cpu")
+            kept = inputs.RankSlices(device_source, 20, rank, world, shuffle=shuffle)
             for epoch in range(2):
                 start = orders.state()  # each pass draws its order: from the same states
                 plain.on_epoch_begin()
@@ -238,7 +238,7 @@ def data_of(n):
 def test_one_device_fit_from_rows_on_the_device(monkeypatch):
     """The one-device captured fit feeds Keras a PyDataset of device rows (as on a GPU),
     copied there in chunks of 8 rows on a thread beside the steps."""
-    from kmgpu.engines.torch import resident
+    from kmgpu.engines.torch.data import resident
 
     made = []
     monkeypatch.setattr(resident, "CHUNK_BYTES", 8 * 4 * 6)  # mlp: 5 features + 1 target

@@ -25,7 +25,7 @@ def _strict_capture(monkeypatch):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     class NoHostReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -61,7 +61,7 @@ def _compiled(**compile_kwargs):
 
 
 def test_plan_says_which_step_each_compile_gets():
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     class Own(keras.Sequential):
         def train_step(self, batch):
@@ -102,7 +102,7 @@ def test_default_on_a_gpu_is_the_captured_step_on_one_device_and_on_two(monkeypa
         model = mlp()
         model.compile(optimizer="adam", loss="mse", metrics=["mae"], run_eagerly=True)
         parallel = _one(model)
-        torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
+        torch.manual_seed(7)  # the shuffle draws from it (engines/torch/data/shuffle.py)
         parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         assert len(calls) == 2 and "Keras's eager step" in parallel.describe()
 
@@ -114,7 +114,7 @@ def test_default_on_a_gpu_is_the_captured_step_on_one_device_and_on_two(monkeypa
 
 
 def test_own_train_step_on_a_gpu_says_once_why_it_is_eager(monkeypatch, capsys):
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     monkeypatch.setattr(graphs, "available", lambda device: True)
 
@@ -197,7 +197,7 @@ def _noisy_fit(gpus, batch=8, steps=10, record=None):
     callbacks = [] if record is None else [keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda b, logs: record.append(
             model.get_layer("record").seen.numpy().copy()))]
-    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/data/shuffle.py)
     parallel.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
                  callbacks=callbacks)
     return model, parallel

@@ -21,7 +21,7 @@ EPOCHS = 4
 def loads(monkeypatch):
     """Counts the driver's loads of rank 0's state (one per epoch end a callback needs
     the weights at, and one at the end of training)."""
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     count = {"n": 0}
     original = launchers.PoolLauncher.load_state
@@ -50,7 +50,7 @@ def _fit(callbacks, jit=True):
 def test_kmgpu_measuring_callbacks_are_weight_free():
     import keras
 
-    from kmgpu.engines.torch import relay
+    from kmgpu.engines.torch.launch import relay
 
     class Quiet(EpochTimer):  # no hook of its own: still only the clock
         pass

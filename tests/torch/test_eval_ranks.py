@@ -26,7 +26,7 @@ XV, YV = X[:43] + 0.1, Y[:43]
 
 
 def _close_pools():
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     launchers.close_pools()
 
@@ -59,7 +59,7 @@ def _strict_capture(monkeypatch, fail_rank=None):
     """``graphs.capture`` faked: records ``fn``'s outputs with nothing changed (the
     writes undone), replay runs ``fn`` again into them; prints one line per capture.
     ``fail_rank``: on that rank the test and predict captures raise."""
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     class Graph:
         def __init__(self, fn, out):

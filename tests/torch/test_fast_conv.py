@@ -1,5 +1,5 @@
 """Keras's torch convolutions and poolings without the two copies of their input
-(engines/torch/fast_conv.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
+(engines/torch/fast/conv.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
 CUDA; made to swap on a CPU here) against Keras's own: each layer kind's outputs and
 gradients, that the convolution gets the input's own memory (no copy), what stays Keras's,
 and a 2-epoch fit of a small CNN through kmgpu's split step against plain Keras."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-from kmgpu.engines.torch import fast_conv, fast_fixes, fast_layers
+from kmgpu.engines.torch import fast_fixes
+from kmgpu.engines.torch.fast import conv as fast_conv, layers as fast_layers
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit
 

@@ -1,4 +1,4 @@
-"""BatchNormalization on torch's fused batch norm (engines/torch/fast_layers.py) against
+"""BatchNormalization on torch's fused batch norm (engines/torch/fast/layers.py) against
 Keras's own layer: outputs, gradients (inputs, gamma, beta) and moving statistics after a
 few training steps, inference, channels_last and channels_first, mixed precision; and what
 it leaves to Keras's own call. Tiny tensors on a CPU; no fit."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kmgpu.engines.torch import fast_layers
+from kmgpu.engines.torch.fast import layers as fast_layers
 
 TOL = 1e-5
 BN = keras.layers.BatchNormalization
@@ -159,7 +159,8 @@ def test_swapped_in_only_inside_kmgpus_step_on_cuda_unless_off(monkeypatch):
     KMGPU_TORCH_FUSED_BN=0, keeps Keras's own call. describe() says which."""
     import keras
 
-    from kmgpu.engines.torch import fast_fixes, fast_layers
+    from kmgpu.engines.torch import fast_fixes
+    from kmgpu.engines.torch.fast import layers as fast_layers
 
     keras_call = BN.call
     monkeypatch.delenv("KMGPU_TORCH_FUSED_BN", raising=False)

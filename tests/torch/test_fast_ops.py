@@ -1,5 +1,5 @@
 """Dense through F.linear and the sparse cross-entropy over a contiguous (rows, classes) view
-(engines/torch/fast_layers.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps
+(engines/torch/fast/layers.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps
 on CUDA) against Keras's own: loss values and gradients, masks, sample weights,
 ignore_class, what each leaves to Keras's code, and a 2-epoch fit through kmgpu's split
 step (made to swap on a CPU here) against plain Keras. Tiny tensors on a CPU."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 from keras.src.backend.torch import nn as keras_nn  # the module whose function is swapped
 
-from kmgpu.engines.torch import fast_fixes, fast_layers
+from kmgpu.engines.torch import fast_fixes
+from kmgpu.engines.torch.fast import layers as fast_layers
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit, rel
 

@@ -1,5 +1,5 @@
 """A masked GRU/LSTM on torch's fused RNN kernel over the compacted sequence
-(engines/torch/fast_rnn.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
+(engines/torch/fast/rnn.py, swapped in by fast_fixes.fast_ops inside kmgpu's steps on
 CUDA, forced on a CPU here, where torch's own GRU/LSTM kernel has cuDNN's equations)
 against Keras's own masked loop: outputs, final states and gradients for every kind of
 mask, go_backwards, return_sequences, zero_output_for_mask, Bidirectional over
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kmgpu.engines.torch import fast_fixes, fast_layers, fast_rnn
+from kmgpu.engines.torch import fast_fixes
+from kmgpu.engines.torch.fast import layers as fast_layers, rnn as fast_rnn
 from tests.helpers import rel_diff
 from tests.torch.fast_paths import fit, rel
 

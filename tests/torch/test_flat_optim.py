@@ -1,4 +1,4 @@
-"""kmgpu's flat-buffer optimizer update (engines/torch/flat_optim.py) against Keras's own.
+"""kmgpu's flat-buffer optimizer update (engines/torch/optim/flat_optim.py) against Keras's own.
 
 For every covered optimizer and option: the same variables and gradients, 3 steps of
 Keras's ``optimizer.apply`` and 3 of ``FlatOptimizer.step`` on the flat buffers; the
@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from kmgpu.engines.torch import flat_layout, flat_optim
+from kmgpu.engines.torch.optim import flat_layout, flat_optim
 
 TOL = 1e-6
 SHAPES = {"dense/kernel": (3, 4), "dense/bias": (4,), "norm/gamma": (2, 3, 2), "norm/beta": (5,)}

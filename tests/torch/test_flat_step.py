@@ -32,7 +32,7 @@ def _fit(build, make_opt, x, gpus):
     with one_device() if gpus == 1 else nullcontext():
         runner = model if gpus is None else kmgpu.parallelize(model, gpus=gpus)
     runner.compile(optimizer=make_opt(), loss="mse", jit_compile=gpus is not None)
-    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/data/shuffle.py)
     y = x[1]
     with few_steps() if gpus is not None else nullcontext():
         runner.fit(x[0], y, batch_size=20, epochs=2, shuffle=False, verbose=0)
@@ -80,7 +80,8 @@ def test_captured_evaluate_graphs_are_dropped_when_the_weights_move():
     read the old memory, so the next call drops them."""
     import torch
 
-    from kmgpu.engines.torch import eval_steps, flat_optim
+    from kmgpu.engines.torch.capture import eval_steps
+    from kmgpu.engines.torch.optim import flat_optim
 
     model = mlp()
     model.compile(optimizer="adam", loss="mse")

@@ -1,4 +1,4 @@
-"""The fused BatchNorm (engines/torch/fast_layers.py) is as close to float64 as Keras's own
+"""The fused BatchNorm (engines/torch/fast/layers.py) is as close to float64 as Keras's own
 layer, or closer (issue 31): one layer over 3 training steps (output, the gradients of
 inputs, gamma and beta, the moving statistics) for channels-last images, sequences and
 (batch, features) inputs, with channel means of 0, 5 and 100; and a small conv net fit for
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kmgpu.engines.torch import fast_layers
+from kmgpu.engines.torch.fast import layers as fast_layers
 
 BN = keras.layers.BatchNormalization
 

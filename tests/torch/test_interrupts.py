@@ -93,7 +93,7 @@ def test_in_process_a_failing_callback_keeps_that_step(tmp_path):
     replica's state at the failing step comes back to the user's model."""
     import torch.distributed as dist
 
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     x, y = data("mlp", 400)
     ref = mlp()

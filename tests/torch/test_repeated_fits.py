@@ -72,7 +72,8 @@ def test_state_goes_through_the_file_exactly_and_leaves_no_view_behind(dtype):
     the loaded model shares no memory with the file."""
     import keras
 
-    from kmgpu.engines.torch import replicas, transport
+    from kmgpu.engines.torch import replicas
+    from kmgpu.engines.torch.launch import transport
 
     def model(seed):
         keras.utils.set_random_seed(seed)

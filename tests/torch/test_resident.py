@@ -1,5 +1,5 @@
 """Arrays kept on the device, copied in chunks on a thread beside the steps
-(engines/torch/resident.py; a CUDA device in use, a CPU here): the same batches as the
+(engines/torch/data/resident.py; a CUDA device in use, a CPU here): the same batches as the
 host arrays, a batch that waits only for its own rows, and a failed copy that raises in
 the caller instead of handing out rows never written."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kmgpu.engines.torch import data, resident
+from kmgpu.engines.torch.data import inputs, resident
 
 
 def _arrays(n=45):
@@ -22,7 +22,7 @@ def _arrays(n=45):
 def test_chunked_copy_gives_the_host_batches(monkeypatch, shuffle):
     """Chunks of 4 rows (16 + 8 + 4 bytes a row), batches of 10: every batch, shuffled
     or not, holds the host arrays' rows, for two epochs; the copy ran in 12 chunks."""
-    from kmgpu.engines.torch import shuffle as orders
+    from kmgpu.engines.torch.data import shuffle as orders
 
     monkeypatch.setattr(resident, "CHUNK_BYTES", 4 * 24)
     chunks = []
@@ -31,9 +31,9 @@ def test_chunked_copy_gives_the_host_batches(monkeypatch, shuffle):
                                                                   copy(pairs, lo, hi)))
     x, y, w = _arrays()
     torch.manual_seed(3)
-    plain = data.RankSlices(data.ArraySource(x, y, w), 10, 0, 1, shuffle=shuffle)
-    kept = data.RankSlices(resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu"), 10,
-                           0, 1, shuffle=shuffle)
+    plain = inputs.RankSlices(inputs.ArraySource(x, y, w), 10, 0, 1, shuffle=shuffle)
+    device_source = resident.DeviceArraySource(inputs.ArraySource(x, y, w), "cpu")
+    kept = inputs.RankSlices(device_source, 10, 0, 1, shuffle=shuffle)
     for _ in range(2):
         start = orders.state()
         plain.on_epoch_begin()
@@ -60,7 +60,7 @@ def test_a_batch_waits_only_for_its_rows(monkeypatch):
 
     monkeypatch.setattr(resident, "_copy", held)
     x, y, w = _arrays()
-    source = resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu")
+    source = resident.DeviceArraySource(inputs.ArraySource(x, y, w), "cpu")
     first = source.take(slice(0, 10))
     np.testing.assert_array_equal(first[0].numpy(), x[:10])
     assert source.copied() == 10
@@ -89,7 +89,7 @@ def test_a_failed_copy_raises_in_the_caller(monkeypatch):
 
     monkeypatch.setattr(resident, "_copy", failing)
     x, y, w = _arrays()
-    source = resident.DeviceArraySource(data.ArraySource(x, y, w), "cpu")
+    source = resident.DeviceArraySource(inputs.ArraySource(x, y, w), "cpu")
     with pytest.raises(RuntimeError, match="copying the arrays to the device failed.*"
                                            "out of host memory"):
         source.take(slice(15, 25))

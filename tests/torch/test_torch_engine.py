@@ -38,7 +38,7 @@ def _call_dirs():
 
 
 def _close_pools():
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     launchers.close_pools()
 
@@ -207,7 +207,7 @@ def _boom_loss(y_true, y_pred):
 
 
 def test_a_worker_exception_comes_back_with_its_traceback():
-    from kmgpu.engines.torch.pool import WorkerError
+    from kmgpu.engines.torch.launch.pool import WorkerError
 
     x, y = data("mlp", 32)
     model = mlp()

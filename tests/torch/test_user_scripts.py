@@ -132,7 +132,7 @@ def test_one_rule_says_what_a_dataset_is():
 
     from kmgpu import api, checks
     from kmgpu.engines.datasets import is_dataset
-    from kmgpu.engines.torch import data as torch_data
+    from kmgpu.engines.torch.data import inputs as torch_data
 
     assert torch_data.is_dataset is is_dataset
     assert not any(hasattr(m, n) for m in (api, checks) for n in ("is_dataset", "_is_dataset"))

@@ -31,7 +31,7 @@ def _fake_capture(monkeypatch, model_box, fail=()):
     with every variable (weights, optimizer, metrics) put back after it (a real capture runs nothing); replay
     runs it again into those outputs. ``fail``: the kinds whose capture raises
     ("a", "b", "test", "predict", told apart by the function's name)."""
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     calls = []
 
@@ -86,7 +86,7 @@ def _strict_fake_capture(monkeypatch, model_box):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kmgpu.engines.torch import graphs
+    from kmgpu.engines.torch.capture import graphs
 
     calls = _fake_capture(monkeypatch, model_box)
     fake = graphs.capture
@@ -288,7 +288,8 @@ def test_device_scalars_keep_numpy_constants_by_content():
 def test_tf32_policy_is_one_argument_said_by_describe_and_scoped(monkeypatch):
     import torch
 
-    from kmgpu.engines.torch import graphs, precision
+    from kmgpu.engines.torch import precision
+    from kmgpu.engines.torch.capture import graphs
 
     model = _model()
     with pytest.raises(TypeError, match="tf32"):

@@ -1,4 +1,4 @@
-"""``shard_optimizer=True`` on torch (ZeRO-1, engines/torch/zero.py), issue 32.
+"""``shard_optimizer=True`` on torch (ZeRO-1, engines/torch/optim/zero.py), issue 32.
 
 Each rank updates its contiguous 1/N of the flat buffers with only its 1/N of the
 optimizer state; the weights, the History and the optimizer's own variables (gathered
@@ -52,7 +52,7 @@ def _fit(make_opt, dtype, gpus=None, shard=True, epochs=2):
     runner = model if gpus is None else kmgpu.parallelize(model, gpus=gpus,
                                                           shard_optimizer=shard)
     runner.compile(optimizer=make_opt(), loss="mse", metrics=["mae"])
-    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/shuffle.py)
+    torch.manual_seed(7)  # the shuffle draws from it (engines/torch/data/shuffle.py)
     history = runner.fit(X, Y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history, runner
 
@@ -146,7 +146,7 @@ def test_each_rank_holds_one_nth_of_the_state():
     unsharded flat update."""
     import torch
 
-    from kmgpu.engines.torch import flat_layout, flat_optim, zero
+    from kmgpu.engines.torch.optim import flat_layout, flat_optim, zero
 
     world = 4
     grads = [torch.as_tensor(np.random.default_rng(i).standard_normal(tuple(v.shape)),
@@ -196,7 +196,7 @@ def test_forward_replayed_on_two_ranks_with_a_sharded_update(monkeypatch, capsys
     """Graph A 'replayed' (a fake capture, inherited by the forked workers), graph B's
     capture failing: between them the captured step's reduce-scatter, after B the
     all-gather, as on a GPU; still equal to one device."""
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
     from tests.torch.test_captured_step import _forced_capture
 
     launchers.close_pools()

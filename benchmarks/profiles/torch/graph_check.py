@@ -193,7 +193,7 @@ def parity(names, args):
     """TF32 off everywhere; one epoch of 6.5 batches from the same start."""
     import torch
 
-    import kmgpu.engines.torch.launchers as launchers
+    import kmgpu.engines.torch.launch.launchers as launchers
 
     launchers.close_pools()  # new workers start with TF32 off
     os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
@@ -326,7 +326,7 @@ def main():
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
     save(args.out)
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     launchers.close_pools()
 

@@ -58,7 +58,7 @@ def timer():
 
 def counting():
     """Count the driver's state loads (the engine's CallbackDriver calls them)."""
-    from kmgpu.engines.torch import launchers
+    from kmgpu.engines.torch.launch import launchers
 
     counts = {"loads": 0}
     original = launchers.PoolLauncher.load_state
@@ -101,7 +101,7 @@ def main():
 
     counts = counting()
     if args.before:
-        from kmgpu.engines.torch import relay
+        from kmgpu.engines.torch.launch import relay
 
         relay._declared_weight_free = lambda callback: False
     model = build(args.width, args.image)

@@ -1,1 +1,4 @@
-"""The torch engine: DDP inside Keras's ``fit`` (engine, strategy, launchers, worker, runtime, keras_fixes)."""
+"""The torch engine: DDP inside Keras's ``fit``. At the top: ``engine``, ``strategy`` (one
+rank), ``replicas``, ``runtime``, ``precision``, ``collectives`` and the Keras-patch registry
+(``keras_fixes`` and its ``*_fixes`` role modules); by role: launch, steps, capture, optim,
+fast, data."""

@@ -96,7 +96,7 @@ def set_jit_compile(model, value):
     model.train_function = model.test_function = model.predict_function = None
 
 
-# -- random layers inside the captured step (graphs.py) ----------------------------------
+# -- random layers inside the captured step (capture/graphs.py) --------------------------
 def _draw_key(seed, device):
     """Keras's ``draw_seed``, on the device: the key of one draw, (k0, k1).
 
@@ -131,7 +131,7 @@ def _random_functions():
     from keras.src.backend.torch import random as keras_random
     from keras.src.random.seed_generator import SeedGenerator
 
-    from kmgpu.engines.torch import rng
+    from kmgpu.engines.torch.capture import rng
 
     original = {name: getattr(keras_random, name) for name in
                 ("normal", "uniform", "randint", "dropout", "shuffle", "categorical")}

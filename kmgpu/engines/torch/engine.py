@@ -18,10 +18,13 @@ from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import Engine
 from kmgpu.engines.local import LocalEngine
-from kmgpu.engines.torch import (data, eval_steps, fast_layers, feeds, graphs,
-                                 capture_fixes, launchers, relay, replicas, resident, shuffle,
-                                 timing, zero)
-from kmgpu.engines.torch.messages import Aborted, Call
+from kmgpu.engines.torch import capture_fixes, replicas
+from kmgpu.engines.torch.capture import eval_steps, graphs
+from kmgpu.engines.torch.data import feeds, inputs, resident, shuffle
+from kmgpu.engines.torch.fast import layers as fast_layers
+from kmgpu.engines.torch.launch import launchers, relay, timing
+from kmgpu.engines.torch.launch.messages import Aborted, Call
+from kmgpu.engines.torch.optim import zero
 
 
 class TorchEngine(Engine):
@@ -115,7 +118,7 @@ class TorchEngine(Engine):
         if method == "train_on_batch":
             self.launcher.load_state(template)  # rank 0's state after the step
         if method in ("predict", "predict_on_batch"):
-            return data.assemble(results)
+            return inputs.assemble(results)
         return results[0]
 
     def train_step_mode(self, template):

@@ -1,7 +1,7 @@
 """Keras's torch layers and ops swapped for faster equal ones while kmgpu's step runs on
 CUDA: BatchNormalization on torch's fused kernel (``fused_batchnorm``), and Dense, the
-sparse cross-entropy, convolution inputs and masked GRU/LSTM (``fast_ops``: ``fast_layers``,
-``fast_conv``, ``fast_rnn``). Rows of ``kmgpu/engines/torch/keras_fixes.py``.
+sparse cross-entropy, convolution inputs and masked GRU/LSTM (``fast_ops``: ``fast.layers``,
+``fast.conv``, ``fast.rnn``). Rows of ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
 import contextlib
@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from kmgpu.engines import keras_fixes
-from kmgpu.engines.torch import fast_conv, fast_layers, fast_rnn
+from kmgpu.engines.torch.fast import conv as fast_conv, layers as fast_layers, rnn as fast_rnn
 
 
 def fused_batchnorm(device):

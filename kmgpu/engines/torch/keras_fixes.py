@@ -22,7 +22,7 @@ PATCHES = [
     ("keras.src.backend.torch.trainer", "TorchTrainer.predict_step",
      "step_fixes.has_own_predict_step",
      "compared likewise: a model that keeps Keras's predict (and test) step gets it "
-     "captured as a CUDA graph on one device (eval_steps.py)"),
+     "captured as a CUDA graph on one device (capture/eval_steps.py)"),
     ("keras.src.backend.torch.trainer", "TorchTrainer._get_metrics_result_or_logs",
      "step_fixes.read_logs_within",
      "replaced on each replica: Keras turns metric variables into logs here at epoch "
@@ -73,7 +73,7 @@ PATCHES = [
      "slower than eager on a GPU); set False (set_jit_compile) on the model that runs "
      "kmgpu's step, so Keras never wraps it in torch.compile"),
     ("keras.src.backend.torch.core", "convert_to_tensor", "capture_fixes.device_scalars",
-     "its code is swapped while a captured train step runs (graphs.py, "
+     "its code is swapped while a captured train step runs (capture/graphs.py, "
      "compile(jit_compile=True)): Keras 3.15.1 makes a python scalar or a constant list "
      "a device tensor with torch.as_tensor(x, device=cuda), a blocking copy from "
      "pageable memory that CUDA-graph capture refuses (\"Cannot copy between CPU and "
@@ -89,7 +89,7 @@ PATCHES = [
      "SeedGenerator draw, a device-to-host copy CUDA-graph capture refuses, so "
      "Dropout(seed=/noise_shape=), GaussianNoise, the augmentation layers and "
      "keras.random.* broke the capture; the swap draws from the seed state on the device "
-     "(rng.py; upstream: no issue known to kmgpu)"),
+     "(capture/rng.py; upstream: no issue known to kmgpu)"),
     ("keras.src.backend.torch.random", "uniform", "capture_fixes.device_random", "same"),
     ("keras.src.backend.torch.random", "randint", "capture_fixes.device_random", "same"),
     ("keras.src.backend.torch.random", "dropout", "capture_fixes.device_random", "same"),

@@ -20,8 +20,8 @@ import keras
 import numpy as np
 
 from kmgpu.engines import replication, user_objects
-from kmgpu.engines.torch import transport
-from kmgpu.engines.torch.messages import ModelSpec, StateLayout
+from kmgpu.engines.torch.launch import transport
+from kmgpu.engines.torch.launch.messages import ModelSpec, StateLayout
 
 
 def replica_key(template, sync_batchnorm, lr_scale):

@@ -6,7 +6,7 @@ starts processes). It turns a compiled Keras model into this rank's replica
 (``prepare``) and runs one call on this rank's share of the data (``run``).
 
 How one global batch becomes N equal steps: every rank feeds Keras the same number
-of batches (``data.RankSlices``). The step (``train_step``, the documented Keras
+of batches (``inputs.RankSlices``). The step (``train_step``, the documented Keras
 extension point) runs the forward pass through ``DistributedDataParallel`` and
 weighs the rank's loss by its part of the global batch's loss before ``backward``
 (``kmgpu.engines.loss_fixes.replica_loss``: ``n_local / n_global`` for a mean); DDP's
@@ -27,10 +27,11 @@ import torch.distributed as dist
 from kmgpu.engines import replication
 from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, data, data_fixes, layer_fixes, resident, step_fixes
-from kmgpu.engines.torch.messages import Aborted, Predictions
-from kmgpu.engines.torch.rank_steps import RankSteps
-from kmgpu.engines.torch.relay import Abort, SyncCallback
+from kmgpu.engines.torch import collectives, data_fixes, layer_fixes, step_fixes
+from kmgpu.engines.torch.data import inputs, resident
+from kmgpu.engines.torch.launch.messages import Aborted, Predictions
+from kmgpu.engines.torch.launch.relay import Abort, SyncCallback
+from kmgpu.engines.torch.steps.rank_steps import RankSteps
 
 
 class DDPStrategy(RankSteps):
@@ -119,7 +120,7 @@ class DDPStrategy(RankSteps):
         self._offset_seeds(replica)
         for layer in replication.stateful_layers(replica):
             layer_fixes.copy_states_in(layer)
-        from kmgpu.engines.torch import eval_steps, graphs
+        from kmgpu.engines.torch.capture import eval_steps, graphs
 
         # graphs.plan: the captured step on CUDA devices (the same on every rank: one
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
@@ -175,7 +176,7 @@ class DDPStrategy(RankSteps):
         evaluate = step_fixes.keras_evaluate(replica)
 
         def evaluate_(x=None, *args, **kwargs):
-            mine = isinstance(x, data.RankSlices)
+            mine = isinstance(x, inputs.RankSlices)
             if mine and kwargs.get("_use_cached_eval_dataset"):
                 x.next_pass()  # fit's validation: the next pass of data read for the ranks
             saved = self.test, self.collective
@@ -233,7 +234,7 @@ class DDPStrategy(RankSteps):
                             batch_logs=replica._get_metrics_result_or_logs)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
         if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
-            from kmgpu.engines.torch import zero
+            from kmgpu.engines.torch.optim import zero
 
             callbacks.insert(0, zero.GatherOptimizerState(self.sharded, self.gather_everywhere))
         if reset_states:
@@ -244,8 +245,8 @@ class DDPStrategy(RankSteps):
             if method == "fit":
                 return self._fit(replica, kwargs, verbose, callbacks, guard)
             if method == "evaluate":
-                slices = data.RankSlices(
-                    data.source_of(kwargs.pop("x"), kwargs.pop("y", None),
+                slices = inputs.RankSlices(
+                    inputs.source_of(kwargs.pop("x"), kwargs.pop("y", None),
                                    kwargs.pop("sample_weight", None), guard, "the data"),
                     kwargs.pop("batch_size"), self.rank, self.world)
                 return replica.evaluate(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
@@ -265,13 +266,13 @@ class DDPStrategy(RankSteps):
         row of weight 0 where the share is empty). Train and test return Keras's logs
         with the metrics summed over ranks; predict this rank's ``Predictions``."""
         x, y, sw = kwargs.pop("x"), kwargs.pop("y", None), kwargs.pop("sample_weight", None)
-        n = data.num_rows(x)
-        slices = data.RankSlices(data.source_of(x, y, sw), n, self.rank, self.world)
+        n = inputs.num_rows(x)
+        slices = inputs.RankSlices(inputs.source_of(x, y, sw), n, self.rank, self.world)
         batch = slices[0]
         n_real = self.last_rows = slices.current[0]
         if method == "predict_on_batch":
             out = replica.predict_on_batch(batch[0])
-            lo, _ = data.split(n, self.world, self.rank)
+            lo, _ = inputs.split(n, self.world, self.rank)
             return Predictions(np.arange(lo, lo + n_real), keras.tree.map_structure(
                 lambda a: np.asarray(a)[:n_real], out))
         part = "train" if method == "train_on_batch" else "test"
@@ -292,13 +293,13 @@ class DDPStrategy(RankSteps):
     def _predict(self, replica, kwargs, verbose, sync):
         x = kwargs.pop("x")
         batch_size = kwargs.pop("batch_size")
-        slices = data.RankSlices(data.source_of(x), batch_size, self.rank, self.world)
+        slices = inputs.RankSlices(inputs.source_of(x), batch_size, self.rank, self.world)
         steps = min(kwargs.get("steps") or len(slices), len(slices))
         out = replica.predict(x=slices, verbose=verbose, callbacks=[sync], **kwargs)
-        if data.is_dataset(x):
-            keep, where = data.dataset_positions(slices, steps)
+        if inputs.is_dataset(x):
+            keep, where = inputs.dataset_positions(slices, steps)
         else:
-            keep, where = data.predict_positions(data.num_rows(x), batch_size, self.world,
+            keep, where = inputs.predict_positions(inputs.num_rows(x), batch_size, self.world,
                                                  self.rank, steps)
         return Predictions(where, keras.tree.map_structure(lambda a: np.asarray(a)[keep], out))
 
@@ -310,24 +311,24 @@ class DDPStrategy(RankSteps):
         validation_batch_size = kwargs.pop("validation_batch_size", None) or batch_size
         shuffle = kwargs.pop("shuffle", True)
         if validation_split and validation_data is None:
-            if data.is_dataset(x):
+            if inputs.is_dataset(x):
                 raise ValueError("validation_split needs arrays, not a PyDataset: pass "
                                  "validation_data instead.")
             (x, y, sw), validation_data = data_fixes.train_validation_split(
                 (x, y, sw), validation_split)
-        train = data.RankSlices(
-            resident.on_device(data.source_of(x, y, sw, guard, "the training data"), self.device),
-            batch_size, self.rank, self.world, shuffle=shuffle)
+        source = inputs.source_of(x, y, sw, guard, "the training data")
+        train = inputs.RankSlices(resident.on_device(source, self.device), batch_size, self.rank,
+                                  self.world, shuffle=shuffle)
         val = None
         if validation_data is not None:
-            if data.is_dataset(validation_data):
-                vsource = data.DatasetSource(validation_data, guard, "the validation data")
+            if inputs.is_dataset(validation_data):
+                vsource = inputs.DatasetSource(validation_data, guard, "the validation data")
             else:
-                vsource = data.ArraySource(*keras.utils.unpack_x_y_sample_weight(
+                vsource = inputs.ArraySource(*keras.utils.unpack_x_y_sample_weight(
                     validation_data))
-                validation_batch_size = validation_batch_size or data.keras_batch_size(
+                validation_batch_size = validation_batch_size or inputs.keras_batch_size(
                     vsource.n, kwargs.get("validation_steps"))
-            val = data.RankSlices(vsource, validation_batch_size, self.rank, self.world)
+            val = inputs.RankSlices(vsource, validation_batch_size, self.rank, self.world)
         self.train, self.collective = train, True
         try:
             replica.fit(x=train, validation_data=val, shuffle=False, verbose=verbose,

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kmgpu import environment
-from kmgpu.engines.torch import fast_rnn
+from kmgpu.engines.torch.fast import rnn as fast_rnn
 
 
 def why_not(layer, inputs, training=None, mask=None):
@@ -334,6 +334,6 @@ SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
 
 
 def fast_op_enabled(which):
-    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "conv": ``fast_conv``;
-    "rnn": ``fast_rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
+    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "conv": ``fast.conv``;
+    "rnn": ``fast.rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
     return environment.enabled(SWITCHES[which])

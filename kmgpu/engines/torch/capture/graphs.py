@@ -48,9 +48,11 @@ import torch
 
 from kmgpu import environment
 from kmgpu.engines import global_losses
-from kmgpu.engines.torch import (capture_fixes, cond_fixes, cuda_graphs, fast_fixes, flat_layout,
-                                 precision, split_step, step_fixes)
-from kmgpu.engines.torch.split_step import SplitStep
+from kmgpu.engines.torch import capture_fixes, cond_fixes, fast_fixes, precision, step_fixes
+from kmgpu.engines.torch.capture import cuda_graphs
+from kmgpu.engines.torch.optim import flat_layout
+from kmgpu.engines.torch.steps import split_step
+from kmgpu.engines.torch.steps.split_step import SplitStep
 
 #: eager steps of one batch signature (on a side stream) before it is captured
 WARMUP_STEPS = 2

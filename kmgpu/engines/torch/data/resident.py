@@ -1,4 +1,4 @@
-"""Arrays kept on the GPU for a call (apart from ``data`` by role): a one-device fit,
+"""Arrays kept on the GPU for a call (apart from ``inputs`` by role): a one-device fit,
 evaluate or predict (``device_feed``, ``device_eval_feed``) and a rank's training arrays
 (``on_device``) read every batch from a copy on the device, not from the host.
 
@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from kmgpu import environment
-from kmgpu.engines.torch.data import ArraySource, RankSlices, _is_array_like, is_dataset
+from kmgpu.engines.torch.data.inputs import ArraySource, RankSlices, _is_array_like, is_dataset
 
 #: rows per chunk of the copy: about this many bytes (at least one row)
 CHUNK_BYTES = 32 << 20

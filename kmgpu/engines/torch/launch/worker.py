@@ -18,10 +18,10 @@ import time
 import traceback
 
 # Keras is imported only once the worker has set its environment (KERAS_BACKEND,
-# threads, device): data, replicas and strategy, which import it, are imported late.
-from kmgpu.engines.torch import timing, transport
-from kmgpu.engines.torch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed,
-                                          Port, RankResult, Ready, Reply, WeightsQuery)
+# threads, device): inputs, replicas and strategy, which import it, are imported late.
+from kmgpu.engines.torch.launch import timing, transport
+from kmgpu.engines.torch.launch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed, Port,
+                                                 RankResult, Ready, Reply, WeightsQuery)
 
 
 def _redirect(out_conn):
@@ -252,7 +252,8 @@ class Worker:
             return None if self.replica is None else self.replica.get_weights()
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
-        from kmgpu.engines.torch import data, feeds, replicas, shuffle
+        from kmgpu.engines.torch import replicas
+        from kmgpu.engines.torch.data import feeds, inputs, shuffle
 
         call = msg
         clock = timing.Clock("worker", self.rank == 0)
@@ -266,7 +267,7 @@ class Worker:
             s.broadcast_state(replica)
         s.write_state_rows(replica, call.rnn_states)
         clock("state in")
-        kwargs = data.receive(call.kwargs)
+        kwargs = inputs.receive(call.kwargs)
 
         def reload(model):  # the driver's callbacks set the model's state: slot 0
             replicas.load_arrays(model, state.read(0, copy=False), call.layout)
@@ -363,7 +364,7 @@ def _stop_on_request(state, rank):
     """Rank side of the driver's Ctrl-C (``transport.StateFile.request_stop``)."""
     import keras
 
-    from kmgpu.engines.torch.relay import Abort
+    from kmgpu.engines.torch.launch.relay import Abort
 
     class StopOnRequest(keras.callbacks.Callback):
         """At every training step's start: rank 0, once it sees the driver's request at

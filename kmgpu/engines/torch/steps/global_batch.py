@@ -1,5 +1,5 @@
 """The global batch as one torch rank's step reaches it (``global_losses.Batch``): the
-rank's rows are rows ``data.split(n_global, world, rank)`` of the global batch (a rank
+rank's rows are rows ``inputs.split(n_global, world, rank)`` of the global batch (a rank
 without rows holds one stand-in row, weight 0, and adds none)."""
 
 import contextlib
@@ -7,7 +7,8 @@ import contextlib
 import torch
 
 from kmgpu.engines import global_losses
-from kmgpu.engines.torch import collectives, data
+from kmgpu.engines.torch import collectives
+from kmgpu.engines.torch.data import inputs
 
 
 class RankBatch(global_losses.Batch):
@@ -20,7 +21,7 @@ class RankBatch(global_losses.Batch):
     def __init__(self, rank, world, n_real, n_global, weight=None, refuse=None,
                  training=True):
         self.weight, self.refuse, self.training = weight, refuse, training
-        self.lo, self.hi = data.split(n_global, world, rank)
+        self.lo, self.hi = inputs.split(n_global, world, rank)
         self.n_real, self.n_global = n_real, n_global
         self.local = n_real if n_real else 1  # the stand-in row
 

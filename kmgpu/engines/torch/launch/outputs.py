@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from kmgpu.engines.torch.messages import END_MARK
+from kmgpu.engines.torch.launch.messages import END_MARK
 
 TAIL = 8192  # bytes of each rank's output kept for error messages
 

@@ -23,7 +23,8 @@ and logs a step returns under a metric's name are read from that metric.
 import keras
 import torch
 
-from kmgpu.engines.torch import collectives, global_batch
+from kmgpu.engines.torch import collectives
+from kmgpu.engines.torch.steps import global_batch
 
 
 class OwnSteps:

@@ -12,7 +12,8 @@ import contextlib
 import keras
 import torch
 
-from kmgpu.engines.torch import cond_fixes, flat_layout, flat_optim, step_fixes, zero
+from kmgpu.engines.torch import cond_fixes, step_fixes
+from kmgpu.engines.torch.optim import flat_layout, flat_optim, zero
 
 
 def _copy(dst, src):

@@ -24,11 +24,11 @@ import weakref
 import numpy as np
 
 from kmgpu import environment
-from kmgpu.engines.torch import transport
-from kmgpu.engines.torch.interrupts import Interrupts
-from kmgpu.engines.torch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
-                                          TimedOut)
-from kmgpu.engines.torch.outputs import RankOutputs
+from kmgpu.engines.torch.launch import transport
+from kmgpu.engines.torch.launch.interrupts import Interrupts
+from kmgpu.engines.torch.launch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
+                                                 TimedOut)
+from kmgpu.engines.torch.launch.outputs import RankOutputs
 
 
 class WorkerError(RuntimeError):
@@ -116,7 +116,7 @@ class WorkerPool:
     def start(self, timeout=300):
         import torch.multiprocessing as tmp
 
-        from kmgpu.engines.torch import worker
+        from kmgpu.engines.torch.launch import worker
 
         self.method = start_method(self.devices[0].startswith("cuda"))
         ctx = tmp.get_context(self.method)

@@ -13,7 +13,9 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch import collectives, data, global_batch, own_steps
+from kmgpu.engines.torch import collectives
+from kmgpu.engines.torch.data import inputs
+from kmgpu.engines.torch.steps import global_batch, own_steps
 
 
 class RankSteps:
@@ -68,7 +70,7 @@ class RankSteps:
         """The split step of ``graphs`` (the default on GPUs, jit_compile=True on a CPU),
         captured as CUDA graphs on a GPU, eager on a CPU; its one collective is the flat
         gradient all-reduce."""
-        from kmgpu.engines.torch import graphs
+        from kmgpu.engines.torch.capture import graphs
 
         def rows(x):
             if self.train is None:
@@ -112,7 +114,7 @@ class RankSteps:
         def test_step(batch):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             rows = self.test.current if self.test is not None else None
-            n_real, n_global = rows or (data.num_rows(x),) * 2
+            n_real, n_global = rows or (inputs.num_rows(x),) * 2
             with global_batch.on_global(self.rank, self.world, rows, training=False):
                 if replica._call_has_training_arg:
                     y_pred = replica(x, training=False)

@@ -18,7 +18,9 @@ metrics are summed over ranks when Keras reads them, outside the step), so a ran
 that falls back to eager never leaves the others waiting.
 """
 
-from kmgpu.engines.torch import capture_fixes, data, graphs, step_fixes
+from kmgpu.engines.torch import capture_fixes, step_fixes
+from kmgpu.engines.torch.capture import graphs
+from kmgpu.engines.torch.data import inputs
 
 #: describe()'s words for these steps (on CUDA devices, not with run_eagerly=True)
 WORDS = ("; evaluate, predict and fit's validation: Keras's test and predict steps captured "
@@ -65,7 +67,7 @@ class CapturedEval(graphs.CapturedSteps):
         def test(x, y, sw):  # Keras's TorchTrainer.test_step
             y_pred = forward(x)
             loss = step_fixes.compute_loss(model, x, y, y_pred, sw, training=False)
-            model._loss_tracker.update_state(loss, sample_weight=data.num_rows(x))
+            model._loss_tracker.update_state(loss, sample_weight=inputs.num_rows(x))
             return model.compute_metrics(x, y, y_pred, sample_weight=sw)
 
         def predict(x, y, sw):

@@ -28,9 +28,11 @@ import sys
 
 from kmgpu.engines import replication
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, data, feeds, relay, replicas, shuffle, transport
-from kmgpu.engines.torch.messages import Aborted, RankResult, WeightsQuery
-from kmgpu.engines.torch.pool import WorkerPool, start_method
+from kmgpu.engines.torch import collectives, replicas
+from kmgpu.engines.torch.data import feeds, inputs, shuffle
+from kmgpu.engines.torch.launch import relay, transport
+from kmgpu.engines.torch.launch.messages import Aborted, RankResult, WeightsQuery
+from kmgpu.engines.torch.launch.pool import WorkerPool, start_method
 from kmgpu.engines.torch.strategy import DDPStrategy
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
@@ -192,11 +194,11 @@ class PoolLauncher(Launcher):
         pool = self._ensure_pool()
         clock("pool")
         if call.method in ON_BATCH:  # one batch: through the pipe, no files
-            kwargs = {k: data.as_numpy(v) if k in data.DATA_KEYS else v
+            kwargs = {k: inputs.as_numpy(v) if k in inputs.DATA_KEYS else v
                       for k, v in call.kwargs.items()}
         else:
-            self._files = transport.CallFiles(data.nbytes(call.kwargs))
-            kwargs, self._feed = data.ship(call.kwargs, self._files, call.method, template)
+            self._files = transport.CallFiles(inputs.nbytes(call.kwargs))
+            kwargs, self._feed = inputs.ship(call.kwargs, self._files, call.method, template)
         clock("data out")
         state_in = not (synced is not None and synced[0] is pool and pool.synced is synced[1]
                         and pool.model_key == call.key and replicas.unchanged(template, synced[2]))
@@ -359,7 +361,7 @@ class InProcessLauncher(Launcher):
         s.write_state_rows(replica, call.rnn_states)
         clock("replica")
         host = feeds.KerasDraws()  # from the random states every rank now shares
-        kwargs = data.local(call.kwargs, call.method, template, host)
+        kwargs = inputs.local(call.kwargs, call.method, template, host)
         self._live = True
         before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
         result = s.run(replica, call.method, kwargs, hooks=hooks,

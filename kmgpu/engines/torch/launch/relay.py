@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from kmgpu.engines import lr
 from kmgpu.engines.torch import step_fixes
-from kmgpu.engines.torch.messages import Event, HistoryRecord, Reply
+from kmgpu.engines.torch.launch.messages import Event, HistoryRecord, Reply
 
 TRAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
                "on_train_batch_begin", "on_train_batch_end")

@@ -1,13 +1,13 @@
 """Datasets the torch ranks cannot index, read for them: ``tf.data``, generators, DataLoaders.
 
-A ``keras.utils.PyDataset`` is indexed batch by batch on every rank (``data``).
+A ``keras.utils.PyDataset`` is indexed batch by batch on every rank (``inputs``).
 Anything else that brings its own batches (``datasets.is_dataset``) is read here with
 Keras's own ``TorchEpochIterator``, so every pass holds exactly the batches Keras's
 fit on one device would take (a ``tf.data`` shuffle reshuffled each pass, a
 DataLoader's generator advanced as Keras advances it, a generator continued from
 epoch to epoch with ``steps_per_epoch``, a validation generator's peeked batches
 replayed before it continues). The batches become a PyDataset the ranks cut as usual
-(``data.RankSlices``):
+(``inputs.RankSlices``):
 
 - evaluate and predict: one pass, read before the call (``one_pass``): arrays in the
   call's files (``StoredBatches``) for a pool, in memory (``Batches``) in-process;
@@ -28,7 +28,8 @@ import keras
 import numpy as np
 import torch
 
-from kmgpu.engines.torch import data_fixes, transport
+from kmgpu.engines.torch import data_fixes
+from kmgpu.engines.torch.launch import transport
 
 
 def reads_itself(x):

@@ -44,7 +44,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch import flat_layout, flat_optim
+from kmgpu.engines.torch.optim import flat_layout, flat_optim
 
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 

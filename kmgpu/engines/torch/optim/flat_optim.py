@@ -38,7 +38,7 @@ import keras
 import torch
 
 from kmgpu import environment
-from kmgpu.engines.torch import flat_layout, flat_updates
+from kmgpu.engines.torch.optim import flat_layout, flat_updates
 
 COVERED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Lion", "Nadam", "Adamax")
 #: (slot, the Keras optimizer's attribute holding one variable per trainable variable, when)
