@@ -34,7 +34,7 @@ from kmgpu.engines.torch.launch.relay import Abort, SyncCallback
 from kmgpu.engines.torch.steps.rank_steps import RankSteps
 
 
-class DDPStrategy(RankSteps):
+class DDPStrategy:
     """This rank's place in the group and what its replica's steps share; one per replica.
 
     Args:
@@ -53,12 +53,11 @@ class DDPStrategy(RankSteps):
         self.device = torch.device(device)
         self.config = config
         self.gather_everywhere = gather_everywhere
-        self.sharded = None      # the sharded SplitStep of the prepared replica
+        self.steps = RankSteps(self)  # the steps ``prepare`` installs
+        self.sharded_step = None  # the prepared replica's SplitStep, its optimizer state sharded
         self.train = None        # the RankSlices feeding the current fit
         self.test = None         # ... the current evaluate (also fit's validation)
         self.collective = False  # metric variables are summed over ranks when read
-        self.n_real = None       # real rows of this rank's current training batch
-        self.in_train_step = False
         self.last_rows = None    # real rows of this rank's share of the last *_on_batch
 
     # -- state across ranks -------------------------------------------------------------
@@ -67,12 +66,18 @@ class DDPStrategy(RankSteps):
         opt = getattr(replica, "optimizer", None)
         if opt is not None and not opt.built:
             opt.build(replica.trainable_variables)
-        if self.sharded is not None and self.sharded.zero is not None:
-            self.sharded.zero.receivable()  # whole Keras slot variables to receive into
+        if self.sharded_step is not None and self.sharded_step.zero is not None:
+            self.sharded_step.zero.receivable()  # whole Keras slot variables to receive into
         variables = list(replica.weights)
         if opt is not None and opt.built:
             variables += list(opt.variables)
         collectives.broadcast_tensors([v.value for v in variables], self.device)
+
+    def _gather_optimizer_state(self):
+        """A sharded optimizer state whole in rank 0's Keras variables (with
+        ``gather_everywhere``, every rank's); nothing when it is not sharded."""
+        if self.sharded_step is not None and self.sharded_step.zero is not None:
+            self.sharded_step.zero.materialize(self.gather_everywhere)
 
     def write_state_rows(self, replica, arrays):
         """Set this rank's rows of the replica's stateful RNN states.
@@ -112,8 +117,7 @@ class DDPStrategy(RankSteps):
         if self.config.sync_batchnorm:
             for layer in bn_layers:
                 layer_fixes.global_batch_moments(
-                    layer, collectives.SumOverRanks.apply,
-                    lambda: self.n_real if self.in_train_step else None)
+                    layer, collectives.SumOverRanks.apply, self.steps.train_rows)
         else:
             averaged = [v for layer in bn_layers for v in layer.non_trainable_weights
                         if "float" in str(v.dtype)]
@@ -126,7 +130,7 @@ class DDPStrategy(RankSteps):
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
         kind, why = graphs.plan(replica, graphs.available(self.device))
         evals = eval_steps.rank_kinds(replica, self.device)  # captured evaluate / predict
-        self.sharded = None
+        self.sharded_step = None
         if self.config.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step
             if kind == graphs.KERAS and replica.trainable_weights and replica.compiled:
                 kind = graphs.SPLIT
@@ -141,7 +145,8 @@ class DDPStrategy(RankSteps):
             kind = graphs.SPLIT
         replica.jit_compile = False  # the step holds collectives; torch.compile stays out
         if kind == graphs.SPLIT:
-            replica.train_step = self._captured_step(replica, averaged).train_step
+            captured, self.sharded_step = self.steps.captured_step(replica, averaged)
+            replica.train_step = captured.train_step
         elif kind == graphs.KERAS and replica.trainable_weights:
             ddp = DistributedDataParallel(
                 replica,
@@ -150,15 +155,15 @@ class DDPStrategy(RankSteps):
                 **_no_buffer_sync(),
             )
             ddp.register_comm_hook(None, collectives.sum_gradients)
-            replica.train_step = self._train_step(replica, ddp, averaged)
+            replica.train_step = self.steps.keras_step(replica, ddp, averaged)
         else:
             if kind == graphs.OWN and self.rank == 0 and graphs.available(self.device):
                 print(f"kmgpu (torch): the train step runs eagerly, not captured: {why}")
-            self._hook_optimizer(replica, averaged)
+            self.steps.hook_own_steps(replica, averaged)
         if not step_fixes.has_own_test_step(replica):
-            replica.test_step = self._test_step(replica)
+            replica.test_step = self.steps.test_step(replica)
         self.evals = eval_steps.on_rank(self, replica, evals)
-        step_fixes.read_logs_within(replica, lambda: self._summed_metrics(replica))
+        step_fixes.read_logs_within(replica, lambda: self.steps.summed_metrics(replica))
         replica.evaluate = self._evaluate(replica)
         return replica
 
@@ -233,10 +238,11 @@ class DDPStrategy(RankSteps):
                             snapshot if method == "fit" else None, reload_everywhere,
                             batch_logs=replica._get_metrics_result_or_logs)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
-        if method == "fit" and self.sharded is not None:  # the whole state, before sync's snapshots
+        if method == "fit" and self.sharded_step is not None:  # whole, before sync's snapshots
             from kmgpu.engines.torch.optim import zero
 
-            callbacks.insert(0, zero.GatherOptimizerState(self.sharded, self.gather_everywhere))
+            callbacks.insert(0, zero.GatherOptimizerState(self.sharded_step,
+                                                          self.gather_everywhere))
         if reset_states:
             replication.reset_states(replica)
             callbacks.insert(0, replication.reset_callback(replica))
@@ -255,8 +261,7 @@ class DDPStrategy(RankSteps):
         except (Abort, batch_checks.BatchRefused) as e:
             # every rank at the same point (a refused batch: each rank read the same
             # global batch): the sharded state can be gathered
-            if self.sharded is not None and self.sharded.zero is not None:
-                self.sharded.zero.materialize(self.gather_everywhere)
+            self._gather_optimizer_state()
             return Aborted(e if isinstance(e, batch_checks.BatchRefused) else None)
         raise ValueError(method)
 
@@ -281,9 +286,8 @@ class DDPStrategy(RankSteps):
         self.collective = True
         try:
             getattr(replica, method)(*batch, return_dict=True)
-            if self.sharded is not None and self.sharded.zero is not None:
-                self.sharded.zero.materialize(self.gather_everywhere)  # for the snapshot
-            with self._summed_metrics(replica):
+            self._gather_optimizer_state()  # for the snapshot
+            with self.steps.summed_metrics(replica):
                 logs = step_fixes.pythonify_logs(replica.get_metrics_result())
         finally:
             setattr(self, part, saved[0])

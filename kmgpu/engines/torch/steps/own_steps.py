@@ -32,10 +32,13 @@ class OwnSteps:
 
     Args:
         strategy: the rank's ``DDPStrategy`` (its ``train`` / ``test`` RankSlices).
+        average_statistics: ``average_statistics(variables, share)`` averages BatchNorm
+            moving statistics over the ranks (``RankSteps.average_statistics``).
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy, average_statistics):
         self.strategy = strategy
+        self.average_statistics = average_statistics
         self.rows = None  # (real rows here, rows in the global batch) inside a step
         self.share = None  # this rank's weight in the step's global loss, inside a step
         self.kind = "rows"  # how the model's loss reduces (kmgpu.engines.loss_fixes)
@@ -157,7 +160,7 @@ class OwnSteps:
             for i, total in zip(present, sums):
                 grads[i] = total
             result = apply(grads, trainable_variables)
-            s._average_statistics(averaged, share)
+            self.average_statistics(averaged, share)
             return result
 
         opt.apply = apply_synced
