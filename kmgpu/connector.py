@@ -6,7 +6,7 @@ The front (``api.py``) never asks which backend runs; each engine lives in
 ``kmgpu/engines/<backend>/`` and is imported only here.
 """
 
-from kmgpu import checks, environment, hardware, plan
+from kmgpu import checks, environment, hardware, plan, versions
 from kmgpu.engines import engine_class, replication
 from kmgpu.engines.base import Config
 
@@ -43,6 +43,7 @@ def connect(model, gpus, options):
     else:
         checks.check_model(model)
     backend = hardware.backend_name()
+    versions.check_keras()  # once per process: a Keras outside the tested range warns
     _check_options(options, backend)
     available = hardware.physical_devices(backend)
     ids = hardware.resolve(gpus, available)

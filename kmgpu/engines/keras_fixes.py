@@ -9,6 +9,9 @@ Every backend package has a ``keras_fixes.py`` with the same two tables, and not
   Keras does there and why kmgpu does not leave it so).
 - ``READS``: private Keras attributes kmgpu only reads (or sets as Keras itself does):
   (module, attribute, what for).
+- ``KERAS``: the Keras releases the rows were checked against, as pyproject.toml's
+  ``dependencies`` give them (``kmgpu.versions`` warns once outside it). Where releases
+  differ, the row (or a comment above the table) says which and how it is handled.
 
 The code is in the role modules beside each table, named alike where the role is the
 same: here ``loss_fixes`` (each replica's part of the loss), ``model_fixes`` (the model's
@@ -23,7 +26,7 @@ import threading
 import types
 import weakref
 
-KERAS = "3.15.1"
+KERAS = ">=3.14,<3.16"
 
 #: (module, attribute (dotted within the module), by, why)
 PATCHES = [

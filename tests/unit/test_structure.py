@@ -1,6 +1,6 @@
-"""The package's shape: no import cycle, no module over 500 lines, the Keras release the
-patch registries were checked against (the registries themselves:
-tests/unit/test_patches.py), and ``import kmgpu`` imports no backend.
+"""The package's shape: no import cycle, no module over 500 lines, the Keras range the
+patch registries were checked against and pyproject.toml declares (the registries
+themselves: tests/unit/test_patches.py), and ``import kmgpu`` imports no backend.
 """
 
 import ast
@@ -200,16 +200,50 @@ def _fixes_modules():
     return ["kmgpu.engines.keras_fixes", f"kmgpu.engines.{hardware.backend_name()}.keras_fixes"]
 
 
+def declared_keras():
+    """The Keras range pyproject.toml's ``dependencies`` declare, e.g. ``">=3.14,<3.16"``."""
+    import tomllib
+
+    deps = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"][
+        "dependencies"]
+    found = [d for d in deps if re.match(r"keras\s*[<>=!]", d)]
+    assert len(found) == 1, deps
+    return found[0][len("keras"):].replace(" ", "")
+
+
 @pytest.mark.parametrize("module", _fixes_modules())
-def test_keras_fixes_were_checked_against_this_keras(module):
-    """Fails when Keras is not the release the registries were checked against (their
-    rows' existence: tests/unit/test_patches.py)."""
+def test_keras_fixes_were_checked_against_the_declared_range(module):
+    """Each registry's ``KERAS`` is the range pyproject.toml declares (kmgpu.versions
+    warns outside it); what each row relies on is checked by its behaviour test
+    (tests/unit/test_keras_behaviour.py), not by a version guard."""
+    fixes = importlib.import_module(module)
+    assert fixes.KERAS == declared_keras(), (
+        f"{module}: KERAS = {fixes.KERAS!r}, pyproject.toml declares {declared_keras()!r}")
+
+
+def test_the_installed_keras_is_inside_the_declared_range():
+    """The suite runs on a Keras the package declares (scripts/test_keras_master.sh
+    deselects this test: it runs the Keras-internal set outside the range on purpose)."""
     import keras
 
-    fixes = importlib.import_module(module)
-    assert fixes.KERAS == keras.__version__, (
-        f"{module} was written against Keras {fixes.KERAS}, this is {keras.__version__}: "
-        "check each entry of PATCHES still does what it says, then update KERAS.")
+    from kmgpu import versions
+
+    assert versions.in_range(keras.__version__, declared_keras()), (
+        f"Keras {keras.__version__} is outside pyproject.toml's {declared_keras()}: "
+        "install one inside it, or test this one (scripts/test_oldest_keras.sh) and "
+        "widen the range and KERAS in each kmgpu/engines/**/keras_fixes.py")
+
+
+def test_the_range_check_reads_versions_as_pip_does():
+    from kmgpu import versions
+
+    spec = ">=3.14,<3.16"
+    assert versions.release("3.16.0.dev2026082101") == (3, 16, 0)
+    assert versions.release("3.14") == (3, 14, 0)
+    assert [versions.in_range(v, spec) for v in
+            ("3.13.2", "3.14.0", "3.14.1", "3.15.1", "3.16.0", "3.16.0.dev1", "4.0")] == [
+        False, True, True, True, False, False, False]
+    assert versions.in_range("3.15.1", "==3.15.1") and not versions.in_range("3.15.1", "!=3.15.1")
 
 
 def test_import_kmgpu_imports_no_backend():

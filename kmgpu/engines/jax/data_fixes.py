@@ -6,6 +6,17 @@ device count does not divide goes replicated instead of failing. Rows of
 from kmgpu.engines import keras_fixes
 
 
+def model_replicas(distribution):
+    """The number of model replicas of kmgpu's ``keras.distribution.DataParallel``: its
+    mesh's devices.
+
+    Keras differs here: 3.15 has ``Distribution.num_model_replicas`` (for DataParallel,
+    ``device_mesh.devices.size``); 3.14 has no such property. This reads the public mesh
+    both have, which is what 3.15's property returns.
+    """
+    return int(distribution.device_mesh.devices.size)
+
+
 def replicate_indivisible(distribution):
     """Within the block, Keras's JAX trainer replicates batches it cannot shard evenly.
 
@@ -17,7 +28,7 @@ def replicate_indivisible(distribution):
     from jax.sharding import NamedSharding, PartitionSpec
     from keras.src.backend.jax import trainer as jax_trainer
 
-    n = distribution.num_model_replicas
+    n = model_replicas(distribution)
     replicated = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec())
 
     def replicating(original):

@@ -5,7 +5,12 @@
 module.
 """
 
-KERAS = "3.15.1"
+KERAS = ">=3.14,<3.16"
+
+# Where Keras releases differ for this engine (each handled where it is read):
+# - keras.distribution.DataParallel.num_model_replicas: in 3.15, not in 3.14;
+#   data_fixes.model_replicas reads the mesh both have.
+# - Variable._layout: see its READS row.
 
 #: (module, attribute (dotted within the module), by, why)
 PATCHES = [
@@ -60,7 +65,10 @@ PATCHES = [
 READS = [
     ("keras.src.layers.layer", "Layer._tracker", "layer_fixes.track_states (see PATCHES)"),
     ("keras.src.layers.layer", "Layer._loss_ids", "step_fixes.fresh_loss_ids (see PATCHES)"),
-    ("keras.src.backend.common.variables", "Variable._layout",
+    # Keras 3.15 sets _layout in the common Variable (a TensorLayout); 3.14 only in
+    # JaxVariable, where it holds the backend's NamedSharding once the variable exists.
+    # kmgpu sets a TensorLayout, which _direct_assign (distribute_tensor) takes in both.
+    ("keras.src.backend.jax.core", "JaxVariable._layout",
      "layer_fixes.track_states, optimizer_fixes.lay_out_optimizer: a variable's layout"),
     ("keras.src.backend.common.variables", "Variable._value",
      "kmgpu.engines.jax.engine: whether a resident replica's variable was emptied"),

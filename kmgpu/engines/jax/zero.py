@@ -26,7 +26,7 @@ sharded value back whole (the engine's ``copy_back``; under ``kmgpu launch``
 ``host_value``, which gathers the shards of every process).
 """
 
-from kmgpu.engines.jax import optimizer_fixes
+from kmgpu.engines.jax import data_fixes, optimizer_fixes
 
 
 def layout(shape, distribution):
@@ -34,7 +34,7 @@ def layout(shape, distribution):
     the device axis on the first dimension the device count divides."""
     import keras
 
-    n = distribution.num_model_replicas
+    n = data_fixes.model_replicas(distribution)
     for i, size in enumerate(shape):
         if size and size >= n and size % n == 0:
             axes = [None] * len(shape)
@@ -49,7 +49,7 @@ def shard(optimizer, distribution):
 
     Idempotent; a no-op on one device.
     """
-    if distribution.num_model_replicas < 2 or optimizer is None:
+    if data_fixes.model_replicas(distribution) < 2 or optimizer is None:
         return
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is not None:
@@ -110,7 +110,7 @@ def state_bytes(replica, template, distribution, sharded):
     and built, else planned from whichever optimizer is built (None if neither is)."""
     from kmgpu.engines import replication
 
-    n = distribution.num_model_replicas
+    n = data_fixes.model_replicas(distribution)
     for model, measure in ((replica, sharded), (template, False)):
         opt = getattr(model, "optimizer", None)
         if opt is not None and opt.built:

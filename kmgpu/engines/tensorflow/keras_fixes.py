@@ -5,7 +5,7 @@ shares. The code is in ``step_fixes``, ``data_fixes``, ``layer_fixes`` and
 ``optimizer_fixes`` beside this module.
 """
 
-KERAS = "3.15.1"
+KERAS = ">=3.14,<3.16"
 
 #: (module, attribute (dotted within the module), by, why)
 PATCHES = [

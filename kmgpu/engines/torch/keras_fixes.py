@@ -6,7 +6,7 @@ capture refuses), ``cond_fixes`` and ``fast_fixes`` (faster kernels on CUDA) bes
 module.
 """
 
-KERAS = "3.15.1"
+KERAS = ">=3.14,<3.16"
 
 #: (module, attribute (dotted within the module), by, why)
 PATCHES = [
