@@ -1,11 +1,16 @@
-"""torch under kmgpu: one version of kmgpu against another, order-balanced (A, B, A, B, one
-process each), on ResNet-50 64x64 with validation every epoch, evaluate and predict.
+"""torch under kmgpu: one version of kmgpu against another, order-balanced, on the torch
+default set: ResNet-50 64x64, EfficientNetB0, a BERT-style encoder, the bench's transformer
+and a masked bidirectional GRU (``jax_balanced.py``'s models and runs: the first epoch,
+a steady epoch, fit with validation, evaluate and predict, each on one device).
 
     git archive <commit> kmgpu | tar -x -C /tmp/before
-    python benchmarks/torch_code_ab.py --before /tmp/before
+    KERAS_BACKEND=torch python benchmarks/torch_code_ab.py --before /tmp/before
+    python benchmarks/torch_code_ab.py --before /tmp/before --quick   # CPU sizes
 
-A run prints one RESULT line per process: samples/s (median epoch after the first,
-validation included), the first epoch, evaluate and predict (each timed on its second call).
+One process per version and run, in the order before, after, after, before (``--pairs``
+times): each version runs first once, and the two runs of a version give the noise that a
+difference between the versions must beat. Prints a table: seconds (median [range]) per
+model and measure for each version, and before / after (above 1: the after code is faster).
 """
 
 import argparse
@@ -15,67 +20,61 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_SET = "resnet50_small,efficientnetb0,bert,transformer,gru"
+VERSIONS = ("before", "after")
 
 
-def one_run(size, rows, batch):
-    import keras
-    import numpy as np
-
-    import kmgpu
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(rows, size, size, 3)).astype("float32")
-    y = rng.integers(0, 10, size=(rows,))
-    keras.utils.set_random_seed(1)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    parallel = kmgpu.parallelize(model)
-    epochs = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            epochs.append(time.perf_counter() - self.start)
-
-    parallel.fit(x, y, batch_size=batch, epochs=4, verbose=0, callbacks=[Timer()],
-                 validation_data=(x[:1024], y[:1024]))
-    result = {"samples_per_s": rows / float(np.median(epochs[1:])), "first_epoch": epochs[0]}
-    for name in ("evaluate", "predict"):
-        call = getattr(parallel, name)
-        args = (x, y) if name == "evaluate" else (x,)
-        call(*args, batch_size=batch, verbose=0)
-        start = time.perf_counter()
-        call(*args, batch_size=batch, verbose=0)
-        result[name] = time.perf_counter() - start
-    return result
+def run(folder, args):
+    """One process of ``jax_balanced.py`` (kmgpu only) with ``folder``'s kmgpu first on the
+    path. Returns its results, one per model."""
+    cmd = [sys.executable, os.path.join(HERE, "jax_balanced.py"), "--variants", "kmgpu",
+           "--child", "--models", args.models, "--rounds", str(args.rounds)]
+    cmd += ["--steps", str(args.steps)] if args.steps else []
+    cmd += ["--quick"] if args.quick else []
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([folder] + paths))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=folder)
+    got = [json.loads(line[len("JAXBAL "):]) for line in proc.stdout.splitlines()
+           if line.startswith("JAXBAL ")]
+    if proc.returncode or not got:
+        print((proc.stdout + proc.stderr)[-3000:], flush=True)
+    return got
 
 
 def main():
+    sys.path.insert(0, HERE)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", help="a folder holding the other kmgpu (git archive)")
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--rows", type=int, default=5120)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--before", required=True, help="a folder holding the other kmgpu")
+    p.add_argument("--after", default=ROOT, help="a folder holding this kmgpu (default: here)")
+    p.add_argument("--models", default=DEFAULT_SET)
+    p.add_argument("--pairs", type=int, default=1, help="times the order before, after, "
+                   "after, before runs")
+    p.add_argument("--rounds", type=int, default=2, help="steady epochs per process")
+    p.add_argument("--steps", type=int, default=0, help="steps per epoch (0: the model's)")
+    p.add_argument("--quick", action="store_true", help="CPU sizes")
     args = p.parse_args()
-    if args.child:
-        print("RESULT", json.dumps(one_run(args.size, args.rows, args.batch)), flush=True)
-        return
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONWARNINGS="ignore")
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    child = [sys.executable, os.path.abspath(__file__), "--child", "--size", str(args.size),
-             "--rows", str(args.rows), "--batch", str(args.batch)]
-    for _ in range(args.rounds):
-        for code, first in (("before", args.before), ("after", ROOT)):
-            env["PYTHONPATH"] = os.pathsep.join([first] + paths)
-            out = subprocess.run(child, env=env, capture_output=True, text=True, cwd=first)
-            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
-            print(code, line[-1] if line else out.stderr[-2000:], flush=True)
+    import jax_balanced
+
+    folders = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    pooled, order, start = {}, [], time.perf_counter()
+    for _ in range(args.pairs):
+        for version in ("before", "after", "after", "before"):
+            t0 = time.perf_counter()
+            for r in run(folders[version], args):
+                if r["model"] not in pooled:
+                    order.append(r["model"])
+                    pooled[r["model"]] = dict(r, times={v: {m: [] for m in jax_balanced.MEASURES}
+                                                        for v in VERSIONS})
+                for m in jax_balanced.MEASURES:
+                    pooled[r["model"]]["times"][version][m] += r["times"]["kmgpu"][m]
+            print(f"{version}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"# torch_code_ab: before = {folders['before']}, after = {folders['after']}; "
+          f"{4 * args.pairs} processes, {args.rounds} steady rounds each; seconds\n")
+    print(jax_balanced.table([pooled[m] for m in order], list(VERSIONS)))
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
