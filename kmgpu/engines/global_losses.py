@@ -1,40 +1,20 @@
 """A model's own losses (``add_loss``) computed on the global batch, on TensorFlow and torch.
 
-On one device a layer's ``add_loss`` sees the whole batch. A replica's layer sees only the
-replica's rows, so a loss that is not a mean over rows (a sum, a batch statistic, a
-pairwise term, a branch on the data's values) adds up over the replicas to something else
-than one device's loss, and no weighing of the replicas' values can tell, batch by batch.
-kmgpu runs such a layer on the global batch instead. Every replica then holds the global
-batch's value of the loss and weighs it by its share of the rows
-(``loss_fixes.replica_loss``): the replicas' parts add up to one device's loss and
-gradient, whatever its form, on every batch.
+On one device a layer's ``add_loss`` sees the whole batch; a replica's layer sees only its
+rows, so a loss that is not a mean over rows (a sum, a batch statistic, a pairwise term, a
+branch on the data's values) adds up over the replicas to something other than one
+device's loss. kmgpu runs such a layer on the global batch instead, and every replica
+weighs the global batch's loss by its share of the rows (``loss_fixes.replica_loss``):
+the parts add up to one device's loss and gradient on every batch.
 
-How (``install``): every layer of a replica written outside Keras (a subclassed model
-included) has its ``call`` wrapped. Outside a train or test step of several replicas the
-wrapper only calls it. Inside one (``on_global``, set by the engine's step with a
-``Batch``), a layer's first call runs on the replica's rows; when that call added a loss,
-the loss is dropped and the call runs again on the global batch, and from then on every
-call of it does:
-
-- its inputs (the tensors with the replica's rows) are gathered from every replica
-  (``Batch.gather``, a differentiable all-gather: the gradient of a replica's rows is
-  the sum of every replica's gradient of them, and every replica weighs its loss by its
-  share of the rows, the shares adding up to 1);
-- it runs on them, with the layers inside it (they see the global batch too);
-- its outputs (the tensors with the global batch's rows) are cut back to the replica's
-  rows (``Batch.mine``).
-
-An activity regularizer other than Keras's sums (``L1``, ``L2``, ``L1L2``, which Keras
-divides by the batch size: means over rows) is computed on the global batch's outputs
-alike (``_GlobalRegularizer``).
-
-Cost: such a layer runs on every replica on the whole global batch, and its inputs and
-their gradient cross between the replicas once per step; a layer that adds a loss from
-its inputs (the usual case) is small beside the model (``benchmarks/own_losses.py``). A
-subclassed model that calls ``add_loss`` itself runs whole on the global batch on every
-replica. ``describe()``'s "own losses" line names the layers that may gather. What cannot
-run so is refused at its first step (``_may_gather``). JAX needs none of this: one jit
-runs over the sharded global batch.
+``install`` wraps ``call`` of every layer written outside Keras. Inside a step of several
+replicas (``on_global``, given a ``Batch``), a layer whose first call added a loss runs
+from then on with its inputs gathered from every replica (``Batch.gather``, a
+differentiable all-gather) and its outputs cut back to the replica's rows
+(``Batch.mine``); an activity regularizer other than Keras's means over rows does alike
+(``_GlobalRegularizer``). Such a layer costs its run on the whole global batch and one
+all-gather of its inputs per step; what cannot run so is refused at its first step
+(``_may_gather``). JAX needs none of this: one jit runs over the sharded global batch.
 """
 
 import contextlib
