@@ -309,6 +309,54 @@ def test_keras_internals_are_used_only_in_registry_modules():
     assert users == [], f"keras.src used outside the registry modules: {users}"
 
 
+# -- (d) every row's Keras behaviour has a named test -------------------------------------
+TESTS = PACKAGE.parent / "tests"
+
+
+def behaviour_tests():
+    """{(registry, module, attribute): ["path::test", ...]} from every ``@relies_on(...)``
+    of the behaviour tests, read from their source (no backend imported): those of
+    tests/unit/test_keras_behaviour.py cover the shared registry's rows, those of
+    tests/<backend>/test_keras_behaviour.py that backend's."""
+    found = {}
+    for path in sorted(TESTS.rglob("test_keras_behaviour.py")):
+        folder = path.parent.name
+        registry = None if folder == "unit" else folder
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "relies_on":
+                    for arg in dec.args:
+                        module, attribute = ast.literal_eval(arg)
+                        found.setdefault((registry, module, attribute), []).append(
+                            f"{rel}::{node.name}")
+    return found
+
+
+#: PATCHES rows whose Keras behaviour has no test of its own yet: (registry, module,
+#: attribute); each leaves this set when a behaviour test names it (relies_on)
+NOT_YET = set()
+
+
+def test_every_patch_row_has_a_behaviour_test():
+    """Each PATCHES row's Keras behaviour (what Keras does there, the row's ``why``) is
+    checked by a test that names the row (``tests/relies_on.py``), so a Keras that changes
+    it fails that test; every ``relies_on`` names a row of its folder's registry."""
+    rows = {(backend, row[0], row[1]) for backend in REGISTRIES
+            for row in _tables(backend)[0]}
+    covered = behaviour_tests()
+    unknown = sorted(f"{tests[0]}: {key}" for key, tests in covered.items() if key not in rows)
+    assert not unknown, "relies_on names no PATCHES row of its registry: " + ", ".join(unknown)
+    missing = sorted(str(key) for key in rows - set(covered) - NOT_YET)
+    assert not missing, "PATCHES rows without a behaviour test: " + ", ".join(missing)
+    stale = sorted(str(key) for key in NOT_YET & set(covered))
+    assert not stale, "covered now, remove from NOT_YET: " + ", ".join(stale)
+    gone = sorted(str(key) for key in NOT_YET - rows)
+    assert not gone, "no such row, remove from NOT_YET: " + ", ".join(gone)
+
+
 # -- the one way kmgpu changes Keras ------------------------------------------------------
 class _Base:
     def inherited(self):
