@@ -230,7 +230,7 @@ class TorchLocalEngine(LocalEngine):
         if (method not in ("fit", "evaluate", "predict") or not self._on_gpu(template)
                 or template.run_eagerly or (method == "fit" and kind != graphs.SPLIT)):
             return contextlib.nullcontext()
-        kinds = eval_steps.wants(template)
+        kinds = eval_steps.capturable(template)
         if not kinds:
             return contextlib.nullcontext()
         if self._eval is None:

@@ -254,7 +254,7 @@ def load_arrays(model, arrays, layout):
         opt._learning_rate.assign(arrays[-1])
 
 
-def marks(model):
+def state_versions(model):
     """What tells whether ``model``'s state changed later: each weight's and optimizer
     variable's tensor with its ``_version`` (torch bumps it at every in-place change;
     a new tensor is another object)."""
@@ -266,8 +266,8 @@ def marks(model):
 
 
 def unchanged(model, old):
-    """True when ``model``'s state is still what ``marks`` saw (same tensors, versions)."""
-    new = marks(model)
+    """True when ``model``'s state is still what ``state_versions`` saw (same tensors, versions)."""
+    new = state_versions(model)
     return len(new) == len(old) and all(
         a is b and va == vb for (a, va), (b, vb) in zip(new, old))
 

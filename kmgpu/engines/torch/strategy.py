@@ -162,7 +162,7 @@ class DDPStrategy:
             self.steps.hook_own_steps(replica, averaged)
         if not step_fixes.has_own_test_step(replica):
             replica.test_step = self.steps.test_step(replica)
-        self.evals = eval_steps.on_rank(self, replica, evals)
+        self.evals = eval_steps.capture_on_rank(self, replica, evals)
         step_fixes.read_logs_within(replica, lambda: self.steps.summed_metrics(replica))
         replica.evaluate = self._evaluate(replica)
         return replica

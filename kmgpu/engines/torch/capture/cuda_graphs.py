@@ -52,7 +52,7 @@ def aside(device, fn):
     return out
 
 
-def settle(device):
+def recover(device):
     """After a failed capture or replay: free what referred to it and wait for the device."""
     gc.collect()
     if torch.device(device).type == "cuda":

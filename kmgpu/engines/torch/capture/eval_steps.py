@@ -10,7 +10,7 @@ batch, eager; a failed capture tried again once, then the step eager from there 
 one printed line). Rows, order and numbers are Keras's. On a CPU the steps are Keras's
 own (not installed).
 
-On N ranks (``on_rank``) each rank captures its own test step (``strategy``'s: its
+On N ranks (``capture_on_rank``) each rank captures its own test step (``strategy``'s: its
 rows' loss weighed by its share of the global batch, the real rows of the batch part
 of the graph's signature, so a last partial batch or a stand-in row is another
 signature) and Keras's predict step likewise; the steps hold no collective (the
@@ -84,16 +84,16 @@ class CapturedEval(graphs.CapturedSteps):
 
 
 def rank_kinds(replica, device):
-    """The steps a rank captures (``on_rank``): on a CUDA device, or with
+    """The steps a rank captures (``capture_on_rank``): on a CUDA device, or with
     ``compile(jit_compile=True)`` (then eagerly on a CPU, as the split train step), not
     with ``run_eagerly=True``. Read before the rank sets ``jit_compile`` False."""
     if getattr(replica, "run_eagerly", False) or not (
             graphs.available(device) or capture_fixes.wants_captured_step(replica)):
         return set()
-    return wants(replica)
+    return capturable(replica)
 
 
-def on_rank(strategy, replica, kinds):
+def capture_on_rank(strategy, replica, kinds):
     """Install captured test / predict steps (``kinds``, from ``rank_kinds``) on a
     rank's replica; its test step is the rank's own (``replica.test_step`` as
     ``strategy.prepare`` set it).
@@ -124,7 +124,7 @@ def on_rank(strategy, replica, kinds):
     return steps
 
 
-def wants(model):
+def capturable(model):
     """Which of Keras's steps ``model`` runs as written (its own test_step or
     predict_step are kept): the set of kinds kmgpu may capture."""
     kinds = set()

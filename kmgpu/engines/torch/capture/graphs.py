@@ -291,7 +291,7 @@ class CapturedSteps:
         for key in [k for k in self.graphs if k[0] == kind]:
             del self.graphs[key]
         self.streak[kind] = 0
-        cuda_graphs.settle(self.device)
+        cuda_graphs.recover(self.device)
         if self.failures[kind] < CAPTURE_TRIES:
             return
         self.refused[kind] = reason
@@ -413,7 +413,7 @@ class CapturedStep(CapturedSteps):
             except Exception as e:
                 entry.graph_b = entry.logs = None
                 self.capture_update, self.update_reason = False, cuda_graphs.why(e)
-                cuda_graphs.settle(self.device)
+                cuda_graphs.recover(self.device)
                 if self.say is not None:
                     self.say("kmgpu (torch): the optimizer and metrics run eagerly after the "
                              f"captured forward/backward: {self.update_reason}")

@@ -200,7 +200,7 @@ class KerasDraws:
     What a rank reads itself (and the draws of fit's validations over arrays beside
     them) draws on this state, in Keras's order; the rank's own Keras iterating over
     what was read (a PyDataset's DataLoader, whose seeds Keras's fit on the data
-    itself would not draw) draws on the process's. ``settle`` then leaves the process
+    itself would not draw) draws on the process's. ``leave_as_keras`` then leaves the process
     where plain Keras leaves it, as a pool's driver, which reads for its workers.
     """
 
@@ -223,7 +223,7 @@ class KerasDraws:
             torch.set_rng_state(own)
             self._active = False
 
-    def settle(self):
+    def leave_as_keras(self):
         """After the call: the process's state is Keras's (if anything was read)."""
         if self.used:
             torch.set_rng_state(self.state)

@@ -1,6 +1,6 @@
 """The user's data on the torch ranks: what is accepted, how it travels, how it is cut.
 
-Driver side: ``check`` refuses what the ranks cannot slice, ``ship`` turns a call's
+Driver side: ``check`` refuses what the ranks cannot slice, ``send`` turns a call's
 data into files for the pool's workers (``transport.CallFiles``), ``local`` keeps
 it in-process under torchrun, ``assemble`` puts the ranks' predictions back in order.
 
@@ -112,7 +112,7 @@ def _read_for_ranks(method, kwargs, make_feed, keep, template):
     return out
 
 
-def ship(kwargs, files, method, template):
+def send(kwargs, files, method, template):
     """A call's keyword arguments for the pool's workers.
 
     Args:
@@ -142,7 +142,7 @@ def ship(kwargs, files, method, template):
                 continue
             check(key, value)
             if is_dataset(value):
-                out[key] = _ship_dataset(value, files)
+                out[key] = _send_dataset(value, files)
             else:
                 out[key] = files.put(tuple(value) if key == "validation_data" else value)
     except BaseException:
@@ -152,7 +152,7 @@ def ship(kwargs, files, method, template):
     return out, (made[0] if made else None)
 
 
-def _ship_dataset(dataset, files):
+def _send_dataset(dataset, files):
     """A PyDataset for the workers: pickled (by reference, or by value with
     cloudpickle) when that works and is small; else read here once and stored as
     memory-mapped arrays (``StoredBatches``)."""
@@ -170,7 +170,7 @@ def _ship_dataset(dataset, files):
 
 
 def receive(kwargs):
-    """In a worker: the call's arguments as ``ship`` sent them, ready for Keras."""
+    """In a worker: the call's arguments as ``send`` sent them, ready for Keras."""
     kwargs = transport.resolve(kwargs)
     for key in ("x", "validation_data"):
         if isinstance(kwargs.get(key), bytes):

@@ -147,11 +147,11 @@ class PoolLauncher(Launcher):
         self._files = None
         self._state = None  # (StateFile, StateLayout) once this call's state is written
         self._feed = None  # fit's training data read pass by pass (feeds.Feed)
-        # the template's state as the workers' replicas hold it: (pool, token, marks,
+        # the template's state as the workers' replicas hold it: (pool, token, versions,
         # layout) after a call that left them equal; the next call sends no state
         # while the template's tensors are unchanged (``unchanged``)
         self._synced = None
-        self._candidate = None  # (marks, layout) of this call, once they are equal
+        self._candidate = None  # (versions, layout) of this call, once they are equal
 
     @property
     def _key(self):
@@ -198,7 +198,7 @@ class PoolLauncher(Launcher):
                       for k, v in call.kwargs.items()}
         else:
             self._files = transport.CallFiles(inputs.nbytes(call.kwargs))
-            kwargs, self._feed = inputs.ship(call.kwargs, self._files, call.method, template)
+            kwargs, self._feed = inputs.send(call.kwargs, self._files, call.method, template)
         clock("data out")
         state_in = not (synced is not None and synced[0] is pool and pool.synced is synced[1]
                         and pool.model_key == call.key and replicas.unchanged(template, synced[2]))
@@ -210,7 +210,7 @@ class PoolLauncher(Launcher):
         else:  # the replicas hold this state already
             layout = synced[3]
             state = pool.state_file(layout.arrays)
-        self._candidate = (replicas.marks(template), layout)
+        self._candidate = (replicas.state_versions(template), layout)
         self._state = (state, layout)
         self.copied_in = len(layout.arrays) if state_in else 0
         clock("state out")
@@ -235,7 +235,7 @@ class PoolLauncher(Launcher):
         if latest is None:
             return False
         replicas.load_arrays(template, latest[0], self._state[1])
-        self._candidate = (replicas.marks(template), self._state[1])  # rank 0's, as loaded
+        self._candidate = (replicas.state_versions(template), self._state[1])  # rank 0's, as loaded
         return True
 
     def push_state(self, template):
@@ -327,7 +327,7 @@ class InProcessLauncher(Launcher):
         self.strategy = None  # made with each replica, from the call's config
         self.replica, self._built_key = None, None
         self._live = False  # the replica holds this call's state
-        self._synced = None  # (replica, marks) after a call that left them equal
+        self._synced = None  # (replica, versions) after a call that left them equal
         self._candidate = None
 
     def _replica_for(self, call, template):
@@ -356,19 +356,20 @@ class InProcessLauncher(Launcher):
         if state_in:
             self.push_state(template)
             s.broadcast_state(replica)
-        self._candidate = replicas.marks(template)
+        self._candidate = replicas.state_versions(template)
         self.copied_in = len(self._candidate) if state_in else 0
         s.write_state_rows(replica, call.rnn_states)
         clock("replica")
         host = feeds.KerasDraws()  # from the random states every rank now shares
         kwargs = inputs.local(call.kwargs, call.method, template, host)
         self._live = True
-        before = None if call.method in ("fit", "train_on_batch") else replicas.marks(replica)
+        before = None if call.method in ("fit", "train_on_batch") else \
+            replicas.state_versions(replica)
         result = s.run(replica, call.method, kwargs, hooks=hooks,
                        relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
                        fit_callbacks=[feeds.NextPass(kwargs.get("x"),
                                                      kwargs.get("validation_data"))])
-        host.settle()  # where plain Keras's reads leave torch's random state
+        host.leave_as_keras()  # where plain Keras's reads leave torch's random state
         rows = [[]] * s.world
         if replication.stateful_layers(template):  # every rank's rows, in rank order, everywhere
             rows = collectives.all_gather_object(s.state_rows(replica))
@@ -394,7 +395,7 @@ class InProcessLauncher(Launcher):
             return False
         replication.copy_state(self.replica, template)
         replication.copy_lr(self.replica, template)
-        self._candidate = replicas.marks(template)
+        self._candidate = replicas.state_versions(template)
         return True
 
     def push_state(self, template):

@@ -26,7 +26,7 @@ class RankOutputs:
     def __init__(self, world):
         self.pipes = []
         n = world
-        self.marks = [0] * n
+        self.ends = [0] * n
         self.tails = [bytearray() for _ in range(n)]
         self.pending = [b""] * n
         self.decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -40,7 +40,7 @@ class RankOutputs:
         except OSError:
             chunk = b""
         if not chunk:
-            self.marks[rank] += self.CLOSED  # closed: nothing more will come
+            self.ends[rank] += self.CLOSED  # closed: nothing more will come
             self._emit(rank, self.pending[rank], final=True)
             self.pending[rank] = b""
             return False
@@ -48,7 +48,7 @@ class RankOutputs:
         while END_MARK in data:
             before, data = data.split(END_MARK, 1)
             self._emit(rank, before)
-            self.marks[rank] += 1
+            self.ends[rank] += 1
         keep = 0  # a marker may be split across reads
         for k in range(min(len(END_MARK) - 1, len(data)), 0, -1):
             if END_MARK.startswith(data[-k:]):
@@ -73,7 +73,7 @@ class RankOutputs:
                 pass
 
     def open_pipes(self):
-        return {out: r for r, out in enumerate(self.pipes) if self.marks[r] < self.CLOSED}
+        return {out: r for r, out in enumerate(self.pipes) if self.ends[r] < self.CLOSED}
 
     def drain(self, ready):
         outs = self.open_pipes()
@@ -81,12 +81,12 @@ class RankOutputs:
             if obj in outs:
                 self.read(outs[obj])
 
-    def wait(self, marks, timeout=5.0):
+    def wait(self, ends, timeout=5.0):
         """Read output until every rank has written its end-of-call marker."""
         from multiprocessing.connection import wait
 
         deadline = time.monotonic() + timeout
-        while any(m < want for m, want in zip(self.marks, marks)):
+        while any(m < want for m, want in zip(self.ends, ends)):
             left = deadline - time.monotonic()
             outs = self.open_pipes()
             if left <= 0 or not outs:

@@ -226,7 +226,7 @@ class WorkerPool:
         the pool alive; otherwise, or on a second Ctrl-C or after ``Interrupts.GRACE``
         seconds, KeyboardInterrupt kills the pool and propagates.
         """
-        marks = [m + 1 for m in self.output.marks]
+        ends = [e + 1 for e in self.output.ends]
         interrupts = Interrupts(on_interrupt)
         try:
             for conn, msg in zip(self.conns, messages):
@@ -237,7 +237,7 @@ class WorkerPool:
         except BaseException:
             self.kill()
             raise
-        self.output.wait(marks)
+        self.output.wait(ends)
         if interrupts.pressed:
             raise KeyboardInterrupt
         return results
@@ -289,7 +289,7 @@ class WorkerPool:
                 failures.update({r: TimedOut() for r in pending})
                 break
         if failures:
-            self.output.wait([m + 1 for m in self.output.marks], timeout=0.5)
+            self.output.wait([e + 1 for e in self.output.ends], timeout=0.5)
             raise self._error(failures)
         return [results[r] for r in range(self.world)]
 

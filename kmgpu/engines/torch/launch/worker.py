@@ -273,7 +273,7 @@ class Worker:
             replicas.load_arrays(model, state.read(0, copy=False), call.layout)
 
         before = None if call.method in ("fit", "train_on_batch") else \
-            replicas.marks(replica)
+            replicas.state_versions(replica)
         snapshot = None
         if call.method == "fit" and self.rank == 0:
             snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
@@ -312,7 +312,7 @@ class _Snapshots:
 
     def __init__(self, state, layout, every_epoch, clock):
         self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
-        self.seq, self.cost, self.last, self.marks = 0, 0.0, None, None
+        self.seq, self.cost, self.last, self.versions = 0, 0.0, None, None
 
     def __call__(self, model, epoch):
         """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
@@ -329,7 +329,7 @@ class _Snapshots:
         self.seq += 1
         replicas.write_state(self.state, 1 + self.seq % 2, model, self.layout, seq=self.seq,
                              epoch=epoch)
-        self.marks = replicas.marks(model)
+        self.versions = replicas.state_versions(model)
         self.last = time.perf_counter()
         self.cost = self.last - now
         self.clock("snapshots", since=now)
@@ -341,14 +341,14 @@ class _Snapshots:
         from kmgpu.engines import replication
         from kmgpu.engines.torch import replicas
 
-        if self.marks is None:
+        if self.versions is None:
             return False
         lr = replication.lr_variable(model)
         lr = lr.value if lr is not None else None
-        now = replicas.marks(model)
-        if len(now) != len(self.marks):
+        now = replicas.state_versions(model)
+        if len(now) != len(self.versions):
             return False
-        changed = [a for (a, va), (b, vb) in zip(now, self.marks) if a is not b or va != vb]
+        changed = [a for (a, va), (b, vb) in zip(now, self.versions) if a is not b or va != vb]
         if any(a is not lr for a in changed):
             return False
         slot = 1 + self.seq % 2  # the newest
