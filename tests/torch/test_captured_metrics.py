@@ -1,4 +1,4 @@
-"""torch, issue 28: every built-in Keras metric, and the hinge losses, captured whole.
+"""torch: every built-in Keras metric, and the hinge losses, captured whole.
 
 Under the fake capture of test_whole_run that refuses host reads as CUDA-graph capture
 does, a model compiled with every metric of its kind (binary, one-hot, sparse,

@@ -1,4 +1,4 @@
-"""torch, issue 20: the captured step by default on CUDA devices, random layers included.
+"""torch: the captured step by default on CUDA devices, random layers included.
 
 ``graphs.plan`` decides the step: a model compiled the usual way gets the captured step
 where there is a CUDA device, Keras's eager step on a CPU; ``run_eagerly=True`` turns

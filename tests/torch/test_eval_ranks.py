@@ -1,4 +1,4 @@
-"""torch, issue 28: what reaches the ranks of a multi-GPU run, and captures that copy nothing.
+"""torch: what reaches the ranks of a multi-GPU run, and captures that copy nothing.
 
 - ``tf32=`` reaches every rank's step (a layer records the flags the step ran under).
 - ``AUC`` and ``BinaryIoU`` capture whole (graph B and the test step) under a fake

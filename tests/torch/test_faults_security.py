@@ -1,4 +1,4 @@
-"""Torch worker pool (issue 8): a dead worker or a dead parent costs an error, never a hang
+"""Torch worker pool: a dead worker or a dead parent costs an error, never a hang
 or an orphan; worker traffic stays on loopback; temporary files are private and removed;
 models reach the workers through Keras's safe mode.
 

@@ -1,4 +1,4 @@
-"""kmgpu's flat-buffer optimizer (``flat_optim``) inside the split train step (issue 31).
+"""kmgpu's flat-buffer optimizer (``flat_optim``) inside the split train step.
 
 compile(jit_compile=True) runs the split step on a CPU (the same stages the GPU captures);
 its stage B updates with ``FlatOptimizer`` over the flat gradient buffer (views, no

@@ -1,5 +1,5 @@
 """The fused BatchNorm (engines/torch/fast/layers.py) is as close to float64 as Keras's own
-layer, or closer (issue 31): one layer over 3 training steps (output, the gradients of
+layer, or closer: one layer over 3 training steps (output, the gradients of
 inputs, gamma and beta, the moving statistics) for channels-last images, sequences and
 (batch, features) inputs, with channel means of 0, 5 and 100; and a small conv net fit for
 a few steps. The yardstick is ``fast_layers.reference_call`` in float64, because Keras's

@@ -1,4 +1,4 @@
-"""A fit that stops early keeps the last completed step, as plain Keras does (issue 17):
+"""A fit that stops early keeps the last completed step, as plain Keras does:
 a failing callback or Ctrl-C in the first epoch, with the pool and in-process.
 """
 

@@ -1,4 +1,4 @@
-"""Repeated fits on the torch pool (issue 30, per call): the state travels as little as it
+"""Repeated fits on the torch pool: the state travels as little as it
 can -- rank 0 copies each variable straight into the state file, the driver copies
 it straight from the file into the user's variables, and an unchanged model is not
 sent to the workers again -- yet after every fit the user's model holds what plain

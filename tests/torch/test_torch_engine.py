@@ -251,8 +251,7 @@ def test_a_killed_worker_ends_fit_within_30s_and_the_next_fit_works():
 
 
 def test_ctrl_c_stops_every_worker_after_a_step_and_keeps_it_and_the_pool():
-    """Ctrl-C at any moment (issue 17; it used to kill the pool and keep the last
-    epoch's snapshot): the workers stop together after a step, that step's state comes
+    """Ctrl-C at any moment: the workers stop together after a step, that step's state comes
     back, and the pool serves the next call. tests/torch/test_interrupts.py checks the
     weights against one device."""
     model, parallel, x, y = _long_fit()

@@ -1,4 +1,4 @@
-"""Ordinary Keras 3 training code under kmgpu on torch equals one device (issue 17):
+"""Ordinary Keras 3 training code under kmgpu on torch equals one device:
 tf.data datasets and Python generators, custom train steps, one rule for datasets.
 """
 

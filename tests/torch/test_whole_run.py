@@ -1,4 +1,4 @@
-"""torch, issue 28: the whole run on the captured path, and fallbacks that leave torch clean.
+"""torch: the whole run on the captured path, and fallbacks that leave torch clean.
 
 A "GPU" is simulated as in test_captured_step (``graphs.available`` True, a fake capture
 whose replay re-runs the recorded function). On one device, ``evaluate``, ``predict``
@@ -235,7 +235,7 @@ def test_graph_b_captures_loss_scaling_accumulation_and_confusion_metrics(monkey
 
 
 def test_callbacks_see_the_epochs_weights_during_validation():
-    """Issue 27 (torch): while fit validates, the user's model holds the epoch's weights
+    """While fit validates, the user's model holds the epoch's weights
     and iteration count, as in plain Keras (TensorBoard logs evaluation_*_vs_iterations
     at on_test_end's optimizer.iterations)."""
 

@@ -1,4 +1,4 @@
-"""``shard_optimizer=True`` on torch (ZeRO-1, engines/torch/optim/zero.py), issue 32.
+"""``shard_optimizer=True`` on torch (ZeRO-1, engines/torch/optim/zero.py).
 
 Each rank updates its contiguous 1/N of the flat buffers with only its 1/N of the
 optimizer state; the weights, the History and the optimizer's own variables (gathered
