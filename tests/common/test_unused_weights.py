@@ -1,7 +1,7 @@
 """A model trained by its added losses only, with weights that reach no loss (here the
 output layer: no compiled loss reads the output). Plain Keras trains it and leaves those
-weights as they are; torch's DistributedDataParallel used to fail at the second step
-("Expected to have finished reduction"), since it looks for unused weights from the
+weights as they are; torch's DistributedDataParallel fails such a model at the second
+step ("Expected to have finished reduction"), since it looks for unused weights from the
 forward pass's outputs, so kmgpu trains such models with its split step on torch."""
 
 import warnings
