@@ -39,6 +39,11 @@ def replicate_indivisible(distribution):
                 return runtime.put_global(data, replicated.mesh, distribution.batch_dim_name)
             flat = [d for d in keras.tree.flatten(data) if d is not None]
             if all(d.shape and d.shape[0] % n == 0 for d in flat):
+                if layouts is None and len(flat) < len(keras.tree.flatten(data)):
+                    # Keras 3.14's _distribute_data reads the shape of every leaf, None
+                    # included (train_on_batch's sample_weight=None); 3.15 skips None
+                    return keras.tree.map_structure(
+                        lambda d: None if d is None else original(d), data)
                 return original(data, layouts)
             return keras.tree.map_structure(
                 lambda d: None if d is None else jax.device_put(d, replicated), data

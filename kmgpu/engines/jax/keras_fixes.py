@@ -11,6 +11,9 @@ KERAS = ">=3.14,<3.16"
 # - keras.distribution.DataParallel.num_model_replicas: in 3.15, not in 3.14;
 #   data_fixes.model_replicas reads the mesh both have.
 # - Variable._layout: see its READS row.
+# - _distribute_data(data) with a None leaf (train_on_batch's sample_weight=None): 3.15
+#   skips it, 3.14 reads its shape and fails; data_fixes.replicate_indivisible places
+#   the other leaves one by one.
 
 #: (module, attribute (dotted within the module), by, why)
 PATCHES = [
