@@ -123,7 +123,7 @@ def test_a_killed_parent_leaves_no_worker_and_no_file():
 
 
 def test_leftovers_of_a_dead_process_are_swept():
-    from kmgpu.engines.torch.launch import transport
+    from kmgpu.engines.torch import transport
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -279,7 +279,7 @@ def test_what_cannot_travel_to_spawned_workers_is_named():
     model.compile(optimizer="sgd", loss=Locked())
     spec, inherit = replicas.model_spec(model)
     assert inherit and spec.objects is None
-    from kmgpu.engines.torch.launch import transport
+    from kmgpu.engines.torch import transport
 
     names = replicas.unpicklable(transport.INHERITED["objects"])
     assert names == ["compile loss (Locked)"]

@@ -10,7 +10,6 @@ not cover keeps Keras's update, and describe() says which one runs.
 from contextlib import nullcontext
 
 import keras
-import numpy as np
 import torch
 
 import kmgpu

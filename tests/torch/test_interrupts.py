@@ -5,7 +5,6 @@ a failing callback or Ctrl-C in the first epoch, with the pool and in-process.
 import os
 import signal
 
-import numpy as np
 import pytest
 
 import kmgpu

@@ -73,7 +73,7 @@ def test_state_goes_through_the_file_exactly_and_leaves_no_view_behind(dtype):
     import keras
 
     from kmgpu.engines.torch import replicas
-    from kmgpu.engines.torch.launch import transport
+    from kmgpu.engines.torch import transport
 
     def model(seed):
         keras.utils.set_random_seed(seed)

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from kmgpu.engines import replication, user_objects
-from kmgpu.engines.torch.launch import transport
+from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch.messages import ModelSpec, StateLayout
 
 

@@ -28,8 +28,7 @@ import keras
 import numpy as np
 import torch
 
-from kmgpu.engines.torch import data_fixes
-from kmgpu.engines.torch.launch import transport
+from kmgpu.engines.torch import data_fixes, transport
 
 
 def reads_itself(x):

@@ -24,9 +24,8 @@ import keras
 import numpy as np
 
 from kmgpu.engines.datasets import is_dataset
-from kmgpu.engines.torch import data_fixes
+from kmgpu.engines.torch import data_fixes, transport
 from kmgpu.engines.torch.data import feeds, shuffle
-from kmgpu.engines.torch.launch import transport
 
 #: the call arguments that hold data
 DATA_KEYS = ("x", "y", "sample_weight", "validation_data")

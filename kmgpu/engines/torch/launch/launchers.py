@@ -28,9 +28,9 @@ import sys
 
 from kmgpu.engines import replication
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, replicas
+from kmgpu.engines.torch import collectives, replicas, transport
 from kmgpu.engines.torch.data import feeds, inputs, shuffle
-from kmgpu.engines.torch.launch import relay, transport
+from kmgpu.engines.torch.launch import relay
 from kmgpu.engines.torch.launch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.launch.pool import WorkerPool, start_method
 from kmgpu.engines.torch.strategy import DDPStrategy

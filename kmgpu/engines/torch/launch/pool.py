@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 
 from kmgpu import environment
-from kmgpu.engines.torch.launch import transport
+from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch.interrupts import Interrupts
 from kmgpu.engines.torch.launch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
                                                  TimedOut)

@@ -19,7 +19,8 @@ import traceback
 
 # Keras is imported only once the worker has set its environment (KERAS_BACKEND,
 # threads, device): inputs, replicas and strategy, which import it, are imported late.
-from kmgpu.engines.torch.launch import timing, transport
+from kmgpu.engines.torch import transport
+from kmgpu.engines.torch.launch import timing
 from kmgpu.engines.torch.launch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed, Port,
                                                  RankResult, Ready, Reply, WeightsQuery)
 
