@@ -366,3 +366,25 @@ def test_a_training_random_crop_is_a_window_of_the_image():
     assert tuple(out.shape) == (1, 2, 3, 1)
     windows = [images[:, i:i + 2, j:j + 3] for i in range(4) for j in range(4)]
     assert any(torch.equal(out.cpu(), w) for w in windows)
+
+
+@relies_on(("keras.src.trainers.trainer", "Trainer.get_metrics_result"))
+def test_a_replica_reads_its_metrics_as_the_base_trainer_does():
+    """read_logs_within gives each replica Trainer.get_metrics_result where the torch
+    trainer overrides it (Keras master all-reduces there): the metrics' results read
+    from the variables, with no collective."""
+    from contextlib import nullcontext
+
+    from keras.src.backend.torch.trainer import TorchTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    model = _mlp()
+    x, y = _xy()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    want = {k: float(v) for k, v in Trainer.get_metrics_result(model).items()}
+    assert set(want) == {"loss", "mae"}
+    step_fixes.read_logs_within(model, lambda: nullcontext(False))
+    got = model.get_metrics_result()
+    assert {k: float(v) for k, v in got.items()} == want
+    if TorchTrainer.get_metrics_result is not Trainer.get_metrics_result:  # Keras master
+        assert model.get_metrics_result.__func__ is Trainer.get_metrics_result

@@ -28,6 +28,13 @@ PATCHES = [
      "replaced on each replica: Keras turns metric variables into logs here at epoch "
      "and evaluation ends; kmgpu sums the variables over ranks first (no public hook "
      "sits between the last step and the logs)"),
+    ("keras.src.trainers.trainer", "Trainer.get_metrics_result",
+     "step_fixes.read_logs_within",
+     "installed on each replica where the torch trainer overrides it (Keras master, "
+     "3.16: it all-reduces the metric variables whenever torch.distributed is "
+     "initialised, at every step and over kmgpu's sums, counting a count metric once "
+     "per rank; 3.14 and 3.15 do not override it): the base Trainer's, one read of the "
+     "variables kmgpu has summed"),
     ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order",
      "kmgpu.engines.torch.strategy", "train_on_batch's list of logs, in Keras's order"),
     ("keras.src.backend.torch.trainer", "TorchTrainer.evaluate", "step_fixes.keras_evaluate",

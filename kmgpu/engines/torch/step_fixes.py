@@ -59,6 +59,25 @@ def read_logs_within(model, context):
 
     keras_fixes.install(model, "_get_metrics_result_or_logs",
                         lambda current: get_metrics_result_or_logs)
+    _read_metrics_once(model)
+
+
+def _read_metrics_once(model):
+    """The replica reads its metric variables as Keras's base ``Trainer`` does, with no
+    collective of its own: kmgpu sums them over ranks (``read_logs_within``).
+
+    Keras differs here: 3.14 and 3.15's torch trainer does not override
+    ``get_metrics_result``; Keras master's (3.16) all-reduces the metric variables
+    whenever ``torch.distributed`` is initialised, at every step (``compute_metrics``
+    returns it) and again over kmgpu's sums at an epoch's end, which counts a count
+    metric (``TruePositives``) once per rank. A model class's own is left alone.
+    """
+    from keras.src.trainers.trainer import Trainer
+
+    if type(model).get_metrics_result is _trainer().get_metrics_result \
+            and _trainer().get_metrics_result is not Trainer.get_metrics_result:
+        keras_fixes.install(model, "get_metrics_result",
+                            lambda current: Trainer.get_metrics_result.__get__(model))
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
