@@ -12,8 +12,8 @@ Results go to the repository's ``benchmarks/results`` in a source checkout, else
 Modules: ``workloads`` and ``models`` (what is trained), ``runners`` and ``ddp`` (kmgpu,
 plain fit, the peers, the torchvision reference), ``allreduce`` (the all-reduce sweep),
 ``flops`` (FLOPs per sample, peaks, MFU), ``worker`` (one backend's runs in one process),
-``plan`` (units of runs, workload by workload, and the time budget), ``cli`` (options,
-workers, progress bar), ``derive`` (ratios once all runs are in), ``projection``
+``processes`` (those processes, started and read from the command), ``plan`` (units of
+runs, workload by workload, and the time budget), ``cli`` (options, progress bar), ``derive`` (ratios once all runs are in), ``projection``
 (alpha-beta model of more GPUs), ``summary`` (the leading table: per model and backend),
 ``report``, ``tables`` and ``figure`` (JSON -> markdown and PNG), ``paths``.
 """

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from kmgpu.bench import derive, paths, plan, report, workers, workloads
+from kmgpu.bench import derive, paths, plan, processes, report, workloads
 
 BACKENDS = ("tensorflow", "jax", "torch")
 DEFAULT_BUDGET = 540  # the default run ends within 10 minutes, the report written
@@ -167,7 +167,7 @@ def _main(argv, child_env):
     from kmgpu.callbacks import nvidia_gpus, visible_gpu_indices
 
     gpus = nvidia_gpus() or _nvidia_smi_gpus()
-    gpus = [gpus[i] for i in workers.visible(child_env, len(gpus), visible_gpu_indices)]
+    gpus = [gpus[i] for i in processes.visible(child_env, len(gpus), visible_gpu_indices)]
     simulate = args.simulate
     if simulate is None:
         simulate = 2 if (args.quick and not gpus) else 0
@@ -255,8 +255,8 @@ def _main(argv, child_env):
             if backend not in running or not running[backend].alive():
                 wdir = os.path.join(tmp, backend)
                 os.makedirs(wdir, exist_ok=True)
-                env = workers.environment(child_env, backend, quick_cpu=args.quick and not gpus)
-                running[backend] = workers.Worker(backend, dict(spec, weights_dir=wdir), env,
+                env = processes.environment(child_env, backend, quick_cpu=args.quick and not gpus)
+                running[backend] = processes.Worker(backend, dict(spec, weights_dir=wdir), env,
                                                   log, tmp)
             return running[backend]
 

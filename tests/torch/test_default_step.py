@@ -1,6 +1,6 @@
 """torch: the captured step by default on CUDA devices, random layers included.
 
-``graphs.plan`` decides the step: a model compiled the usual way gets the captured step
+``graphs.choose_step`` decides the step: a model compiled the usual way gets the captured step
 where there is a CUDA device, Keras's eager step on a CPU; ``run_eagerly=True`` turns
 the capture off. A "GPU" is simulated here (``graphs.available`` True, a fake capture
 whose replay re-runs the recorded stage, as test_captured_step does). While kmgpu's
@@ -74,9 +74,9 @@ def test_plan_says_which_step_each_compile_gets():
             (True, {"jit_compile": True}, graphs.SPLIT),
             (True, {"run_eagerly": True}, graphs.KERAS),
             (False, {}, graphs.KERAS), (False, {"jit_compile": True}, graphs.SPLIT)]:
-        assert graphs.plan(_compiled(**kwargs), on_gpu)[0] == kind, (on_gpu, kwargs)
-    assert graphs.plan(own, True)[0] == graphs.OWN
-    assert "run_eagerly=True" in graphs.plan(_compiled(run_eagerly=True), True)[1]
+        assert graphs.choose_step(_compiled(**kwargs), on_gpu)[0] == kind, (on_gpu, kwargs)
+    assert graphs.choose_step(own, True)[0] == graphs.OWN
+    assert "run_eagerly=True" in graphs.choose_step(_compiled(run_eagerly=True), True)[1]
     assert "CPU" in graphs.describe(_compiled(), False, 1)
     assert graphs.describe(_compiled(), True, 2).startswith("captured")
 

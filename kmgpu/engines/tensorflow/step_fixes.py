@@ -10,7 +10,7 @@ import threading
 import types
 
 from kmgpu.engines import keras_fixes, loss_fixes
-from kmgpu.engines.tensorflow import global_batch, optimizer_fixes
+from kmgpu.engines.tensorflow import batch_gather, optimizer_fixes
 
 
 def reduce_fix(strategy):
@@ -112,7 +112,7 @@ def train_step(self, data):
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        with global_batch.on_global(x):
+        with batch_gather.on_global(x):
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
             else:
@@ -139,7 +139,7 @@ def test_step(self, data):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    with global_batch.on_global(x, training=False):
+    with batch_gather.on_global(x, training=False):
         y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     _track_loss(self, x, y, y_pred, sample_weight, False)
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -237,7 +237,7 @@ def exact_custom_steps(model):
             inside.append(True)
             try:
                 x = keras.utils.unpack_x_y_sample_weight(data)[0]
-                with global_batch.on_global(x, training):
+                with batch_gather.on_global(x, training):
                     return _global_step_logs(model, step(data))
             finally:
                 inside.pop()

@@ -173,7 +173,7 @@ def _timed(clock, name, fn, *args):
 class TorchLocalEngine(LocalEngine):
     """One device: the user's own ``fit``. On a CUDA device (or compiled with
     ``jit_compile=True``) its train step is ``graphs.CapturedStep``: CUDA graphs on a
-    GPU, the same split step eagerly on a CPU; Keras compiles nothing (``graphs.plan``
+    GPU, the same split step eagerly on a CPU; Keras compiles nothing (``graphs.choose_step``
     says which step a model gets). The graphs live until ``close()`` or another model."""
 
     def __init__(self, config):
@@ -198,7 +198,7 @@ class TorchLocalEngine(LocalEngine):
         return sum(s.graph_bytes for s in (self._step, self._eval) if s is not None)
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
-        kind, why = graphs.plan(template, self._on_gpu(template))
+        kind, why = graphs.choose_step(template, self._on_gpu(template))
         jit = capture_fixes.wants_captured_step(template)
         if kind == graphs.OWN and self._on_gpu(template) and self._said != id(template):
             self._said = id(template)

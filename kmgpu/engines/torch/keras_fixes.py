@@ -75,7 +75,7 @@ PATCHES = [
      "issue known to kmgpu)"),
     # -- the captured step (capture_fixes) ------------------------------------------------
     ("keras.src.trainers.trainer", "Trainer.jit_compile", "capture_fixes.wants_captured_step",
-     "read on a compiled model (graphs.plan): True asks kmgpu's torch engines for the "
+     "read on a compiled model (graphs.choose_step): True asks kmgpu's torch engines for the "
      "split step on a CPU too (Keras's meaning, torch.compile of the step, runs measurably "
      "slower than eager on a GPU); set False (set_jit_compile) on the model that runs "
      "kmgpu's step, so Keras never wraps it in torch.compile"),

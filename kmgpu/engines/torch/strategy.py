@@ -126,9 +126,9 @@ class DDPStrategy:
             layer_fixes.copy_states_in(layer)
         from kmgpu.engines.torch.capture import eval_steps, graphs
 
-        # graphs.plan: the captured step on CUDA devices (the same on every rank: one
+        # graphs.choose_step: the captured step on CUDA devices (the same on every rank: one
         # device type), Keras's step on a CPU unless jit_compile=True, run_eagerly=True off
-        kind, why = graphs.plan(replica, graphs.available(self.device))
+        kind, why = graphs.choose_step(replica, graphs.available(self.device))
         evals = eval_steps.rank_kinds(replica, self.device)  # captured evaluate / predict
         self.sharded_step = None
         if self.config.shard_optimizer and self.world > 1:  # ZeRO-1 lives in the split step

@@ -83,7 +83,7 @@ class ReplayFailed(Exception):
 KERAS, SPLIT, OWN = "keras", "split", "own"
 
 
-def plan(model, on_gpu):
+def choose_step(model, on_gpu):
     """Which train step ``model`` gets, and why: (KERAS | SPLIT | OWN, reason).
 
     What ``compile()``'s flags mean on torch: ``jit_compile="auto"`` (Keras's
@@ -110,13 +110,13 @@ def describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None,
     """The train step, in words, for ``describe()`` (on a GPU with kmgpu's split step:
     the float32 matmul policy too)."""
     text = _describe(model, on_gpu, world, sync_batchnorm, graph_bytes)
-    if on_gpu and plan(model, on_gpu)[0] == SPLIT:
+    if on_gpu and choose_step(model, on_gpu)[0] == SPLIT:
         text += "; " + precision.words(tf32)
     return text
 
 
 def _describe(model, on_gpu, world, sync_batchnorm=False, graph_bytes=None):
-    kind, why = plan(model, on_gpu)
+    kind, why = choose_step(model, on_gpu)
     if kind == OWN:
         return ("your model's own train_step, eager" + (" (gradients averaged in "
                                                         "optimizer.apply)" if world > 1 else "")

@@ -24,7 +24,7 @@ import keras
 import torch
 
 from kmgpu.engines.torch import collectives
-from kmgpu.engines.torch.steps import global_batch
+from kmgpu.engines.torch.steps import batch_gather
 
 
 class OwnSteps:
@@ -91,13 +91,13 @@ class OwnSteps:
     def _global_batch(self, which):
         """Layers that add a loss run on the global batch (``global_losses``); each
         rank's step adds the global value whole and its gradients are weighed by
-        ``share`` before they are summed (``global_batch.RankBatch``'s ``weight``). The
+        ``share`` before they are summed (``batch_gather.RankBatch``'s ``weight``). The
         layer's own weights then get ``sum(share) = 1`` times the gradient: one device's
         for a mean ("rows", "weights"); a sum's shares are 1 each, so such a model is
         refused."""
         s = self.strategy
         if which == "test":
-            return global_batch.on_global(s.rank, s.world, self.rows, training=False)
+            return batch_gather.on_global(s.rank, s.world, self.rows, training=False)
         refuse = None
         if self.kind in ("sum", "none"):
             refuse = (f"the model has its own train_step with a compiled loss reduced by "
@@ -106,7 +106,7 @@ class OwnSteps:
                       f"would get {s.world} times one device's gradient. Give the "
                       "compiled loss a mean reduction (the default), use Keras's own "
                       "train_step, or use the JAX backend.")
-        return global_batch.on_global(s.rank, s.world, self.rows, weight=self.share or 0.0,
+        return batch_gather.on_global(s.rank, s.world, self.rows, weight=self.share or 0.0,
                                       refuse=refuse)
 
     def _share(self, replica, data, rows):

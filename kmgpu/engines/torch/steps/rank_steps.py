@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from kmgpu.engines.torch import collectives
 from kmgpu.engines.torch.data import inputs
-from kmgpu.engines.torch.steps import global_batch, own_steps
+from kmgpu.engines.torch.steps import batch_gather, own_steps
 
 
 class RankSteps:
@@ -63,7 +63,7 @@ class RankSteps:
             n_real, n_global = s.train.current
             self.n_real, self.in_train_step = n_real, True
             try:
-                with global_batch.on_global(s.rank, s.world, (n_real, n_global)):
+                with batch_gather.on_global(s.rank, s.world, (n_real, n_global)):
                     if replica._call_has_training_arg:
                         y_pred = ddp(x, training=True)
                     else:
@@ -110,7 +110,7 @@ class RankSteps:
         def forward(n_real):
             self.n_real, self.in_train_step = n_real, True
             try:
-                with global_batch.on_global(s.rank, s.world, s.train.current):
+                with batch_gather.on_global(s.rank, s.world, s.train.current):
                     yield
             finally:
                 self.in_train_step = False
@@ -145,7 +145,7 @@ class RankSteps:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             rows = s.test.current if s.test is not None else None
             n_real, n_global = rows or (inputs.num_rows(x),) * 2
-            with global_batch.on_global(s.rank, s.world, rows, training=False):
+            with batch_gather.on_global(s.rank, s.world, rows, training=False):
                 if replica._call_has_training_arg:
                     y_pred = replica(x, training=False)
                 else:

@@ -1,6 +1,6 @@
-"""Worker processes of ``kmgpu bench``: their environment, starting them (each in its own
-process group), handing them runs and reading their records, stopping them at the time
-limit."""
+"""The worker processes of ``kmgpu bench`` (each runs ``worker.py``), seen from the command:
+their environment, starting them (each in its own process group), handing them runs and
+reading their records, stopping them at the time limit."""
 
 import json
 import os
