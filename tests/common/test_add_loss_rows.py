@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import few_steps, rel_diff
+from tests.helpers import few_steps, keras_reference, rel_diff
 
 ROWS, BATCH = 30, 7
 
@@ -70,8 +70,8 @@ def _fit(model, parallel=None, **kwargs):
                                                               "add-loss-only"])
 def test_sum_mean_and_batch_statistic_equal_one_device(compiled_loss):
     layers = (SumOverRows, MeanOverRows, SquaredBatchMean)
-    reference, model = _model(*layers, compiled_loss=compiled_loss), \
-        _model(*layers, compiled_loss=compiled_loss)
+    reference = keras_reference(_model(*layers, compiled_loss=compiled_loss))
+    model = _model(*layers, compiled_loss=compiled_loss)
     no_y = {} if compiled_loss else {"y": None}
     one = _fit(reference, **no_y)
     parallel = kmgpu.parallelize(model)

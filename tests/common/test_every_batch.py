@@ -21,7 +21,7 @@ import pytest
 
 import kmgpu
 from tests.common.test_dataset_sample_weights import _model as _weights_model
-from tests.helpers import listed_batches, rel_diff
+from tests.helpers import keras_reference, listed_batches, rel_diff
 
 ROWS = 78  # batches of 7: 11 of them and one row; of 8: 9 and 6 rows (10 steps: no warning)
 REFUSES = keras.backend.backend() != "jax"
@@ -128,7 +128,7 @@ def test_own_loss_zero_on_one_row_equals_one_device():
     """A generator's last batch of 6 rows arrives mid-fit: 2 + 2 + 1 + 1 (arrays:
     tests/common/test_value_dependent_loss)."""
     x, y = _xy()
-    reference, model = _loss_model(), _loss_model()
+    reference, model = keras_reference(_loss_model()), _loss_model()
     batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, ROWS, 8)]
     one = reference.fit(_data("generator", batches), epochs=1, shuffle=False, verbose=0)
     many = kmgpu.parallelize(model).fit(_data("generator", batches), epochs=1, shuffle=False,
@@ -164,7 +164,7 @@ def test_new_row_count_mid_fit_trains_as_one_device(kind):
     sizes = [7] * 10 + [8]
     starts = np.cumsum([0] + sizes)
     batches = [(x[a:b], y[a:b]) for a, b in zip(starts[:-1], starts[1:])]
-    reference, model = _sum_mean_model(), _sum_mean_model()
+    reference, model = keras_reference(_sum_mean_model()), _sum_mean_model()
     one = reference.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
     many = kmgpu.parallelize(model, gpus=FEW).fit(_data(kind, batches), epochs=1,
                                                   shuffle=False, verbose=0)

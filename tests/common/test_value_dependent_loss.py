@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import few_steps, rel_diff
+from tests.helpers import few_steps, keras_reference, rel_diff
 
 ROWS, BATCH = 78, 8
 
@@ -130,18 +130,6 @@ def _data():
     return x, y
 
 
-def _reference(model):
-    """``model`` for the one-device side, with the fix kmgpu's JAX replicas get
-    (``step_fixes.fresh_loss_ids``): Keras's own JAX steps may drop one layer's loss
-    from a batch of a new shape (the last, partial one), by where objects happen to land
-    in memory."""
-    if keras.backend.backend() == "jax":
-        from kmgpu.engines.jax import step_fixes
-
-        step_fixes.fresh_loss_ids(model)
-    return model
-
-
 def _fit(model, x, y, parallel):
     fitting = kmgpu.parallelize(model) if parallel else model
     history = fitting.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
@@ -155,7 +143,7 @@ def _fits(build):
     model, its History, the user's model of the ParallelModel, its History, the
     ParallelModel). The evaluate test and torch's split step start from these."""
     x, y = _data()
-    reference, model = _reference(build()), build()
+    reference, model = keras_reference(build()), build()
     one, _ = _fit(reference, x, y, parallel=False)
     many, parallel = _fit(model, x, y, parallel=True)
     return reference, one, model, many, parallel
@@ -235,7 +223,7 @@ def _own_step_equals_one_device():
     """Batches of 7 on 4 devices (2 + 2 + 2 + 1 rows): the replicas' gradients are
     weighed by their shares, and the gathered rows' gradient counts once."""
     x, y = _data()
-    reference, model = _own_step_model(), _own_step_model()
+    reference, model = keras_reference(_own_step_model()), _own_step_model()
     reference.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     kmgpu.parallelize(model).fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
