@@ -42,6 +42,32 @@ def rel_diff(a_weights, b_weights):
     return worst
 
 
+def tiny_mlp(metrics=None, **compile_args):
+    """A compiled Dense(3 -> 2): the smallest model a test of Keras's own behaviour fits."""
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=metrics, **compile_args)
+    return model
+
+
+def tiny_xy(rows=8):
+    """``rows`` inputs for ``tiny_mlp`` and their targets (ones)."""
+    x = np.linspace(-1, 1, rows * 3, dtype="float32").reshape(rows, 3)
+    return x, np.ones((rows, 2), "float32")
+
+
+def two_output_model():
+    """Dense(3 -> 1) twice, outputs "a" (mse) and "b" (mae): one loss tracker per output."""
+    import keras
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs),
+                                 "b": keras.layers.Dense(1, name="b")(inputs)})
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+    return model
+
+
 def keras_reference(model):
     """``model`` for a test's plain-Keras, one-device side, with the fix kmgpu's JAX
     replicas get (``step_fixes.fresh_loss_ids``): Keras's own JAX steps may drop one

@@ -9,18 +9,8 @@ from keras import ops
 
 from kmgpu.engines import keras_fixes
 from kmgpu.engines.jax import layer_fixes, optimizer_fixes
+from tests.helpers import tiny_mlp, tiny_xy
 from tests.relies_on import relies_on
-
-
-def _mlp(units=2):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])
-    model.compile(optimizer="sgd", loss="mse")
-    return model
-
-
-def _xy(rows=8):
-    x = np.linspace(-1, 1, rows * 3, dtype="float32").reshape(rows, 3)
-    return x, np.ones((rows, 2), "float32")
 
 
 @relies_on(("keras.src.backend.jax.trainer", "_distribute_data"))
@@ -39,8 +29,8 @@ def test_the_jax_trainer_places_every_batch_through_distribute_data():
         return distribute
 
     with dist.scope():
-        model = _mlp()
-        x, y = _xy()
+        model = tiny_mlp()
+        x, y = tiny_xy()
         with keras_fixes.swapped((jax_trainer, "_distribute_data", recording)):
             model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert len(calls) >= 2
@@ -50,8 +40,8 @@ def test_the_jax_trainer_places_every_batch_through_distribute_data():
 def test_predict_runs_the_models_own_predict_step_with_state_and_data():
     """replicated_predictions installs predict_step(state, data) -> (outputs, state) on
     the replica: Keras's predict calls the instance's."""
-    model = _mlp()
-    x, _ = _xy()
+    model = tiny_mlp()
+    x, _ = tiny_xy()
     want = model.predict(x, verbose=0)
     calls = []
 
@@ -85,7 +75,7 @@ def test_the_steps_enter_through_stateless_call_and_loss_ids_outlive_a_trace():
     entered = []
     keras_fixes.install(model, "stateless_call", lambda original: lambda *a, **k: (
         entered.append(1), original(*a, **k))[1])
-    x, y = _xy()
+    x, y = tiny_xy()
     history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert entered and np.isfinite(history.history["loss"][0])
     layer = model.layers[0]
@@ -148,7 +138,7 @@ def test_stateful_rnn_states_are_untracked_until_tracked():
 def test_slots_are_made_through_the_optimizers_own_add_variable_with_a_layout():
     """lay_out_optimizer installs add_variable on the optimizer: Keras's
     add_variable_from_reference (each slot) calls the instance's, with layout=."""
-    model = _mlp()
+    model = tiny_mlp()
     opt = keras.optimizers.Adam()
     seen = []
     optimizer_fixes.lay_out_optimizer(opt, lambda shape: seen.append(shape) or None)
@@ -184,7 +174,7 @@ def test_fit_with_ema_overwrites_through_the_optimizers_method_sharing_buffers()
     name = "_overwrite_model_variables_with_average_value"
     keras_fixes.install(model.optimizer, name, lambda original: lambda variables: (
         calls.append(len(variables)), original(variables))[1])
-    x, y = _xy()
+    x, y = tiny_xy()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert calls == [2]
     averages = model.optimizer._model_variables_moving_average

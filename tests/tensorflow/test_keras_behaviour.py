@@ -9,18 +9,8 @@ import tensorflow as tf
 
 from kmgpu.engines import keras_fixes
 from kmgpu.engines.tensorflow import step_fixes
+from tests.helpers import tiny_mlp, tiny_xy, two_output_model
 from tests.relies_on import relies_on
-
-
-def _mlp(**compile_args):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], **compile_args)
-    return model
-
-
-def _xy(rows=8):
-    x = np.linspace(-1, 1, rows * 3, dtype="float32").reshape(rows, 3)
-    return x, np.ones((rows, 2), "float32")
 
 
 @relies_on(("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"))
@@ -29,7 +19,7 @@ def test_a_model_keeps_kerass_tf_steps_unless_its_class_overrides_them():
         def train_step(self, data):
             return super().train_step(data)
 
-    assert step_fixes.keeps_keras_step(_mlp()) and step_fixes.keeps_keras_step(_mlp(), "test_step")
+    assert step_fixes.keeps_keras_step(tiny_mlp(metrics=["mae"])) and step_fixes.keeps_keras_step(tiny_mlp(metrics=["mae"]), "test_step")
     own = Own([keras.Input((3,)), keras.layers.Dense(2)])
     assert not step_fixes.keeps_keras_step(own) and step_fixes.keeps_keras_step(own, "test_step")
 
@@ -39,9 +29,9 @@ def test_compute_loss_in_a_replica_is_divided_by_the_replicas():
     """exact_custom_steps replaces compute_loss on replicas of models with their own
     train_step: under tf.distribute Keras scales it by 1/N."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    x, y = _xy(4)
+    x, y = tiny_xy(4)
     with strategy.scope():
-        model = _mlp()
+        model = tiny_mlp(metrics=["mae"])
     y_pred = model(x)
     alone = float(model.compute_loss(x=x, y=y, y_pred=y_pred))
     per_replica = strategy.run(lambda: model.compute_loss(x=x, y=y, y_pred=model(x)))
@@ -55,10 +45,7 @@ def test_an_outputs_loss_tracker_gets_the_batch_size_as_its_weight():
     """weigh_output_losses replaces CompileLoss.call on replicas: Keras records each
     output's loss in its Mean with sample_weight=y_pred.shape[0], None in a step traced
     for any batch size."""
-    inputs = keras.Input((3,))
-    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs),
-                                 "b": keras.layers.Dense(1, name="b")(inputs)})
-    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+    model = two_output_model()
     x = np.ones((5, 3), "float32")
     y = {"a": np.zeros((5, 1), "float32"), "b": np.ones((5, 1), "float32")}
     model._compile_loss(y, model(x))
@@ -79,8 +66,8 @@ def test_an_outputs_loss_tracker_gets_the_batch_size_as_its_weight():
 @relies_on(("keras.src.utils.python_utils", "pythonify_logs"),
            ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order"))
 def test_logs_as_python_numbers_in_metrics_names_order():
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     logs = model.train_on_batch(x, y, return_dict=True)
     from keras.src.utils.python_utils import pythonify_logs
 
@@ -93,8 +80,8 @@ def test_logs_as_python_numbers_in_metrics_names_order():
            ("keras.src.trainers.trainer", "Trainer.get_metrics_result"),
            ("keras.src.trainers.trainer", "Trainer.reset_metrics"))
 def test_logs_come_from_the_metric_variables_when_the_keys_match():
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     results = model.get_metrics_result()
     assert set(results) == {"loss", "mae"}
@@ -115,7 +102,7 @@ def test_arrays_and_datasets_are_read_by_kerass_adapters():
     from keras.src.trainers.data_adapters import (array_data_adapter, array_slicing,
                                                    data_adapter_utils, tf_dataset_adapter)
 
-    x, y = _xy(10)
+    x, y = tiny_xy(10)
     assert array_data_adapter.can_convert_arrays((x, y))
     assert not array_data_adapter.can_convert_arrays((iter([x]),))
     adapter = array_data_adapter.ArrayDataAdapter(x, y, batch_size=4, shuffle=False)
@@ -209,14 +196,14 @@ def test_step_outputs_are_reduced_by_reduce_per_replica():
 def test_the_first_call_builds_through_maybe_symbolic_build():
     """kmgpu puts symbolic_build in the replica's _maybe_symbolic_build (which
     train_on_batch calls first) and calls _symbolic_build(data_batch=...) from it."""
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     called = []
     keras_fixes.install(model, "_maybe_symbolic_build", lambda original: lambda *a, **k: (
         called.append(1), original(*a, **k))[1])
     model.train_on_batch(x, y)
     assert called and model._compile_metrics.built
-    other = _mlp()
+    other = tiny_mlp(metrics=["mae"])
     other._symbolic_build(data_batch=(x[:4], y[:4]))
     assert other._compile_metrics.built and other.optimizer.built
 
@@ -227,7 +214,7 @@ def test_each_epoch_iterates_through_get_iterator():
     iterator there."""
     from keras.src.backend.tensorflow import trainer
 
-    x, y = _xy()
+    x, y = tiny_xy()
     it = trainer.TFEpochIterator(distribute_strategy=tf.distribute.get_strategy(), x=x, y=y,
                                  batch_size=4, shuffle=False)
     made = []
@@ -268,8 +255,8 @@ def test_train_steps_update_through_the_optimizers_apply():
     """accumulate_across_replicas replaces apply on replica optimizers (train_step's
     apply_gradients calls it), and swaps maybe_merge_call(fn, strategy, *args), which
     calls fn(strategy, *args) where no merge is needed."""
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     calls = []
     model.optimizer.build(model.trainable_variables)
     keras_fixes.install(model.optimizer, "apply", lambda original: lambda *a, **k: (

@@ -9,18 +9,8 @@ import torch
 
 from kmgpu.engines import keras_fixes
 from kmgpu.engines.torch import step_fixes
+from tests.helpers import tiny_mlp, tiny_xy
 from tests.relies_on import relies_on
-
-
-def _mlp(**compile_args):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], **compile_args)
-    return model
-
-
-def _xy(rows=8):
-    x = np.linspace(-1, 1, rows * 3, dtype="float32").reshape(rows, 3)
-    return x, np.ones((rows, 2), "float32")
 
 
 class _OwnSteps(keras.Sequential):
@@ -39,7 +29,7 @@ class _OwnSteps(keras.Sequential):
            ("keras.src.backend.torch.trainer", "TorchTrainer.predict_step"))
 def test_a_model_keeps_kerass_steps_unless_its_class_overrides_them():
     """The class's step is TorchTrainer's own unless the model's class defines one."""
-    plain, own = _mlp(), _OwnSteps([keras.Input((3,)), keras.layers.Dense(2)])
+    plain, own = tiny_mlp(metrics=["mae"]), _OwnSteps([keras.Input((3,)), keras.layers.Dense(2)])
     assert not any(f(plain) for f in (step_fixes.has_own_train_step,
                                       step_fixes.has_own_test_step,
                                       step_fixes.has_own_predict_step))
@@ -52,8 +42,8 @@ def test_a_model_keeps_kerass_steps_unless_its_class_overrides_them():
 def test_kerass_torch_train_step_computes_its_loss_through_compute_loss():
     """kmgpu's steps compute the loss as Keras's do: train_on_batch's loss is what
     _compute_loss gives for the batch."""
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     with torch.no_grad():
         before = float(step_fixes.compute_loss(model, x, y, model(x, training=True), None,
                                                True))
@@ -66,8 +56,8 @@ def test_logs_are_the_metric_variables_when_the_keys_match():
     """Keras turns metric variables into logs here: when the step's logs have the
     metrics' keys it returns the metrics' results (read from the variables), else the
     step's logs as they are."""
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     results = model.get_metrics_result()
     stale = {k: -1.0 for k in results}
@@ -79,8 +69,8 @@ def test_logs_are_the_metric_variables_when_the_keys_match():
 
 @relies_on(("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order"))
 def test_train_on_batch_lists_logs_in_metrics_names_order():
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     logs = model.train_on_batch(x, y, return_dict=True)
     flat = model._flatten_metrics_in_order(logs)
     assert flat == [logs[k] for k in ("loss", "mae")]
@@ -89,8 +79,8 @@ def test_train_on_batch_lists_logs_in_metrics_names_order():
 @relies_on(("keras.src.backend.torch.trainer", "TorchTrainer.evaluate"))
 def test_fits_validation_runs_the_models_evaluate():
     """kmgpu wraps evaluate on each replica: fit's validation calls the instance's."""
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     calls = []
     keras_fixes.install(model, "evaluate", lambda original: lambda *a, **k: (
         calls.append(1), original(*a, **k))[1])
@@ -129,7 +119,7 @@ def test_validation_split_takes_the_last_rows_unshuffled():
 def test_jit_compile_is_a_settable_model_property():
     """capture_fixes reads compile(jit_compile=True) and sets it False on the model that
     runs kmgpu's step."""
-    model = _mlp(jit_compile=True)
+    model = tiny_mlp(metrics=["mae"], jit_compile=True)
     assert model.jit_compile is True
     model.jit_compile = False
     assert model.jit_compile is False
@@ -137,8 +127,8 @@ def test_jit_compile_is_a_settable_model_property():
 
 @relies_on(("keras.src.trainers.trainer", "Trainer._symbolic_build"))
 def test_symbolic_build_builds_the_compiled_metrics_from_a_batch():
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     assert not model._compile_metrics.built
     model._symbolic_build(data_batch=(x[:4], y[:4]))
     assert model._compile_metrics.built
@@ -260,7 +250,7 @@ def test_the_epoch_iterator_reads_batches_in_order_and_enumerating_reads_none():
     (_enumerate_iterator: the steps, without fetching a batch)."""
     from keras.src.backend.torch.trainer import TorchEpochIterator
 
-    x, y = _xy(10)
+    x, y = tiny_xy(10)
     it = TorchEpochIterator(x=x, y=y, batch_size=4, shuffle=False)
     batches = [data for _, _, data in it]
     assert [len(b[0][0]) for b in batches] == [4, 4, 2]
@@ -378,8 +368,8 @@ def test_a_replica_reads_its_metrics_as_the_base_trainer_does():
     from keras.src.backend.torch.trainer import TorchTrainer
     from keras.src.trainers.trainer import Trainer
 
-    model = _mlp()
-    x, y = _xy()
+    model = tiny_mlp(metrics=["mae"])
+    x, y = tiny_xy()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     want = {k: float(v) for k, v in Trainer.get_metrics_result(model).items()}
     assert set(want) == {"loss", "mae"}

@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from kmgpu.engines import keras_fixes, model_fixes
+from tests.helpers import two_output_model
 from tests.relies_on import relies_on
 
 
@@ -193,10 +194,7 @@ def test_each_outputs_loss_tracker_is_a_mean_updated_with_the_outputs_loss():
     """With several outputs, CompileLoss keeps one Mean per output (its metrics) and
     calls its update_state(value, sample_weight=rows) at each call: what kmgpu wraps on
     a replica's trackers."""
-    inputs = keras.Input((3,))
-    model = keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs),
-                                 "b": keras.layers.Dense(1, name="b")(inputs)})
-    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mae"})
+    model = two_output_model()
     x = np.ones((5, 3), "float32")
     y = {"a": np.zeros((5, 1), "float32"), "b": np.ones((5, 1), "float32")}
     y_pred = model(x)
