@@ -9,7 +9,7 @@ from kmgpu.engines import datasets, lr, replication
 
 def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epochs=0,
                 sync_batchnorm=False, reset_states="epoch", drop_remainder=False,
-                shard_optimizer=False, tf32=True):
+                shard=None, shard_optimizer=False, tf32=True):
     """Wrap a Keras model (built, or a Sequential built by its first batch) so fit /
     evaluate / predict run on several devices.
 
@@ -36,11 +36,13 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
             ``parallel.reset_states()``).
         drop_remainder: stateful RNNs: drop the samples after the last whole batch
             instead of raising an error.
-        shard_optimizer: True lays the optimizer's state (Adam's moments, momentum...)
-            out over the devices, 1/N on each (ZeRO stage 1); weights and gradients
-            stay replicated. JAX (any optimizer) and torch (Keras's elementwise
-            optimizers: SGD, Adam, AdamW, RMSprop, Adagrad, Lion, Nadam, Adamax); a
-            no-op on one device.
+        shard: what is laid out over the devices, 1/N on each: None (nothing, the
+            default), "optimizer" (the optimizer's state: Adam's moments, momentum...;
+            ZeRO stage 1), "gradients" (and the gradients; ZeRO-2) or "weights" (and
+            the weights, gathered as they are used; ZeRO-3 / FSDP). JAX (any
+            optimizer) and torch (Keras's elementwise optimizers: SGD, Adam, AdamW,
+            RMSprop, Adagrad, Lion, Nadam, Adamax); a no-op on one device.
+        shard_optimizer: True is ``shard="optimizer"``.
         tf32: torch on CUDA: float32 matmuls and convolutions inside kmgpu's steps
             use TF32, as JAX and TensorFlow do by default (True), or full float32
             (False); the process's own torch settings stay as they are outside them.
@@ -49,7 +51,7 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
         A ``ParallelModel``.
     """
     options = plan.options(batch, scale_lr, warmup_epochs, sync_batchnorm, reset_states,
-                           drop_remainder, shard_optimizer, tf32)
+                           drop_remainder, shard, shard_optimizer, tf32)
     config, backend, engine = connector.connect(model, gpus, options)
     if engine is not None:  # else built from the first batch, as plain Keras does
         _warn_one_device(engine, config, stacklevel=3)
@@ -62,9 +64,9 @@ def _warn_one_device(engine, config, stacklevel):
             f"kmgpu: one device ({engine.device_names[0]}) - running as a single replica.",
             stacklevel=stacklevel,
         )
-        if config.shard_optimizer:
-            warnings.warn("kmgpu: shard_optimizer=True on one device: nothing to shard, the "
-                          "optimizer state stays whole on that device (a no-op).",
+        if config.shard:
+            warnings.warn(f"kmgpu: shard={config.shard!r} on one device: nothing to shard, "
+                          "everything stays whole on that device (a no-op).",
                           stacklevel=stacklevel)
 
 

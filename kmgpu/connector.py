@@ -10,10 +10,10 @@ from kmgpu import checks, environment, hardware, plan, versions
 from kmgpu.engines import engine_class, replication
 from kmgpu.engines.base import Config
 
-#: backends whose engine has no sharded optimizer state (``shard_optimizer=True``): why
-NO_SHARDED_OPTIMIZER = {
-    "tensorflow": "tf.distribute.MirroredStrategy has no sharded optimizer state (every "
-                  "replica keeps a whole copy)",
+#: backends whose engine shards nothing (``shard=``): why
+NO_SHARDING = {
+    "tensorflow": "tf.distribute.MirroredStrategy keeps a whole copy of the weights, the "
+                  "gradients and the optimizer state on every replica",
 }
 
 
@@ -76,11 +76,11 @@ def _engine(model, config, backend):
 
 
 def _check_options(options, backend):
-    if options["shard_optimizer"] and backend in NO_SHARDED_OPTIMIZER:
+    shard = options["shard"]
+    if shard and backend in NO_SHARDING:
         raise NotImplementedError(
-            f"shard_optimizer=True: {NO_SHARDED_OPTIMIZER[backend]}. The JAX and torch "
-            "backends have it (KERAS_BACKEND=jax or torch); or pass shard_optimizer=False "
-            "(the default).")
+            f"shard={shard!r}: {NO_SHARDING[backend]}. The JAX and torch backends shard "
+            "(KERAS_BACKEND=jax or torch); or pass shard=None (the default).")
 
 
 def unbuilt(model):

@@ -14,17 +14,21 @@ import warnings
 from kmgpu.engines import global_losses, model_fixes, replication
 
 BATCH_POLICIES = ("global", "per_replica")
+#: what ``shard=`` lays out over the devices, 1/N on each: the optimizer state (ZeRO-1),
+#: the gradients too (ZeRO-2), the weights too (ZeRO-3 / FSDP); None: nothing
+SHARD_CHOICES = (None, "optimizer", "gradients", "weights")
 RESET_CHOICES = ("epoch", None)  # stateful RNNs: zero the states each epoch, or never
 KERAS_DEFAULT_BATCH = 32
 
 
 def options(batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False,
-            reset_states="epoch", drop_remainder=False, shard_optimizer=False, tf32=True):
+            reset_states="epoch", drop_remainder=False, shard=None, shard_optimizer=False,
+            tf32=True):
     """Check ``parallelize``'s options; raise ValueError/TypeError saying what to pass.
 
     Returns:
-        The options by name (``scale_lr`` None made True or False), for the run's
-        ``Config`` (``connector.connect`` makes it).
+        The options by name (``scale_lr`` None made True or False, ``shard_optimizer=True``
+        made ``shard="optimizer"``), for the run's ``Config`` (``connector.connect`` makes it).
     """
     if batch not in BATCH_POLICIES:
         raise ValueError(
@@ -56,12 +60,23 @@ def options(batch="global", scale_lr=None, warmup_epochs=0, sync_batchnorm=False
         raise TypeError(f"drop_remainder must be True or False, not {drop_remainder!r}.")
     if not isinstance(shard_optimizer, bool):
         raise TypeError(f"shard_optimizer must be True or False, not {shard_optimizer!r}.")
+    if shard not in SHARD_CHOICES:
+        raise ValueError(
+            f"shard={shard!r}: pass None (nothing sharded), 'optimizer' (the optimizer state "
+            "1/N per device, ZeRO-1), 'gradients' (and the gradients, ZeRO-2) or 'weights' "
+            "(and the weights, ZeRO-3 / FSDP).")
+    if shard_optimizer:
+        if shard not in (None, "optimizer"):
+            raise ValueError(
+                f"shard_optimizer=True is shard='optimizer', but shard={shard!r} was passed "
+                "too: pass only shard=...")
+        shard = "optimizer"
     if not isinstance(tf32, bool):
         raise TypeError(f"tf32 must be True (TF32 float32 matmuls on CUDA, as JAX and "
                         f"TensorFlow) or False (full float32), not {tf32!r}.")
     return dict(batch=batch, scale_lr=scale_lr, warmup_epochs=warmup_epochs,
                 sync_batchnorm=sync_batchnorm, reset_states=reset_states,
-                drop_remainder=drop_remainder, shard_optimizer=shard_optimizer, tf32=tf32)
+                drop_remainder=drop_remainder, shard=shard, tf32=tf32)
 
 
 def global_batch(config, batch_size, num_replicas):
@@ -141,28 +156,40 @@ def describe(*, backend, engine, config, template, samples=None, batch_size=None
     return "kmgpu plan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
 
 
+#: what each ``shard`` value lays out over the devices
+SHARDED = {None: (), "optimizer": ("optimizer",), "gradients": ("optimizer", "gradients"),
+           "weights": ("optimizer", "gradients", "weights")}
+
+
 def _memory(engine, config, template, grads):
-    """Bytes per device of the weights, the gradients and the optimizer state, with
-    ``shard_optimizer`` and without (activations and temporaries not counted)."""
+    """Bytes per device of the weights, the gradients and the optimizer state, as
+    ``shard`` lays them out (activations and temporaries not counted): measured by the
+    engine where it shards them (``Engine.sharded_bytes``), else whole / N."""
     n = engine.num_replicas
     w = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in replication.weights(template))
-    text = f"weights {_bytes(w)}, gradients {_bytes(grads)} (whole on every device), optimizer "
     opt = getattr(template, "optimizer", None)
-    whole = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in replication.optimizer_state(
+    o = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in replication.optimizer_state(
         opt)) if opt is not None and opt.built else None
-    shard = engine.optimizer_bytes(template) if n > 1 else None
-    if shard is None and whole is None:
-        sharded = f"1/{n} per device (shard_optimizer=True), " if config.shard_optimizer else ""
-        return text + f"state: {sharded}bytes known once the optimizer is built (after the first fit)"
-    if shard is None:
-        return text + f"state {_bytes(whole)} (whole on every device)"
-    per, whole, kept = shard
-    kept_text = f"; {_bytes(kept)} of it whole: no dimension splits over {n}" if kept else ""
-    if config.shard_optimizer:
-        return (text + f"state {_bytes(per)} (shard_optimizer=True: 1/{n} of "
-                f"{_bytes(whole)}{kept_text})")
-    return (text + f"state {_bytes(whole)} (whole on every device; shard_optimizer=True: "
-            f"{_bytes(per)}{kept_text})")
+    sharded = SHARDED[config.shard] if n > 1 else ()
+    parts = []
+    for kind, whole in (("weights", w), ("gradients", grads), ("optimizer state", o)):
+        key = kind.split()[0]
+        measured = engine.sharded_bytes(template, key) if n > 1 else None
+        if whole is None and measured is None:
+            part = "known once the optimizer is built (after the first fit)"
+            parts.append(f"{kind}: 1/{n} per device, {part}" if key in sharded else
+                         f"{kind}: {part}")
+            continue
+        if measured is None:
+            measured = (math.ceil(whole / n), whole, 0)
+        per, whole, kept = measured
+        kept_text = f", {_bytes(kept)} of it whole: no dimension splits over {n}" if kept else ""
+        if key in sharded:
+            parts.append(f"{kind} {_bytes(per)} (1/{n} of {_bytes(whole)}{kept_text})")
+        else:
+            parts.append(f"{kind} {_bytes(whole)} (whole)")
+    where = f"shard={config.shard!r}" if config.shard and n > 1 else "whole on every device"
+    return f"{', '.join(parts)}; {where}"
 
 
 def _itemsize(dtype):

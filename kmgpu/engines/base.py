@@ -47,10 +47,16 @@ class Config:
     reset_states: Optional[str] = "epoch"
     #: stateful RNNs: drop the samples after the last whole batch
     drop_remainder: bool = False
-    #: the optimizer state laid out over the devices (ZeRO-1)
-    shard_optimizer: bool = False
+    #: laid out over the devices, 1/N on each: None, "optimizer" (ZeRO-1), "gradients"
+    #: (ZeRO-2: and the gradients) or "weights" (ZeRO-3 / FSDP: and the weights)
+    shard: Optional[str] = None
     #: torch on CUDA: float32 matmuls in TF32 inside kmgpu's steps (``torch/precision.py``)
     tf32: bool = True
+
+    @property
+    def shard_optimizer(self):
+        """The optimizer state is 1/N per device: every ``shard`` value shards it."""
+        return self.shard is not None
 
     @property
     def device_names(self):
@@ -109,11 +115,11 @@ class Engine(abc.ABC):
         """How each replica's train step runs, for describe() (None: say nothing)."""
         return None
 
-    def optimizer_bytes(self, template):
-        """The optimizer state sharded over the devices (``shard_optimizer``), for
-        describe(): (bytes on the fullest device, whole bytes, bytes kept whole on every
-        device), measured where it is sharded, else what sharding would give; None when
-        this engine does not shard it."""
+    def sharded_bytes(self, template, kind):
+        """What ``shard`` lays out of ``kind`` ("weights", "gradients" or "optimizer"),
+        for describe(): (bytes on the fullest device, whole bytes, bytes kept whole on
+        every device) measured where this engine shards it; None to let describe()
+        say whole / N (or whole, where ``shard`` does not cover ``kind``)."""
         return None
 
     def batchnorm_mode(self):

@@ -18,6 +18,23 @@ def test_not_a_bool_is_refused():
         kmgpu.parallelize(mlp(), shard_optimizer="yes")
 
 
+@pytest.mark.parametrize("shard", ["all", True, "weight"])
+def test_an_unknown_shard_value_is_refused(shard):
+    with pytest.raises(ValueError, match="pass None .* 'optimizer' .* 'gradients' .* 'weights'"):
+        kmgpu.parallelize(mlp(), shard=shard)
+
+
+def test_shard_optimizer_is_shard_optimizer_value():
+    """``shard_optimizer=True`` is ``shard="optimizer"``; beside another value it is refused."""
+    from kmgpu import plan
+
+    assert plan.options(shard_optimizer=True)["shard"] == "optimizer"
+    assert plan.options(shard="optimizer", shard_optimizer=True)["shard"] == "optimizer"
+    with pytest.raises(ValueError, match="shard_optimizer=True is shard='optimizer', but "
+                                         "shard='weights' was passed too"):
+        kmgpu.parallelize(mlp(), shard="weights", shard_optimizer=True)
+
+
 def test_refused_before_any_work_or_sharded():
     """TensorFlow refuses before any work; JAX and torch take it."""
     model = mlp()
@@ -25,14 +42,20 @@ def test_refused_before_any_work_or_sharded():
     before = [w.copy() for w in model.get_weights()]
     if hardware.backend_name() in ("jax", "torch"):
         parallel = kmgpu.parallelize(model, shard_optimizer=True)
-        assert "state: 1/4 per device (shard_optimizer=True)" in str(parallel.describe())
+        text = str(parallel.describe())
+        assert "optimizer state: 1/4 per device, known once" in text
+        assert "shard='optimizer'" in text
         for a, b in zip(before, model.get_weights()):
             assert np.array_equal(a, b)
         return
-    with pytest.raises(NotImplementedError, match="MirroredStrategy has no sharded optimizer"
-                       ) as e:
+    for shard in ("optimizer", "gradients", "weights"):
+        with pytest.raises(NotImplementedError, match="MirroredStrategy keeps a whole copy"
+                           ) as e:
+            kmgpu.parallelize(model, shard=shard)
+        assert f"shard={shard!r}" in str(e.value)
+        assert "The JAX and torch backends shard" in str(e.value)
+    with pytest.raises(NotImplementedError, match="shard='optimizer'"):
         kmgpu.parallelize(model, shard_optimizer=True)
-    assert "The JAX and torch backends have it" in str(e.value)
     assert not model.optimizer.built  # nothing ran: no optimizer state was made
     for a, b in zip(before, model.get_weights()):
         assert np.array_equal(a, b)
@@ -47,7 +70,7 @@ def test_an_unbuilt_model_is_checked_up_front_too():
         parallel = kmgpu.parallelize(model, shard_optimizer=True)
         assert not model.built and parallel.num_replicas == 4
     else:
-        with pytest.raises(NotImplementedError, match="The JAX and torch backends have it"):
+        with pytest.raises(NotImplementedError, match="The JAX and torch backends shard"):
             kmgpu.parallelize(model, shard_optimizer=True)
         assert not model.built
 
@@ -106,8 +129,8 @@ def test_use_ema_sharded_equals_one_device(n, every, tmp_path):
     import keras
 
     if hardware.backend_name() == "tensorflow":
-        with pytest.raises(NotImplementedError, match="MirroredStrategy has no sharded "
-                                                      "optimizer"):
+        with pytest.raises(NotImplementedError, match="MirroredStrategy keeps a whole "
+                                                      "copy"):
             kmgpu.parallelize(_ema_model(every), gpus=n, shard_optimizer=True)
         return
     x, y = data("mlp", 34)
@@ -119,7 +142,7 @@ def test_use_ema_sharded_equals_one_device(n, every, tmp_path):
         _copied(ref)
         with few_steps():
             history = parallel.fit(x, y, epochs=2, **fit).history
-        assert f"shard_optimizer=True: 1/{n} of" in str(parallel.describe())  # measured
+        assert f"(1/{n} of" in str(parallel.describe())  # measured
         assert int(keras.ops.convert_to_numpy(model.optimizer.iterations.value)) == 10
         _assert_same(ref, model, ref_history, history)
         assert len(_averages(model)) == len(model.trainable_variables)

@@ -176,12 +176,12 @@ def test_optimizer_bytes_per_device_are_one_nth():
     assert zero.planned_bytes(state, 4) == ((whole - kept) // 4 + kept, whole, kept)
     assert zero.measured_bytes(state) == zero.planned_bytes(state, 4)
     line = [x for x in parallel.describe().splitlines() if "memory/device" in x][0]
-    assert "optimizer state" in line and "shard_optimizer=True: 1/4 of" in line
+    assert "optimizer state" in line and "(1/4 of" in line and "shard='optimizer'" in line
 
 
 def test_one_device_is_a_no_op_said_once():
-    with one_device(), pytest.warns(UserWarning, match="kmgpu: shard_optimizer=True on one "
+    with one_device(), pytest.warns(UserWarning, match="kmgpu: shard='optimizer' on one "
                                                        "device: nothing to shard") as seen:
         parallel = kmgpu.parallelize(mlp(), gpus=1, shard_optimizer=True)
     assert parallel.num_replicas == 1
-    assert sum("shard_optimizer" in str(w.message) for w in seen) == 1
+    assert sum("shard=" in str(w.message) for w in seen) == 1

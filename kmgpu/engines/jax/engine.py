@@ -166,7 +166,9 @@ class JaxEngine(InProcessEngine):
         with data_fixes.replicate_indivisible(self.distribution):
             yield
 
-    def optimizer_bytes(self, template):
+    def sharded_bytes(self, template, kind):
+        if kind != "optimizer":
+            return None
         return zero.state_bytes(self.replica, template, self.distribution,
                                 self.config.shard_optimizer)
 

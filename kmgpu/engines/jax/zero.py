@@ -106,7 +106,7 @@ def planned_bytes(variables, n):
 
 
 def state_bytes(replica, template, distribution, sharded):
-    """``Engine.optimizer_bytes``: measured on ``replica`` when its optimizer is sharded
+    """``Engine.sharded_bytes("optimizer")``: measured on ``replica`` when its optimizer is sharded
     and built, else planned from whichever optimizer is built (None if neither is)."""
     from kmgpu.engines import replication
 

@@ -131,8 +131,8 @@ class TorchEngine(Engine):
                 + fast_layers.describe(template, on_gpu)
                 + fast_layers.describe_ops(template, on_gpu))
 
-    def optimizer_bytes(self, template):
-        return zero.state_bytes(template, self.num_replicas)
+    def sharded_bytes(self, template, kind):
+        return zero.state_bytes(template, self.num_replicas) if kind == "optimizer" else None
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:
