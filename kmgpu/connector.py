@@ -10,12 +10,6 @@ from kmgpu import checks, environment, hardware, plan, versions
 from kmgpu.engines import engine_class, replication
 from kmgpu.engines.base import Config
 
-#: backends whose engine shards nothing (``shard=``): why
-NO_SHARDING = {
-    "tensorflow": "tf.distribute.MirroredStrategy keeps a whole copy of the weights, the "
-                  "gradients and the optimizer state on every replica",
-}
-
 
 def connect(model, gpus, options):
     """Check ``model``, ``gpus`` and ``options``, make the run's one ``Config`` and, for a
@@ -76,11 +70,16 @@ def _engine(model, config, backend):
 
 
 def _check_options(options, backend):
-    shard = options["shard"]
-    if shard and backend in NO_SHARDING:
+    shard, cls = options["shard"], engine_class(backend)
+    if shard is None or shard in cls.shards:
+        return
+    if not cls.shards:
         raise NotImplementedError(
-            f"shard={shard!r}: {NO_SHARDING[backend]}. The JAX and torch backends shard "
+            f"shard={shard!r}: {cls.no_sharding}. The JAX and torch backends shard "
             "(KERAS_BACKEND=jax or torch); or pass shard=None (the default).")
+    raise NotImplementedError(
+        f"shard={shard!r} is not available on the {backend} engine, which shards "
+        f"{', '.join(map(repr, cls.shards))}: pass one of those or shard=None.")
 
 
 def unbuilt(model):

@@ -77,6 +77,9 @@ class Engine(abc.ABC):
     supports_stateful = False
     #: the one-device engine when ``plain_fit_serves`` (None: ``local.LocalEngine``)
     local_engine = None
+    #: the ``shard`` values this engine lays out over its devices, and why it has none
+    shards = ()
+    no_sharding = "this engine keeps a whole copy of everything on every device"
 
     def __init__(self, config):
         self.config = config

@@ -35,6 +35,7 @@ from kmgpu.engines.jax import data_fixes, layer_fixes, optimizer_fixes, step_fix
 
 class JaxEngine(InProcessEngine):
     name = "keras.distribution.DataParallel (jax.sharding)"
+    shards = ("optimizer",)
 
     def __init__(self, config):
         super().__init__(config)

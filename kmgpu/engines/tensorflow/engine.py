@@ -26,6 +26,8 @@ from kmgpu.engines.tensorflow import data, data_fixes, kept_input, layer_fixes, 
 
 class TensorFlowEngine(InProcessEngine):
     name = "tf.distribute.MirroredStrategy"
+    no_sharding = ("tf.distribute.MirroredStrategy keeps a whole copy of the weights, the "
+                   "gradients and the optimizer state on every replica")
 
     def __init__(self, config):
         super().__init__(config)

@@ -31,6 +31,7 @@ class TorchEngine(Engine):
     name = "torch DistributedDataParallel"  # the launcher says more once made
     #: rank r's replica is built for B/N rows and keeps rows r*B/N ... of every batch
     supports_stateful = True
+    shards = ("optimizer",)
 
     def __init__(self, config):
         super().__init__(config)
