@@ -187,3 +187,26 @@ def test_fit_with_ema_overwrites_through_the_optimizers_method_sharing_buffers()
         fixed.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert fixed.layers[0].kernel.value is not \
         fixed.optimizer._model_variables_moving_average[0].value
+
+
+@relies_on(("keras.src.optimizers.base_optimizer", "BaseOptimizer.stateless_apply"))
+def test_the_train_step_hands_the_gradients_to_the_optimizers_stateless_apply():
+    """constrain_gradients wraps it on the replica's optimizer: Keras's JAX train step
+    calls the instance's stateless_apply with one gradient per trainable variable, of its
+    shape, and applies what it returns."""
+    model = tiny_mlp()
+    calls = []
+
+    def recording(original):
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            calls.append([tuple(g.shape) for g in grads])
+            return original(optimizer_variables, [g * 0 for g in grads], trainable_variables)
+        return stateless_apply
+
+    keras_fixes.install(model.optimizer, "stateless_apply", recording)
+    before = model.get_weights()
+    x, y = tiny_xy()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert calls == [[(3, 2), (2,)]]  # traced once
+    for a, b in zip(before, model.get_weights()):  # zero gradients: SGD leaves them
+        np.testing.assert_array_equal(a, b)

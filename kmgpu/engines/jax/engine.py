@@ -30,22 +30,24 @@ Keras's step is kept.
 import contextlib
 
 from kmgpu.engines.base import InProcessEngine
-from kmgpu.engines.jax import data_fixes, layer_fixes, optimizer_fixes, step_fixes, zero
+from kmgpu.engines.jax import data_fixes, host, layer_fixes, optimizer_fixes, step_fixes, zero
 
 
 class JaxEngine(InProcessEngine):
     name = "keras.distribution.DataParallel (jax.sharding)"
-    shards = ("optimizer",)
+    shards = ("optimizer", "gradients", "weights")
 
     def __init__(self, config):
         super().__init__(config)
         import jax
         import keras
 
-        devices = jax.devices()
-        self.distribution = keras.distribution.DataParallel(
-            devices=[devices[i] for i in config.device_ids]
-        )
+        devices = [jax.devices()[i] for i in config.device_ids]
+        self.sharded = bool(config.shard) and len(devices) > 1  # zero.py, host.py
+        if self.sharded and config.shard == "weights":
+            self.distribution = zero.Distribution(devices)
+        else:
+            self.distribution = keras.distribution.DataParallel(devices=devices)
         from kmgpu.engines.jax import runtime
 
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
@@ -67,15 +69,31 @@ class JaxEngine(InProcessEngine):
         return self.distribution.scope()
 
     def _ensure_replica(self, template, lr_scale):
-        replica = super()._ensure_replica(template, lr_scale)
+        d = self.distribution
+        # shard="weights": the variables the replica's layers make are laid out sharded
+        d.sharding_weights = self.sharded and self.config.shard == "weights"
+        try:
+            replica = super()._ensure_replica(template, lr_scale)
+        finally:
+            d.sharding_weights = False
+        optimizer = getattr(replica, "optimizer", None)
         if self.config.shard_optimizer:  # before its optimizer makes a variable
-            zero.shard(getattr(replica, "optimizer", None), self.distribution)
+            zero.shard(optimizer, d)
+        if self.config.shard in ("gradients", "weights"):
+            zero.shard_gradients(optimizer, d)
         # the replica's next step donates its variables: none may share an array
         optimizer_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
         return replica
 
+    def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        if self.sharded:  # the template's whole state stays off the accelerators
+            host.to_host(host.template_variables(template))
+            self._template = template
+        return super().run(method, template, kwargs, lr_scale)
+
     def prepare_replica(self, replica, template):
         d = self.distribution
+        d.sharding_weights = False  # the layers are made: only their weights are sharded
         self._bn = (0, [])
         if not self.config.sync_batchnorm and self.num_replicas > 1:
             self._bn = layer_fixes.local_batchnorm(replica, d)
@@ -102,7 +120,7 @@ class JaxEngine(InProcessEngine):
                         and mark[2] is t.value and mark[3] is r.value)
             if not same[-1]:
                 unsure.append(i)
-        if unsure:
+        if unsure and not self.sharded:  # sharded: no whole copy on a device to compare
             for i, ok in zip(unsure, _equal([pairs[i] for i in unsure])):
                 same[i] = ok
         return same
@@ -117,7 +135,8 @@ class JaxEngine(InProcessEngine):
 
         if self.multiprocess:  # arrays across processes: through NumPy, as before
             for r, t in pairs:
-                t.assign(zero.host_value(r.value))
+                value = zero.host_value(r.value)
+                t.assign(jax.device_put(value, host.device()) if self.sharded else value)
             return
         values = [zero.gather(r.value) for r, _ in pairs]
         into = _reusable([t.value for _, t in pairs], values)
@@ -128,7 +147,8 @@ class JaxEngine(InProcessEngine):
                                         [values[i] for i in into])):
                 pairs[i][1].assign(v)
         if rest:
-            places = [pairs[i][1].value.sharding for i in rest]
+            places = [host.device() if self.sharded else pairs[i][1].value.sharding
+                      for i in rest]
             copies = jax.device_put([values[i] for i in rest], places, may_alias=False)
             for i, v in zip(rest, copies):
                 pairs[i][1].assign(v)
@@ -138,6 +158,8 @@ class JaxEngine(InProcessEngine):
         # put them back only when it ends: a callback that raises leaves them empty
         # (fit does this in a finally). The last step's state is still at hand.
         replica.jax_state_sync()
+        if self.sharded:  # the state copied back next goes to the host
+            host.built_on_host(self._template, replica)
 
     def note_synced(self, pairs):
         self._marks = {id(t): (t, r, t.value, r.value) for t, r in pairs}
@@ -168,10 +190,12 @@ class JaxEngine(InProcessEngine):
             yield
 
     def sharded_bytes(self, template, kind):
-        if kind != "optimizer":
-            return None
-        return zero.state_bytes(self.replica, template, self.distribution,
-                                self.config.shard_optimizer)
+        d, shard = self.distribution, self.config.shard
+        if kind == "weights":
+            return zero.weight_bytes(self.replica, template, d, shard == "weights")
+        if kind == "gradients":
+            return zero.gradient_bytes(template, d, shard in ("gradients", "weights"))
+        return zero.state_bytes(self.replica, template, d, self.config.shard_optimizer)
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:

@@ -54,6 +54,12 @@ PATCHES = [
      "optimizer_fixes.lay_out_optimizer",
      "an optimizer variable built before is re-laid by setting its private _layout and "
      "assigning its value again (_direct_assign places it by _layout)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.stateless_apply",
+     "optimizer_fixes.constrain_gradients",
+     "shard='gradients' / 'weights' (zero.py): Keras's JAX train_step hands the gradients "
+     "of jax.value_and_grad to optimizer.stateless_apply, replicated under DataParallel (an "
+     "all-reduce); wrapped on the replica's optimizer to constrain each gradient to its "
+     "slot's sharded layout first (jax.lax.with_sharding_constraint), so XLA reduce-scatters"),
     ("keras.src.optimizers.base_optimizer",
      "BaseOptimizer._overwrite_model_variables_with_average_value",
      "optimizer_fixes.separate_ema_overwrite",

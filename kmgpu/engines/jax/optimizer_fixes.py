@@ -56,3 +56,31 @@ def separate_ema_overwrite(optimizer):
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is not None and getattr(opt, "use_ema", False):
             keras_fixes.install(opt, name, copying, key="separate_ema_overwrite")
+
+
+def constrain_gradients(optimizer, sharding_of):
+    """``shard="gradients"`` / ``"weights"`` (``zero.py``): inside Keras's jitted train
+    step, each gradient constrained to ``sharding_of(shape)`` (a ``jax.sharding``
+    sharding; None: left as XLA places it) before ``optimizer``'s update.
+
+    Keras's JAX ``train_step`` hands the gradients of ``jax.value_and_grad`` to
+    ``optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)``; an
+    instance attribute on the replica's optimizer (never the user's) wraps it. The
+    constraint tells XLA's SPMD partitioner that each device needs only its piece of the
+    summed gradient: a reduce-scatter instead of an all-reduce. ``optimizer.constrained``
+    records the specs of the last trace (for tests).
+    """
+    import jax
+
+    def constraining(original):
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            out, specs = [], []
+            for g in grads:
+                where = None if g is None else sharding_of(tuple(g.shape))
+                out.append(g if where is None else jax.lax.with_sharding_constraint(g, where))
+                specs.append(None if where is None else tuple(where.spec))
+            object.__setattr__(optimizer, "constrained", specs)
+            return original(optimizer_variables, out, trainable_variables)
+        return stateless_apply
+
+    keras_fixes.install(optimizer, "stateless_apply", constraining, key="constrain_gradients")

@@ -1,0 +1,67 @@
+"""Where the user's model keeps its whole state while ``shard=`` is set: host memory.
+
+Sharding is for a model whose whole state does not fit one accelerator. The replicas hold
+it laid out over the devices (``zero.py``); the user's own model (the template) must not
+hold a whole copy of it on an accelerator too, so with any ``shard`` value its weights and
+its optimizer's variables are arrays on the host CPU device
+(``jax.local_devices(backend="cpu")[0]``, committed there):
+
+- before each call (``to_host``): a template array found on another device (the user built
+  or trained the model on the default accelerator) is moved to the host;
+- the template's optimizer, when kmgpu builds it to receive the trained state, is built on
+  the host (``built_on_host``);
+- after ``fit`` the engine's ``copy_back`` writes the replicas' state to the template's
+  arrays, which are on the host: a sharded value is gathered there, piece by piece.
+
+So ``model.save``, ``load_model``, ``get_weights`` and kmgpu's next call read host memory.
+A direct call on the model itself (``model.predict`` outside kmgpu) then runs where its
+arrays are, on the host CPU; ``keras``'s own ``fit`` puts them back on the accelerator.
+On a machine without accelerators the host device is device 0 (nothing moves).
+"""
+
+
+def device():
+    """The host CPU device the template's whole state lives on."""
+    import jax
+
+    return jax.local_devices(backend="cpu")[0]
+
+
+def to_host(variables):
+    """Move each variable's array that is not on the host CPU device there (one batched
+    transfer)."""
+    import jax
+
+    host = device()
+    away = [v for v in variables if getattr(v, "value", None) is not None
+            and v.value.devices() != {host}]
+    if away:
+        for v, a in zip(away, jax.device_put([v.value for v in away], host, may_alias=False)):
+            v.assign(a)
+
+
+def template_variables(template):
+    """The template's weights and its optimizer's state (where built): what sharding keeps
+    off the accelerators."""
+    from kmgpu.engines import replication
+
+    variables = list(replication.weights(template))
+    opt = getattr(template, "optimizer", None)
+    if opt is not None and opt.built:
+        variables += replication.optimizer_state(opt)
+    return variables
+
+
+def built_on_host(template, replica):
+    """Build the template's optimizer on the host when the replica's is built and the
+    template's is not: the trained state is copied back into it next (Keras builds an
+    optimizer's variables on the default device, an accelerator)."""
+    import jax
+
+    opt = getattr(template, "optimizer", None)
+    theirs = getattr(replica, "optimizer", None)
+    if opt is None or opt.built or theirs is None or not theirs.built:
+        return
+    with jax.default_device(device()):
+        opt.build(template.trainable_variables)
+    to_host(template_variables(template))
