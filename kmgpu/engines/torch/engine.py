@@ -31,7 +31,7 @@ class TorchEngine(Engine):
     name = "torch DistributedDataParallel"  # the launcher says more once made
     #: rank r's replica is built for B/N rows and keeps rows r*B/N ... of every batch
     supports_stateful = True
-    shards = ("optimizer",)
+    shards = ("optimizer", "gradients")
 
     def __init__(self, config):
         super().__init__(config)
@@ -127,13 +127,17 @@ class TorchEngine(Engine):
         text = graphs.describe(template, on_gpu, self.num_replicas, self.config.sync_batchnorm,
                                tf32=self.config.tf32)
         if self.config.shard_optimizer and self.num_replicas > 1:
-            text = zero.describe(text, self.num_replicas, template)
+            text = zero.describe(text, self.num_replicas, template, self.config.shard)
         return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
                 + fast_layers.describe(template, on_gpu)
                 + fast_layers.describe_ops(template, on_gpu))
 
     def sharded_bytes(self, template, kind):
-        return zero.state_bytes(template, self.num_replicas) if kind == "optimizer" else None
+        if kind == "optimizer":
+            return zero.state_bytes(template, self.num_replicas)
+        if kind == "gradients" and self.config.shard in ("gradients", "weights"):
+            return zero.grad_bytes(template, self.num_replicas)
+        return None
 
     def batchnorm_mode(self):
         if self.num_replicas == 1:

@@ -329,6 +329,9 @@ class TrainGraphs(Replay):
         self.split, self.loss, self.y_pred = split, loss, y_pred
         self.n_real, self.n_global = n_real, n_global
         self.graph_b, self.logs = None, None
+        #: the gradient buffers graph A writes (ZeRO-2 makes them inside the capture:
+        #: one set per graph, in its memory pool); None: the step's own, always the same
+        self.buffers = None
 
     def run(self, batch, say=None):
         """One step; ``ReplayFailed`` when graph A's replay raises (nothing ran: the
@@ -336,6 +339,8 @@ class TrainGraphs(Replay):
         If graph B's replay raises, B runs eagerly from here on."""
         self.replay(batch)
         split = self.split
+        if self.buffers is not None:
+            split.use(self.buffers)
         split.exchange()  # the all-reduce (sharded: reduce-scatter), eager
         if self.graph_b is not None:
             try:
@@ -402,9 +407,13 @@ class CapturedStep(CapturedSteps):
     def _record(self, kind, static, rows):
         split = self.split
         n_real, n_global = rows
-        graph_a, (loss, y_pred) = capture(
-            lambda: split.forward_backward(*static, n_real, n_global))
+        # the gradient buffers are outputs of graph A too: with ZeRO-2 the step makes
+        # them inside the capture (``SplitStep.begin``), so they are this graph's
+        graph_a, ((loss, y_pred), _) = capture(
+            lambda: (split.forward_backward(*static, n_real, n_global), split.flats))
         entry = TrainGraphs(split, static, graph_a, loss, y_pred, n_real, n_global)
+        if split.transient:
+            entry.buffers = split.current
         if self.capture_update:
             try:
                 entry.graph_b, entry.logs = capture(

@@ -90,6 +90,23 @@ class Buffers:
             self.tails.append(flat[n:])
             self.members.append(members)
 
+    def fresh(self):
+        """(new zeroed flat buffers laid out as these, one view per tensor of them, their
+        heads, their tails): the same layout in other memory (``generation`` unchanged:
+        a step that makes its gradient buffers anew each time, ``split_step``)."""
+        flats = [torch.zeros(f.numel(), dtype=f.dtype, device=f.device) for f in self.flats]
+        heads = [f[:h.numel()] for f, h in zip(flats, self.heads)]
+        tails = [f[h.numel():] for f, h in zip(flats, self.heads)]
+        return flats, self.like(flats), heads, tails
+
+    def drop(self):
+        """Free the buffers' memory, keeping the layout (``fresh`` makes more): each flat
+        becomes one element repeated (stride 0), as long as before."""
+        self.flats = [f.new_zeros(1).expand(f.numel()) for f in self.flats]
+        self.heads = [f[:h.numel()] for f, h in zip(self.flats, self.heads)]
+        self.tails = [f[h.numel():] for f, h in zip(self.flats, self.heads)]
+        self.views = [None] * len(self.views)
+
     def split(self, k, flat):
         """Views of ``flat``, a buffer laid out as buffer ``k``: one per tensor of it."""
         return [flat[self.start[i]:self.start[i] + self.shapes[i].numel()].view(self.shapes[i])

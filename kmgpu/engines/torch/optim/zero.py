@@ -81,11 +81,13 @@ class Shards:
         optimizer: the Keras optimizer (built here if needed, as Keras's apply does).
         trainable: the trainable variables, the step's order.
         rank, world: this rank and the number of ranks.
+        transient: the step makes its whole gradient buffers anew each step (ZeRO-2,
+            ``split_step``): ``grad_buffers`` comes at every step, ``drop_grads`` after.
     """
 
-    def __init__(self, optimizer, trainable, rank, world):
+    def __init__(self, optimizer, trainable, rank, world, transient=False):
         check(optimizer)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.transient = rank, world, transient
         # the weights become views of flat buffers padded to ``world`` equal aligned
         # pieces; the state of this rank's piece is taken from the Keras slots below
         self.flat = flat_optim.FlatOptimizer(optimizer, trainable, rank, world)
@@ -98,17 +100,26 @@ class Shards:
         # off rank 0 with ``use_ema``)
         self.ema_held = False
         self.stepped = False  # a step ran since the last materialize (every rank alike)
-        self.release()
         self.grad_flats = self.grad_pieces = None
+        self.release()
 
     def grad_buffers(self, flats):
         """Use ``flats``, the step's flat gradient buffers (laid out as the weights), and
-        make this rank's gradient pieces of them."""
+        make this rank's gradient pieces of them: views where the gradient is
+        all-reduced whole, else tensors of their own, made once (a captured update
+        reads them at the same address whichever step's buffers are in use)."""
         self.grad_flats = list(flats)
         if self.whole:  # all-reduced whole: the piece is a view
             self.grad_pieces = [f[p.lo:p.hi] for f, p in zip(flats, self.flat.pieces)]
-        else:
+        elif self.grad_pieces is None:
             self.grad_pieces = [f.new_zeros(p.hi - p.lo) for f, p in zip(flats, self.flat.pieces)]
+
+    def drop_grads(self):
+        """Let go of the step's whole gradient buffers (``transient``): only this rank's
+        own pieces stay (none where the gradient is all-reduced whole)."""
+        self.grad_flats = None
+        if self.whole:
+            self.grad_pieces = None
 
     # -- one step -----------------------------------------------------------------------
     def exchange(self):
@@ -258,12 +269,30 @@ def state_bytes(template, world):
     return per, whole, kept
 
 
-def describe(text, world, template):
+def grad_bytes(template, world):
+    """For describe(): (gradient bytes each of ``world`` ranks keeps between steps with
+    shard="gradients": its piece of each dtype's padded flat buffer, whole bytes, 0);
+    within a step the whole buffers exist (or with clipnorm / global_clipnorm /
+    mixed_float16, where they are all-reduced whole, no piece is kept at all)."""
+    by_dtype = {}
+    for v in template.trainable_weights:
+        by_dtype.setdefault(v.value.dtype, []).append(v.value)
+    if not by_dtype:
+        return None
+    whole = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
+    per = sum(flat_layout.offsets(ts, world)[1] // world * ts[0].element_size()
+              for ts in by_dtype.values())
+    return per, whole, 0
+
+
+def describe(text, world, template, shard="optimizer"):
     """``graphs.describe``'s words for ``template``'s step, made to say what a sharded
     step does."""
+    stage = ("ZeRO-2: the whole gradient freed once reduce-scattered" if shard == "gradients"
+             else "ZeRO-1")
     what = (f"forward+backward into a flat gradient buffer, reduce-scatter (all-reduce with "
             f"clipnorm/global_clipnorm/mixed_float16), the optimizer on this rank's 1/{world} "
-            f"of the state (ZeRO-1), all-gather of the weights, metrics")
+            f"of the state ({stage}), all-gather of the weights, metrics")
     if text.startswith("Keras's eager step"):  # a CPU: the split step runs eagerly
         return f"split step ({what}), eager: CUDA graphs need GPUs"
     unsharded = ("forward+backward into a flat gradient buffer, one all-reduce, optimizer "

@@ -119,7 +119,7 @@ class RankSteps:
             for flat in flats:
                 dist.all_reduce(flat)
 
-        shard = s.config.shard_optimizer and s.world > 1
+        shard = s.config.shard if s.world > 1 else None
         split = graphs.SplitStep(replica, world=s.world, reduce=reduce if s.world > 1
                                  else None, averaged=averaged, rows=rows, forward=forward,
                                  rank=s.rank, shard=shard)

@@ -41,20 +41,27 @@ class SplitStep:
             replica, every row real.
         forward: ``forward(n_real)`` is a context manager around the forward pass.
         rank: this replica's rank, for ``shard``.
-        shard: the optimizer state sharded over the ranks (``zero``, ZeRO-1): the
-            gradient reduce-scattered, each rank's piece updated, the weights
-            all-gathered; False: all-reduced and updated whole on every rank.
+        shard: what is sharded over the ranks (``Config.shard``; True is "optimizer"):
+            "optimizer" (``zero``, ZeRO-1): the gradient reduce-scattered, each rank's
+            piece updated with its piece of the optimizer state, the weights
+            all-gathered; "gradients" (ZeRO-2): the same, and the whole gradient
+            buffers are made anew for each step and freed once reduce-scattered, so
+            between steps a rank holds only its piece of the gradient (``transient``);
+            None / False: all-reduced and updated whole on every rank.
     """
 
     def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None,
                  rank=0, shard=False):
         self.model, self.world, self.reduce = model, world, reduce
+        shard = "optimizer" if shard is True else (shard or None)
         self.rank, self.shard, self.zero = rank, shard, None
+        #: the whole gradient buffers exist only within a step (ZeRO-2)
+        self.transient = shard == "gradients"
         self.averaged = list(averaged)
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
         self.forward = forward or (lambda n_real: contextlib.nullcontext())
         self.trainable, self.buffers, self.used, self._key = None, None, None, None
-        self.grads, self.stats = [], []  # the buffers' gradient and statistics parts
+        self.current = None  # this step's ``GradBuffers`` (transient: None between steps)
         self.flat, self.optimizer_path = None, None  # the flat optimizer, or why not
 
     def layout(self):
@@ -71,15 +78,19 @@ class SplitStep:
         # sharded: the gradient heads padded to equal pieces, one per rank
         self.buffers = flat_layout.Buffers(tensors, self.world if self.shard else 1,
                                            lead=len(trainable))
-        # the trainable variables' dtypes come first, in the flat optimizer's order
-        self.grads = [h for h in self.buffers.heads if h.numel()]
-        self.stats = [t for t in self.buffers.tails if t.numel()]
+        self.current = GradBuffers.of(self.buffers)
         self.zero = None
         if self.shard:
-            self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world)
+            self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world,
+                                    transient=self.transient)
             self.zero.grad_buffers(self.grads)
+            stage = "ZeRO-2: 1/N of the gradient kept" if self.transient else "ZeRO-1"
             self.optimizer_path = (f"kmgpu's flat {self.zero.flat.kind} update on this "
-                                   f"rank's 1/{self.world} of the state (ZeRO-1)")
+                                   f"rank's 1/{self.world} of the state ({stage})")
+        if self.transient:  # made anew by each step (``begin``), freed by ``finish``
+            self.buffers.drop()
+            self.current = None
+            self.zero.drop_grads()
         else:
             self.optimizer_path = None
         self.trainable, self._key, self.used = trainable, key, None
@@ -88,10 +99,35 @@ class SplitStep:
 
     @property
     def flats(self):
-        return self.buffers.flats
+        return self.current.flats
+
+    @property
+    def grads(self):
+        """The gradient parts of the buffers, one per dtype (the flat optimizer's order)."""
+        return self.current.grads
+
+    @property
+    def stats(self):
+        """The statistics parts of the buffers (after the gradients)."""
+        return self.current.stats
+
+    def begin(self):
+        """Before stage A: with ``transient``, this step's whole gradient buffers, new
+        (inside a CUDA graph capture they come from the graph's memory pool, at the
+        address each replay writes; ``use`` puts a graph's back before its exchange)."""
+        if self.transient:
+            self.use(GradBuffers.fresh(self.buffers))
+        return self.current
+
+    def use(self, buffers):
+        """Make ``buffers`` (a ``GradBuffers``) the ones the exchange and stage B read."""
+        self.current = buffers
+        if self.zero is not None:
+            self.zero.grad_buffers(buffers.grads)
 
     def forward_backward(self, x, y, sw, n_real, n_global):
         """Stage A: returns (loss, y_pred), both detached; the gradients are in ``flats``."""
+        self.begin()
         model = self.model
         with self.forward(n_real):
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
@@ -103,7 +139,7 @@ class SplitStep:
         if self.used is None:
             self.used = [g is not None for g in grads]
         n = len(self.trainable)
-        views = self.buffers.views
+        views = self.current.views
         with torch.no_grad():
             _copy([views[i] for i in range(n) if grads[i] is not None],
                   [g for g in grads if g is not None])
@@ -144,7 +180,7 @@ class SplitStep:
         """
         model = self.model
         n = len(self.trainable)
-        views = self.buffers.views
+        views = self.current.views
         with torch.no_grad():
             for view, v in zip(views[n:], self.averaged):
                 v.value.copy_(view)
@@ -200,9 +236,43 @@ class SplitStep:
             self.reduce(self.flats)
 
     def finish(self):
-        """After B (eager): with ``shard``, the all-gather of the updated weights."""
+        """After B (eager): with ``shard``, the all-gather of the updated weights; with
+        ``transient``, this step's whole gradient buffers let go (a captured graph's
+        stay in its memory pool, as its activations do)."""
         if self.zero is not None:
             self.zero.gather()
+        if self.transient:
+            self.current = None
+            self.zero.drop_grads()
+
+    def held_bytes(self):
+        """Bytes of the tensors this step keeps between steps, by kind: "weights" (the
+        flat weights), "gradients" (whole gradient buffers, or this rank's pieces),
+        "optimizer" (the flat optimizer state; ZeRO: this rank's pieces) — the
+        storage each one holds, so a freed buffer counts 0."""
+        def size(ts):
+            seen, total = set(), 0
+            for t in ts:
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen and t.stride(-1) != 0:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+            return total
+
+        out = {"weights": size(self.flat_weights()), "gradients": 0, "optimizer": 0}
+        grads = list(self.current.flats) if self.current is not None else []
+        if self.zero is not None:
+            grads += [p for p in self.zero.grad_pieces or () if not self.zero.whole]
+            out["optimizer"] = self.zero.state_bytes()[0]
+        elif self.flat is not None:
+            out["optimizer"] = size(f for b in self.flat.state.values() for f in b.flats)
+        out["gradients"] = size(grads)
+        return out
+
+    def flat_weights(self):
+        """The flat weight buffers (empty before the flat optimizer exists)."""
+        flat = self.zero.flat if self.zero is not None else self.flat
+        return list(flat.params) if flat is not None else []
 
     def step(self, x, y, sw, n_real, n_global):
         """A, all-reduce, B, eagerly."""
@@ -211,6 +281,28 @@ class SplitStep:
         logs = self.update(x, y, sw, loss, y_pred, n_real, n_global)
         self.finish()
         return logs
+
+
+class GradBuffers:
+    """One step's flat gradient buffers (laid out as a ``flat_layout.Buffers``): per
+    dtype ``flats``, the ``grads`` (heads, the gradients) and ``stats`` (tails, the
+    statistics averaged), and one view per tensor (``views``)."""
+
+    def __init__(self, flats, views, heads, tails):
+        self.flats, self.views = flats, views
+        # the trainable variables' dtypes come first, in the flat optimizer's order
+        self.grads = [h for h in heads if h.numel()]
+        self.stats = [t for t in tails if t.numel()]
+
+    @classmethod
+    def of(cls, buffers):
+        """The buffers' own memory."""
+        return cls(buffers.flats, buffers.views, buffers.heads, buffers.tails)
+
+    @classmethod
+    def fresh(cls, buffers):
+        """New zeroed memory laid out as ``buffers``."""
+        return cls(*buffers.fresh())
 
 
 #: which update stage B runs for a model, in words (for ``describe()``)
