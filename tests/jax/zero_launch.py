@@ -1,7 +1,8 @@
 """What tests/jax/test_launch.py starts with ``kmgpu launch`` on 2 "hosts" x 1 process:
-an Adam fit with ``shard_optimizer=True`` (the slots' shards on different processes),
-then ``$KMGPU_TEST_OUT/zero<r>.json`` with the largest relative difference of the weights
-and of the optimizer variables to a one-process fit, and this process's optimizer bytes;
+an Adam fit with ``shard_optimizer=True`` (the slots' shards on different processes) and
+one with ``shard="weights"`` (the weights' shards too), then ``$KMGPU_TEST_OUT/zero<r>.json``
+with the largest relative difference of the weights and of the optimizer variables to a
+one-process fit, and this process's optimizer bytes (weight bytes for the second);
 then tests/launch/train.py (the parity and kill test every backend's launch runs), so one
 launch serves both tests.
 """
@@ -42,10 +43,25 @@ def main():
         "bytes": zero.measured_bytes(state),
         "planned": zero.planned_bytes(state, parallel.num_replicas),
     }
+    parallel.close()
+    # shard="weights": the weights too, each process holding its half; the same reference
+    model = mlp()
+    parallel = kmgpu.parallelize(model, shard="weights")
+    parallel.compile(optimizer="adam", loss="mse")
+    parallel.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    weights = replication.weights(parallel._engine.replica)
+    result["fsdp"] = {
+        "weights": rel_diff(ref.get_weights(), model.get_weights()),
+        "optimizer": rel_diff([np.asarray(v) for v in ref.optimizer.variables],
+                              [np.asarray(v) for v in model.optimizer.variables]),
+        "bytes": zero.measured_bytes(weights),
+        "planned": zero.planned_bytes(weights, parallel.num_replicas, zero.shards_weight),
+        "predict": rel_diff([ref.predict(x, verbose=0)], [parallel.predict(x, verbose=0)]),
+    }
+    parallel.close()
     with open(os.path.join(os.environ["KMGPU_TEST_OUT"],
                            f"zero{environment.process_index()}.json"), "w") as f:
         json.dump(result, f)
-    parallel.close()
 
 
 if __name__ == "__main__":

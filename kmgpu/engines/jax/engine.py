@@ -70,12 +70,7 @@ class JaxEngine(InProcessEngine):
 
     def _ensure_replica(self, template, lr_scale):
         d = self.distribution
-        # shard="weights": the variables the replica's layers make are laid out sharded
-        d.sharding_weights = self.sharded and self.config.shard == "weights"
-        try:
-            replica = super()._ensure_replica(template, lr_scale)
-        finally:
-            d.sharding_weights = False
+        replica = super()._ensure_replica(template, lr_scale)
         optimizer = getattr(replica, "optimizer", None)
         if self.config.shard_optimizer:  # before its optimizer makes a variable
             zero.shard(optimizer, d)
@@ -93,7 +88,6 @@ class JaxEngine(InProcessEngine):
 
     def prepare_replica(self, replica, template):
         d = self.distribution
-        d.sharding_weights = False  # the layers are made: only their weights are sharded
         self._bn = (0, [])
         if not self.config.sync_batchnorm and self.num_replicas > 1:
             self._bn = layer_fixes.local_batchnorm(replica, d)

@@ -16,9 +16,8 @@
   the all-reduce + slice into a reduce-scatter; its CPU pipeline keeps the all-reduce and
   slices it.)
 - ``"weights"`` (ZeRO-3 / FSDP): and the weights. The replica's variables are created laid
-  out by the same rule (``Distribution``: for the variables the model's layers make while
-  the replica is built, floating-point ones only, so seed states and counters stay
-  whole); the optimizer's slots follow their weights. XLA all-gathers a weight where the
+  out by the same rule (``Distribution``: floating-point ones, so seed states and counters
+  stay whole); the optimizer's slots follow their weights. XLA all-gathers a weight where the
   step needs it whole and frees it after; gradients and the update stay sharded.
 
 A variable none of whose dimensions N divides (a bias of 3 on 4 devices, the step
@@ -64,8 +63,8 @@ def layout(shape, distribution):
 
 
 def shards_weight(variable):
-    """Whether ``shard="weights"`` lays out a variable a layer makes: floating-point ones
-    (weights, BatchNorm statistics); seed states and counters stay whole."""
+    """Whether ``shard="weights"`` lays out a variable: floating-point ones (weights,
+    BatchNorm statistics, metrics' accumulators); seed states and counters stay whole."""
     import numpy as np
 
     return np.issubdtype(np.dtype(variable.dtype), np.floating)
@@ -75,20 +74,19 @@ _CLASS = None
 
 
 def Distribution(devices):
-    """A ``keras.distribution.DataParallel`` over ``devices`` (a subclass of it) whose
-    ``get_variable_layout`` gives the sharded ``layout`` to each new floating-point
-    variable while its ``sharding_weights`` is True (``shard="weights"``: the engine sets
-    it while the replica's layers are made), else Keras's own (whole on every device)."""
+    """``shard="weights"``: a ``keras.distribution.DataParallel`` over ``devices`` (a
+    subclass of it) whose ``get_variable_layout``, which Keras asks for the layout of each
+    variable made in its scope without one, gives a floating-point variable the sharded
+    ``layout`` (where a dimension splits), else Keras's own (whole on every device). Every
+    variable the replica makes is laid out so, also the weights of a model first built at
+    its first batch; the optimizer's slots are given their layouts by ``shard``."""
     global _CLASS
     if _CLASS is None:
         import keras
 
         class ShardedWeights(keras.distribution.DataParallel):
-            sharding_weights = False
-
             def get_variable_layout(self, variable):
-                if self.sharding_weights and getattr(variable, "_layout", None) is None \
-                        and shards_weight(variable):
+                if getattr(variable, "_layout", None) is None and shards_weight(variable):
                     sharded = layout(tuple(variable.shape), self)
                     if sharded is not None:
                         return sharded
