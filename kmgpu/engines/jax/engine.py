@@ -21,6 +21,10 @@ the whole batch, the step equals the one-device step, and no sample is dropped.
 With local BatchNorm such a batch normalises with the moments of the whole batch
 (every device holds all of it; still no collective).
 
+``shard=`` lays the optimizer state ("optimizer"), and the gradients ("gradients"), and
+the weights ("weights") out over the devices, 1/N on each (``zero.py``); the user's model
+then keeps its whole state in host memory (``host.py``).
+
 The train step is Keras's own jitted step, on one device (the user's own ``fit``) and
 on several: a step that passes the model state as a few flat arrays gains on host-bound
 models but its extra compile lengthens the first epoch and it loses on others, so
@@ -50,6 +54,7 @@ class JaxEngine(InProcessEngine):
             self.distribution = keras.distribution.DataParallel(devices=devices)
         from kmgpu.engines.jax import runtime
 
+        self._template = None  # the template of the call in progress (host.py)
         self.multiprocess = runtime.multiprocess()  # kmgpu launch: jax.distributed
         if self.multiprocess:  # every process passes the same data; kmgpu places it
             self.distribution.auto_shard_dataset = False
@@ -77,7 +82,7 @@ class JaxEngine(InProcessEngine):
         if self.config.shard in ("gradients", "weights"):
             zero.shard_gradients(optimizer, d)
         # the replica's next step donates its variables: none may share an array
-        optimizer_fixes.separate_ema_overwrite(getattr(replica, "optimizer", None))
+        optimizer_fixes.separate_ema_overwrite(optimizer)
         return replica
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
