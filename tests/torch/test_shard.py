@@ -51,7 +51,10 @@ CASES = {  # name: (shard, N, optimizer, layer dtype policy)
     "adamw_exclusions": ("gradients", 4, _adamw, None),
     "global_clipnorm": ("weights", 4, lambda: O.SGD(0.05, momentum=0.9, global_clipnorm=0.5),
                         None),
-    "mixed_float16": ("gradients", 4, lambda: O.Adam(0.01), "mixed_float16"),
+    # float16 layers with the LossScaleOptimizer: its finite check and dynamic scale
+    "mixed_float16": ("gradients", 4,
+                      lambda: O.LossScaleOptimizer(O.Adam(0.01), dynamic_growth_steps=5),
+                      "mixed_float16"),
 }
 #: the cases whose shard value this engine lays out (the others wait for it)
 RUN = [name for name, case in CASES.items() if case[0] in TorchEngine.shards]
@@ -74,13 +77,18 @@ def _state(model):
     return [v.numpy() for v in model.optimizer.variables]
 
 
+HELD = {}  # name: each rank's bytes held after the fit, evaluate and predict
+
+
 @pytest.fixture(scope="module")
 def fits():
     out = {}
     for name in RUN:
         shard, n, make_opt, dtype = CASES[name]
         ref = _fit(make_opt, dtype, n) if dtype else _fit(make_opt, dtype)
-        out[name] = (ref, _fit(make_opt, dtype, n, shard))
+        mine = _fit(make_opt, dtype, n, shard)
+        HELD[name] = mine[2]._engine.rank_held_bytes()  # before another pool replaces it
+        out[name] = (ref, mine)
     yield out
     for ref, mine in out.values():
         for runner in (ref[2], mine[2]):
@@ -108,8 +116,9 @@ def test_sharded_equals_one_device(fits, name):
 
 
 def test_second_fit_save_and_load_continue(fits, tmp_path):
-    """A second fit and a saved-then-loaded model go on as plain Keras does."""
-    name = RUN[0]
+    """A second fit and a saved-then-loaded model go on as plain Keras does (shard=
+    "weights" on 4 ranks)."""
+    name = "global_clipnorm" if "global_clipnorm" in RUN else RUN[0]  # N=4, the last pool
     shard, n, make_opt, dtype = CASES[name]
     (ref, *_), (model, _, parallel, *_) = fits[name]
     model.save(tmp_path / "sharded.keras")
@@ -123,3 +132,41 @@ def test_second_fit_save_and_load_continue(fits, tmp_path):
     again.close()
     assert rel_diff(ref.get_weights(), loaded.get_weights()) <= TOL
     assert rel_diff(_state(ref), _state(loaded)) <= TOL
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_each_rank_keeps_one_nth(fits, name):
+    """Between calls every rank's step holds its 1/N pieces (as the layout pads them) of
+    the gradient and the optimizer state, and with shard="weights" of the weights too;
+    rank 0 as well (the whole state gathered for the user's model is let go after fit).
+    Where the gradient is all-reduced whole (global_clipnorm, mixed_float16's loss
+    scale) no piece of it is kept at all."""
+    from kmgpu.engines.torch.optim import flat_layout, flat_optim, sizes
+
+    shard, n = CASES[name][:2]
+    _, (model, _, parallel, *_) = fits[name]
+    by_layer = shard == "weights"
+    trainable = model.trainable_weights
+    piece = sizes.grad_bytes(model, n, by_layer)[0]
+    groups = flat_layout.layer_groups(trainable) if by_layer else [None] * len(trainable)
+    whole_padded = piece * n
+    assert sum(v.value.numel() for v in trainable) * 4 < whole_padded  # alignment padding
+    slots = len(flat_layout_slots(model))
+    lso, opt = flat_optim.scaler(model.optimizer)
+    summed_whole = bool(opt.global_clipnorm or lso)
+    assert len(HELD[name]) == n
+    for held in HELD[name]:
+        assert held["optimizer"] == slots * piece
+        assert held["gradients"] == (0 if summed_whole else piece)
+        assert held["weights"] == (piece if by_layer else whole_padded)
+    per, whole, kept = parallel._engine.sharded_bytes(model, "optimizer")
+    assert per - kept == slots * piece and whole - kept == slots * sum(
+        v.value.numel() * 4 for v in trainable)
+    assert len(set(groups)) == (4 if by_layer else 1)
+
+
+def flat_layout_slots(model):
+    from kmgpu.engines.torch.optim import flat_optim
+
+    inner = flat_optim.scaler(model.optimizer)[1]
+    return [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]

@@ -24,14 +24,14 @@ from kmgpu.engines.torch.data import feeds, inputs, resident, shuffle
 from kmgpu.engines.torch.fast import layers as fast_layers
 from kmgpu.engines.torch.launch import launchers, relay, timing
 from kmgpu.engines.torch.launch.messages import Aborted, Call
-from kmgpu.engines.torch.optim import zero
+from kmgpu.engines.torch.optim import sizes, zero
 
 
 class TorchEngine(Engine):
     name = "torch DistributedDataParallel"  # the launcher says more once made
     #: rank r's replica is built for B/N rows and keeps rows r*B/N ... of every batch
     supports_stateful = True
-    shards = ("optimizer", "gradients")
+    shards = ("optimizer", "gradients", "weights")
 
     def __init__(self, config):
         super().__init__(config)
@@ -133,10 +133,14 @@ class TorchEngine(Engine):
                 + fast_layers.describe_ops(template, on_gpu))
 
     def sharded_bytes(self, template, kind):
+        shard, n = self.config.shard, self.num_replicas
+        by_layer = shard == "weights"  # one flat buffer per layer, each padded
         if kind == "optimizer":
-            return zero.state_bytes(template, self.num_replicas)
-        if kind == "gradients" and self.config.shard in ("gradients", "weights"):
-            return zero.grad_bytes(template, self.num_replicas)
+            return sizes.state_bytes(template, n, by_layer)
+        if kind == "gradients" and shard in ("gradients", "weights"):
+            return sizes.grad_bytes(template, n, by_layer)
+        if kind == "weights" and shard == "weights":
+            return sizes.weight_bytes(template, n)
         return None
 
     def batchnorm_mode(self):
@@ -163,6 +167,11 @@ class TorchEngine(Engine):
     def rank_weights(self):
         """Every rank's replica weights (trainable and non-trainable), rank order."""
         return self.launcher.rank_weights()
+
+    def rank_held_bytes(self):
+        """Every rank's bytes of weights, gradients and optimizer state its sharded
+        train step holds now (between calls: what it keeps), rank order."""
+        return self.launcher.rank_held_bytes()
 
 
 def _timed(clock, name, fn, *args):

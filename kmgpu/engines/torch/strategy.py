@@ -72,12 +72,32 @@ class DDPStrategy:
         if opt is not None and opt.built:
             variables += list(opt.variables)
         collectives.broadcast_tensors([v.value for v in variables], self.device)
+        if self.sharded_step is not None and self.sharded_step.zero is not None:
+            self.sharded_step.zero.take_weights()  # shard="weights": the pieces, whole freed
+
+    def held_bytes(self):
+        """Bytes this rank's train step holds now by kind (``SplitStep.held_bytes``);
+        None without kmgpu's split step."""
+        step = self.sharded_step
+        return step.held_bytes() if step is not None else None
 
     def _gather_optimizer_state(self):
         """A sharded optimizer state whole in rank 0's Keras variables (with
         ``gather_everywhere``, every rank's); nothing when it is not sharded."""
         if self.sharded_step is not None and self.sharded_step.zero is not None:
             self.sharded_step.zero.materialize(self.gather_everywhere)
+
+    def _let_go(self):
+        """After a fit whose final state rank 0 has written out (a pool worker), with
+        shard="gradients" / "weights": the whole optimizer state (and weights) that the
+        last gather put into rank 0's Keras variables freed again, so between calls no
+        rank holds a whole copy. Under torchrun each process's own model is filled from
+        its replica after the call: it keeps them until its next step."""
+        step = self.sharded_step
+        if (step is None or step.zero is None or self.gather_everywhere
+                or step.shard not in ("gradients", "weights")):
+            return
+        step.zero.release()
 
     def write_state_rows(self, replica, arrays):
         """Set this rank's rows of the replica's stateful RNN states.
@@ -163,9 +183,26 @@ class DDPStrategy:
         if not step_fixes.has_own_test_step(replica):
             replica.test_step = self.steps.test_step(replica)
         self.evals = eval_steps.capture_on_rank(self, replica, evals)
+        if self.sharded_step is not None and self.sharded_step.shard == "weights":
+            self._gather_weights_in(replica)
         step_fixes.read_logs_within(replica, lambda: self.steps.summed_metrics(replica))
         replica.evaluate = self._evaluate(replica)
         return replica
+
+    def _gather_weights_in(self, replica):
+        """shard="weights": the test and predict steps gather each layer's weights where
+        used (as the train step does), once the first train step sharded them."""
+        split = self.sharded_step
+        for name in ("test_step", "predict_step"):
+            inner = getattr(replica, name)
+
+            def step(batch, inner=inner):
+                if split.zero is None:  # not sharded yet: the weights are whole
+                    return inner(batch)
+                with split.zero.active():
+                    return inner(batch)
+
+            setattr(replica, name, step)
 
     def _offset_seeds(self, replica):
         """Per-rank random streams (dropout etc.): each rank's SeedGenerators start apart."""
@@ -249,7 +286,9 @@ class DDPStrategy:
         guard = batch_checks.guard(replica, method, self.world)  # each batch of a dataset
         try:
             if method == "fit":
-                return self._fit(replica, kwargs, verbose, callbacks, guard)
+                out = self._fit(replica, kwargs, verbose, callbacks, guard)
+                self._let_go()
+                return out
             if method == "evaluate":
                 slices = inputs.RankSlices(
                     inputs.source_of(kwargs.pop("x"), kwargs.pop("y", None),

@@ -118,6 +118,10 @@ class Launcher(abc.ABC):
     def rank_weights(self):
         """Every rank's replica weights, rank order (for tests)."""
 
+    @abc.abstractmethod
+    def rank_held_bytes(self):
+        """Every rank's ``DDPStrategy.held_bytes()``, rank order (for tests)."""
+
     def worker_pids(self):
         """The worker processes' ids (none in-process)."""
         return []
@@ -259,6 +263,9 @@ class PoolLauncher(Launcher):
 
     def rank_weights(self):
         return self.pool.call([WeightsQuery()] * self.pool.world)
+
+    def rank_held_bytes(self):
+        return self.pool.call([WeightsQuery("held")] * self.pool.world)
 
     def worker_pids(self):
         return [] if self.pool is None or self.pool.closed else self.pool.pids
@@ -414,6 +421,9 @@ class InProcessLauncher(Launcher):
 
     def rank_weights(self):
         return collectives.all_gather_object(self.replica.get_weights())
+
+    def rank_held_bytes(self):
+        return collectives.all_gather_object(self.strategy.held_bytes())
 
     def close(self):
         self._end_group()

@@ -103,7 +103,10 @@ class Call:
 
 @dataclass(frozen=True)
 class WeightsQuery:
-    """For tests: every rank answers with its replica's weights."""
+    """For tests: every rank answers with its replica's weights (``what`` "weights"), or
+    the bytes its train step's tensors hold (``what`` "held": ``SplitStep.held_bytes``)."""
+
+    what: str = "weights"
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,8 @@ class Worker:
             weights (None before the first call).
         """
         if isinstance(msg, WeightsQuery):  # for tests: this rank's replica state
+            if msg.what == "held":
+                return self.strategy.held_bytes() if self.strategy is not None else None
             return None if self.replica is None else self.replica.get_weights()
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")

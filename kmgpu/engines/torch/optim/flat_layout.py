@@ -51,6 +51,9 @@ class Buffers:
         adopt: the tensors (torch Parameters) become the views, holding their values
             (``param.data = view``: the Parameter objects, hence Keras's variables and
             autograd, stay the same); else new buffers of zeros.
+        groups: a group key per tensor (None: one group): one buffer per group and
+            dtype, in order of first appearance (shard="weights" gathers one layer's
+            buffer at a time).
 
     Attributes:
         flats: the buffers; ``heads`` / ``tails``: their two parts (views).
@@ -59,14 +62,14 @@ class Buffers:
         start: each tensor's offset in its buffer.
     """
 
-    def __init__(self, tensors, multiple=1, lead=None, adopt=False):
+    def __init__(self, tensors, multiple=1, lead=None, adopt=False, groups=None):
         global generation
         generation += 1
         tensors = list(tensors)
         lead = len(tensors) if lead is None else lead
         by_dtype = {}
         for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
+            by_dtype.setdefault((None if groups is None else groups[i], t.dtype), []).append(i)
         self.shapes = [t.shape for t in tensors]
         self.views, self.start = [None] * len(tensors), [0] * len(tensors)
         self.flats, self.heads, self.tails, self.members = [], [], [], []
@@ -141,3 +144,9 @@ class Buffers:
         ends = starts[1:] + [flat.numel()]
         spans = [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts, ends)]
         return torch.tensor(spans, device=flat.device)
+
+
+def layer_groups(variables):
+    """shard="weights": each variable's group, the layer that owns it (its path without
+    the variable's own name): one flat buffer per layer and dtype (``Buffers``' groups)."""
+    return [v.path.rsplit("/", 1)[0] for v in variables]

@@ -151,7 +151,7 @@ class FlatOptimizer:
         keras_slots: slot name -> the Keras slot variable of each variable.
     """
 
-    def __init__(self, optimizer, variables, rank=0, world=1):
+    def __init__(self, optimizer, variables, rank=0, world=1, groups=None):
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
@@ -172,7 +172,9 @@ class FlatOptimizer:
         self.variables = variables
         self.keras_slots = {name: [getattr(optimizer, attr)[index(v)] for v in variables]
                             for name, attr, _ in wanted}
-        self.weights = flat_layout.Buffers([v.value for v in variables], world, adopt=True)
+        # ``groups``: one buffer per group and dtype (shard="weights": per layer)
+        self.weights = flat_layout.Buffers([v.value for v in variables], world, adopt=True,
+                                           groups=groups)
         # the slots laid out as the weights (Keras makes each with its variable's dtype);
         # ZeRO keeps only this rank's piece of them
         self.state = None if world > 1 else {
@@ -182,9 +184,9 @@ class FlatOptimizer:
         self.device = variables[0].value.device
         self.iterations = optimizer.iterations.value  # updated in place, on the device
         self._consts = {}
-        decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
-                   for v in variables]
-        self.pieces = [self._piece(k, rank, world, decayed)
+        self._decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
+                         for v in variables]
+        self.pieces = [self._piece(k, rank, world, self._decayed)
                        for k in range(len(self.weights.flats))]
         self.constrained = [(v, w) for v, w in zip(variables, self.weights.views)
                             if v.constraint is not None]
@@ -198,11 +200,19 @@ class FlatOptimizer:
         needed; the variables and the slots become views of flat buffers)."""
         return cls(optimizer, variables)
 
-    def _piece(self, k, rank, world, decayed):
+    def own_pieces(self):
+        """The pieces' weights become tensors of their own (copies of their elements):
+        shard="weights" frees the whole buffers, so the update cannot write into them."""
+        for k, p in enumerate(self.pieces):
+            own = self._piece(k, 0, 1, self._decayed, p.params.clone(), p.lo, p.hi)
+            p.params, p.decayed = own.params, own.decayed
+
+    def _piece(self, k, rank, world, decayed, params=None, lo=None, hi=None):
         w = self.weights
-        size = w.flats[k].numel() // world
-        lo, hi = rank * size, (rank + 1) * size
-        params = w.flats[k][lo:hi]
+        if params is None:
+            size = w.flats[k].numel() // world
+            lo, hi = rank * size, (rank + 1) * size
+            params = w.flats[k][lo:hi]
         if self.state is None:
             slots = {name: params.new_zeros(hi - lo) for name in self.keras_slots}
         else:

@@ -40,11 +40,13 @@ LossScaleOptimizer around one of them is sharded: its finite check needs the who
 gradient, so the gradient is all-reduced, not reduce-scattered.
 """
 
+import contextlib
+
 import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch.optim import flat_layout, flat_optim
+from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, sizes
 
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
@@ -83,14 +85,33 @@ class Shards:
         rank, world: this rank and the number of ranks.
         transient: the step makes its whole gradient buffers anew each step (ZeRO-2,
             ``split_step``): ``grad_buffers`` comes at every step, ``drop_grads`` after.
+        weights: the weights sharded too (ZeRO-3, ``fsdp``): one flat buffer per layer
+            and dtype, this rank's pieces of them its own tensors, the whole buffers
+            freed except where ``gathering`` makes them whole.
     """
 
-    def __init__(self, optimizer, trainable, rank, world, transient=False):
+    def __init__(self, optimizer, trainable, rank, world, transient=False, weights=False):
         check(optimizer)
         self.rank, self.world, self.transient = rank, world, transient
+        self.weights = weights
+        if weights:
+            bound = [v.path for v in trainable if v.constraint is not None]
+            if bound:
+                raise ValueError(
+                    f"shard='weights' on torch: variables with a constraint ({bound}) need "
+                    "their whole value after each update; pass shard='gradients'.")
         # the weights become views of flat buffers padded to ``world`` equal aligned
         # pieces; the state of this rank's piece is taken from the Keras slots below
-        self.flat = flat_optim.FlatOptimizer(optimizer, trainable, rank, world)
+        self.flat = flat_optim.FlatOptimizer(optimizer, trainable, rank, world,
+                                             groups=flat_layout.layer_groups(trainable) if weights else None)
+        self.gathering = None
+        self.weights_whole = False  # the whole weights are in the Keras variables (rank 0)
+        if weights:
+            self.flat.own_pieces()
+            self.gathering = fsdp.Gathering(self.flat.params,
+                                            [p.params for p in self.flat.pieces])
+            for f in self.flat.params:
+                fsdp.free(f)
         opt = self.flat.optimizer
         # the whole gradient on every rank (all-reduce): the clipping norms, and the
         # loss scale's finite check, need every element
@@ -134,11 +155,27 @@ class Shards:
         """The flat optimizer's update of this rank's piece (capturable)."""
         self.flat.update(self.grad_pieces, self.grad_flats if self.whole else None)
 
+    @contextlib.contextmanager
+    def active(self):
+        """shard="weights": within the block the layers' weights are gathered where used
+        and freed after (``fsdp.Gathering``); afterwards none is whole (every rank)."""
+        if self.gathering is None:
+            yield
+            return
+        try:
+            with self.gathering.active():
+                yield
+        finally:
+            self.weights_whole = False
+
     @torch.no_grad()
     def gather(self):
         """Every rank's updated piece into the whole weights (in place, eager), then
-        Keras's variable constraints."""
+        Keras's variable constraints (shard="weights": nothing, the pieces are the
+        weights)."""
         self.stepped = True
+        if self.weights:
+            return
         for flat, piece in zip(self.flat.params, self.flat.pieces):
             _all_gather(flat, piece.params)
         self.flat.constrain()
@@ -159,10 +196,20 @@ class Shards:
         has its own user model, torchrun). ``use_ema``'s moving averages go to every rank
         (all-gather): fit's ``finalize_variable_values`` reads them whole on every rank.
         No-op where they hold it already."""
+        mine = everywhere or self.rank == 0
+        if self.weights and not self.weights_whole:  # (the same on every rank)
+            for flat, piece in zip(self.flat.params, self.flat.pieces):
+                if mine:
+                    fsdp.grow(flat)
+                if everywhere:
+                    _all_gather(flat, piece.params)
+                else:
+                    dist.gather(piece.params, list(flat.chunk(self.world)) if mine else None,
+                                dst=0)
+            self.weights_whole = True
         if not self.stepped:  # nothing new since the last gather: the same on every rank
             return
         self.stepped = False
-        mine = everywhere or self.rank == 0
         for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
             for name, own in piece.slots.items():
                 here = mine or name == EMA
@@ -181,6 +228,11 @@ class Shards:
         """Before rank 0's state is broadcast (a call's start): the Keras slot variables
         made whole again where they are not (their values come from the broadcast); the
         next step takes this rank's piece from them."""
+        if self.weights:  # the whole weights to receive into, taken by ``take_weights``
+            for flat in self.flat.params:
+                fsdp.grow(flat)
+                flat.zero_()
+            self.weights_whole = True
         if self.materialized:
             return
         self.ema_held = False  # replaced below: every slot is received whole
@@ -190,10 +242,29 @@ class Shards:
         self.materialized = True
 
     @torch.no_grad()
+    def take_weights(self):
+        """shard="weights", after rank 0's weights were broadcast into the whole buffers
+        (``receivable``): this rank's pieces from them, then their memory freed."""
+        if not self.weights:
+            return
+        for flat, piece in zip(self.flat.params, self.flat.pieces):
+            piece.params.copy_(flat[piece.lo:piece.hi])
+        self.free_weights()
+
+    def free_weights(self):
+        """shard="weights": the whole weights freed (the pieces are current)."""
+        if self.weights:
+            for flat in self.flat.params:
+                fsdp.free(flat)
+            self.weights_whole = False
+
+    @torch.no_grad()
     def release(self):
         """Take this rank's piece of the state from the Keras slot variables (they may
         have been loaded or broadcast since ``materialize``) and free their memory (where
-        only the moving averages are whole, the pieces are current: those are freed)."""
+        only the moving averages are whole, the pieces are current: those are freed);
+        shard="weights": the whole weights a gather left are freed too."""
+        self.free_weights()
         if self.ema_held:
             for var in self.flat.keras_slots[EMA]:
                 var.value.data = var.value.new_empty(0)
@@ -240,61 +311,5 @@ class GatherOptimizerState(keras.callbacks.Callback):
     on_test_begin = on_epoch_end = on_train_end = _gather
 
 
-def state_bytes(template, world):
-    """For describe(): (optimizer-state bytes on each of ``world`` ranks with
-    ``shard_optimizer``, whole bytes, bytes kept whole on every rank: the step count and
-    other scalars), from the layout ``Shards`` makes (each variable 256-byte aligned, each
-    dtype padded to ``world`` equal pieces); None when the optimizer is not built or not
-    shardable."""
-    from kmgpu.engines import replication
-
-    opt = getattr(template, "optimizer", None)
-    if opt is None or not opt.built:
-        return None
-    inner = flat_optim.scaler(opt)[1]
-    if not flat_optim.supported(inner, template.trainable_weights)[0]:
-        return None
-    state = replication.optimizer_state(opt)
-    whole = sum(v.value.numel() * v.value.element_size() for v in state)
-    by_dtype = {}
-    for v in template.trainable_weights:
-        by_dtype.setdefault(v.value.dtype, []).append(v.value)
-    slots = [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]
-    if flat_optim.EMA[2](inner):
-        slots.append(flat_optim.EMA)
-    sliced = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
-    kept = whole - sliced * len(slots)
-    per = kept + len(slots) * sum(flat_layout.offsets(ts, world)[1] // world * ts[0].element_size()
-                                  for ts in by_dtype.values())
-    return per, whole, kept
-
-
-def grad_bytes(template, world):
-    """For describe(): (gradient bytes each of ``world`` ranks keeps between steps with
-    shard="gradients": its piece of each dtype's padded flat buffer, whole bytes, 0);
-    within a step the whole buffers exist (or with clipnorm / global_clipnorm /
-    mixed_float16, where they are all-reduced whole, no piece is kept at all)."""
-    by_dtype = {}
-    for v in template.trainable_weights:
-        by_dtype.setdefault(v.value.dtype, []).append(v.value)
-    if not by_dtype:
-        return None
-    whole = sum(v.value.numel() * v.value.element_size() for v in template.trainable_weights)
-    per = sum(flat_layout.offsets(ts, world)[1] // world * ts[0].element_size()
-              for ts in by_dtype.values())
-    return per, whole, 0
-
-
-def describe(text, world, template, shard="optimizer"):
-    """``graphs.describe``'s words for ``template``'s step, made to say what a sharded
-    step does."""
-    stage = ("ZeRO-2: the whole gradient freed once reduce-scattered" if shard == "gradients"
-             else "ZeRO-1")
-    what = (f"forward+backward into a flat gradient buffer, reduce-scatter (all-reduce with "
-            f"clipnorm/global_clipnorm/mixed_float16), the optimizer on this rank's 1/{world} "
-            f"of the state ({stage}), all-gather of the weights, metrics")
-    if text.startswith("Keras's eager step"):  # a CPU: the split step runs eagerly
-        return f"split step ({what}), eager: CUDA graphs need GPUs"
-    unsharded = ("forward+backward into a flat gradient buffer, one all-reduce, optimizer "
-                 f"({flat_optim.optimizer_words(template)})+metrics")
-    return text.replace(unsharded, what)
+#: describe()'s figures and words (``sizes``), by their former names here
+state_bytes, describe = sizes.state_bytes, sizes.describe

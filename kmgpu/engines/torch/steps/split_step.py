@@ -47,7 +47,10 @@ class SplitStep:
             all-gathered; "gradients" (ZeRO-2): the same, and the whole gradient
             buffers are made anew for each step and freed once reduce-scattered, so
             between steps a rank holds only its piece of the gradient (``transient``);
-            None / False: all-reduced and updated whole on every rank.
+            "weights" (ZeRO-3, ``fsdp``): that, and each rank keeps only its piece of
+            the weights, one flat buffer per layer gathered where the forward and the
+            backward use it (``zero.Shards.active``); None / False: all-reduced and
+            updated whole on every rank.
     """
 
     def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None,
@@ -56,7 +59,7 @@ class SplitStep:
         shard = "optimizer" if shard is True else (shard or None)
         self.rank, self.shard, self.zero = rank, shard, None
         #: the whole gradient buffers exist only within a step (ZeRO-2)
-        self.transient = shard == "gradients"
+        self.transient = shard in ("gradients", "weights")
         self.averaged = list(averaged)
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
         self.forward = forward or (lambda n_real: contextlib.nullcontext())
@@ -76,15 +79,20 @@ class SplitStep:
         self.model.zero_grad(set_to_none=True)  # stale .grad from an eager step: free it
         tensors = [v.value for v in trainable] + [v.value for v in self.averaged]
         # sharded: the gradient heads padded to equal pieces, one per rank
+        groups = None
+        if self.shard == "weights":  # laid out as the weights: a buffer per layer
+            groups = flat_layout.layer_groups(trainable) + [None] * len(self.averaged)
         self.buffers = flat_layout.Buffers(tensors, self.world if self.shard else 1,
-                                           lead=len(trainable))
+                                           lead=len(trainable), groups=groups)
         self.current = GradBuffers.of(self.buffers)
         self.zero = None
         if self.shard:
             self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world,
-                                    transient=self.transient)
+                                    transient=self.transient,
+                                    weights=self.shard == "weights")
             self.zero.grad_buffers(self.grads)
-            stage = "ZeRO-2: 1/N of the gradient kept" if self.transient else "ZeRO-1"
+            stage = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2: 1/N of the gradient kept",
+                     "weights": "ZeRO-3: 1/N of the weights and the gradient kept"}[self.shard]
             self.optimizer_path = (f"kmgpu's flat {self.zero.flat.kind} update on this "
                                    f"rank's 1/{self.world} of the state ({stage})")
         if self.transient:  # made anew by each step (``begin``), freed by ``finish``
@@ -129,13 +137,15 @@ class SplitStep:
         """Stage A: returns (loss, y_pred), both detached; the gradients are in ``flats``."""
         self.begin()
         model = self.model
-        with self.forward(n_real):
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss, part = self._loss(x, y, y_pred, sw, n_real, n_global)
-        scaled = model.optimizer.scale_loss(part)
+        # shard="weights": each layer's weights gathered where used, freed after
+        with self.zero.active() if self.zero is not None else contextlib.nullcontext():
+            with self.forward(n_real):
+                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            loss, part = self._loss(x, y, y_pred, sw, n_real, n_global)
+            scaled = model.optimizer.scale_loss(part)
+            grads = torch.autograd.grad(scaled, [v.value for v in self.trainable],
+                                        allow_unused=True)
         share = n_real / n_global if self.world > 1 else 1.0  # BatchNorm statistics
-        grads = torch.autograd.grad(scaled, [v.value for v in self.trainable],
-                                    allow_unused=True)
         if self.used is None:
             self.used = [g is not None for g in grads]
         n = len(self.trainable)
@@ -246,28 +256,33 @@ class SplitStep:
             self.zero.drop_grads()
 
     def held_bytes(self):
-        """Bytes of the tensors this step keeps between steps, by kind: "weights" (the
-        flat weights), "gradients" (whole gradient buffers, or this rank's pieces),
-        "optimizer" (the flat optimizer state; ZeRO: this rank's pieces) — the
-        storage each one holds, so a freed buffer counts 0."""
+        """Bytes of the memory this step's tensors hold now (between steps: what a rank
+        keeps), by kind: "weights" (the flat weights, and with shard="weights" this
+        rank's own pieces), "gradients" (the gradient buffers, or this rank's pieces),
+        "optimizer" (the flat optimizer state, or this rank's pieces, and whatever the
+        Keras slot variables hold); each storage once, a freed one 0."""
+        seen = set()
+
         def size(ts):
-            seen, total = set(), 0
+            total = 0
             for t in ts:
                 st = t.untyped_storage()
-                if st.data_ptr() not in seen and t.stride(-1) != 0:
-                    seen.add(st.data_ptr())
+                if st._cdata not in seen:
+                    seen.add(st._cdata)
                     total += st.nbytes()
             return total
 
-        out = {"weights": size(self.flat_weights()), "gradients": 0, "optimizer": 0}
+        flat = self.zero.flat if self.zero is not None else self.flat
+        if flat is None:
+            return None
+        weights = list(flat.params)
         grads = list(self.current.flats) if self.current is not None else []
+        state = [v.value for slots in flat.keras_slots.values() for v in slots]
         if self.zero is not None:
-            grads += [p for p in self.zero.grad_pieces or () if not self.zero.whole]
-            out["optimizer"] = self.zero.state_bytes()[0]
-        elif self.flat is not None:
-            out["optimizer"] = size(f for b in self.flat.state.values() for f in b.flats)
-        out["gradients"] = size(grads)
-        return out
+            weights += [p.params for p in flat.pieces]
+            grads += list(self.zero.grad_pieces or ())
+            state += [t for p in flat.pieces for t in p.slots.values()]
+        return {"weights": size(weights), "gradients": size(grads), "optimizer": size(state)}
 
     def flat_weights(self):
         """The flat weight buffers (empty before the flat optimizer exists)."""
