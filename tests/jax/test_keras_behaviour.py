@@ -210,3 +210,20 @@ def test_the_train_step_hands_the_gradients_to_the_optimizers_stateless_apply():
     assert calls == [[(3, 2), (2,)]]  # traced once
     for a, b in zip(before, model.get_weights()):  # zero gradients: SGD leaves them
         np.testing.assert_array_equal(a, b)
+
+
+@relies_on(("keras.src.backend.jax.core", "JaxVariable._initialize_layout"))
+def test_a_new_variable_takes_its_layout_from_the_distributions_get_variable_layout():
+    """zero.Distribution overrides get_variable_layout: a layer's weights made in its scope
+    are placed by the layout it answers (the (3, 2) kernel and the bias of 2 halved over
+    2 devices); an integer variable stays whole."""
+    from kmgpu.engines.jax import zero
+
+    dist = zero.Distribution(jax.devices()[:2])
+    with dist.scope():
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        counter = keras.Variable(np.zeros((2,), "int32"))
+    for v in (layer.kernel, layer.bias):
+        assert [s.data.shape[-1] for s in v.value.addressable_shards] == [1, 1], v.path
+    assert counter.value.sharding.is_fully_replicated

@@ -54,6 +54,12 @@ PATCHES = [
      "optimizer_fixes.lay_out_optimizer",
      "an optimizer variable built before is re-laid by setting its private _layout and "
      "assigning its value again (_direct_assign places it by _layout)"),
+    ("keras.src.backend.jax.core", "JaxVariable._initialize_layout",
+     "kmgpu.engines.jax.zero.Distribution",
+     "shard='weights': a variable made in a distribution's scope without a layout takes "
+     "distribution.get_variable_layout(variable) (whole on every device under "
+     "DataParallel), its shape and dtype already set; zero.Distribution, a DataParallel "
+     "subclass, answers a sharded layout there, so the value is placed 1/N per device"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.stateless_apply",
      "optimizer_fixes.constrain_gradients",
      "shard='gradients' / 'weights' (zero.py): Keras's JAX train_step hands the gradients "
