@@ -6,7 +6,8 @@
 # until measured), as many per backend as end the lanes soonest (KMGPU_TEST_PARTS=N: N
 # each), and two lanes take the parts heaviest first as they get free, so both cores stay
 # busy to the end. `kmgpu bench --quick` runs once per suite, for every
-# backend, in one session (KMGPU_BENCH_SMOKE). Each line of progress (one per finished
+# backend, in one session (KMGPU_BENCH_SMOKE), and the backend-neutral tests in one
+# backend's sessions (KMGPU_NEUTRAL_IN). Each line of progress (one per finished
 # test file, tests/conftest.py --file-progress) is printed as it comes, prefixed with
 # its backend and part; the summary comes last.
 # KMGPU_TEST_SERIAL=1 runs the parts one after the other; KMGPU_TEST_LANES=N runs N.
@@ -45,6 +46,10 @@ export -f single_thread
 export KMGPU_TEST_LANES_ON=$lanes
 # the quick bench: once, for every backend of this run, in the last backend's sessions
 export KMGPU_BENCH_SMOKE_ALL=$(IFS=,; echo "${backends[*]}") KMGPU_BENCH_SMOKE_IN=${backends[-1]}
+# the backend-neutral tests (pytest.mark.backend_neutral: they read only kmgpu's and
+# Keras's files): once, in JAX's sessions where JAX runs, else in the first backend's
+export KMGPU_NEUTRAL_IN=${backends[0]}
+for b in "${backends[@]}"; do [ "$b" = jax ] && KMGPU_NEUTRAL_IN=jax; done
 
 job() {  # "backend part seconds file ...": one pytest session, its lines prefixed
   set -- $1

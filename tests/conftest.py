@@ -49,11 +49,17 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs the quick bench smoke once per suite: the sessions it does not
-    name (KMGPU_BENCH_SMOKE empty) deselect it, so no session reports it skipped."""
-    if os.environ.get("KMGPU_BENCH_SMOKE") != "":
-        return
-    gone = [item for item in items if item.name == "test_quick_bench_smoke"]
+    """scripts/test.sh runs the suite once per backend, and what is the same in every
+    backend's session once per suite: the quick bench smoke in the sessions that
+    KMGPU_BENCH_SMOKE names (empty: none), the ``backend_neutral`` tests in the sessions
+    of the backend KMGPU_NEUTRAL_IN names. Unset, a session runs them all. What a
+    session leaves to another it deselects, so no session reports it skipped."""
+    gone = []
+    if os.environ.get("KMGPU_BENCH_SMOKE") == "":
+        gone += [item for item in items if item.name == "test_quick_bench_smoke"]
+    neutral_in = os.environ.get("KMGPU_NEUTRAL_IN")
+    if neutral_in and neutral_in != backend_name():
+        gone += [item for item in items if item.get_closest_marker("backend_neutral")]
     if gone:
         items[:] = [item for item in items if item not in gone]
         config.hook.pytest_deselected(items=gone)

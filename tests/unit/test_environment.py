@@ -1,5 +1,5 @@
 """``kmgpu launch``'s argument checks and the job detection of ``kmgpu.environment``:
-backend-neutral, so they run in every backend's session.
+backend-neutral, so scripts/test.sh runs them in one backend's session.
 """
 
 import ast
@@ -12,6 +12,8 @@ import pytest
 
 from kmgpu import environment
 from kmgpu.commands import launch
+
+pytestmark = pytest.mark.backend_neutral  # the same files in every backend's session
 
 
 @pytest.mark.parametrize("argv, words", [

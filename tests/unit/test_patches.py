@@ -139,6 +139,7 @@ def unlisted(path, source):
 
 
 # -- (a) every private Keras attribute kmgpu touches is listed ---------------------------
+@pytest.mark.backend_neutral
 def test_every_private_keras_attribute_kmgpu_touches_is_listed():
     """Anywhere in kmgpu (the role modules beside each table included), an access of a
     private attribute Keras defines is a row of that package's PATCHES or READS, or of
@@ -149,6 +150,7 @@ def test_every_private_keras_attribute_kmgpu_touches_is_listed():
                        "keras_fixes.py (PATCHES, or READS when only read): " + ", ".join(wrong))
 
 
+@pytest.mark.backend_neutral
 def test_the_scan_sees_a_planted_private_access():
     private = keras_private_names()
     assert {"_flatten_layers", "_tracker", "_moments", "_loss_tracker"} <= private
@@ -237,6 +239,7 @@ def test_every_row_names_what_the_installed_keras_has(backend):
             f"Keras no longer has {where}.{attribute} ({why})"
 
 
+@pytest.mark.backend_neutral
 def test_a_missing_attribute_is_seen():
     assert _resolve("keras.src.layers.layer", "Layer._tracker") is not None  # instance
     assert _resolve("keras.src.layers.layer", "Layer._no_such_thing") is None
@@ -257,6 +260,7 @@ def _table_assignments(path):
     return out
 
 
+@pytest.mark.backend_neutral
 def test_each_backend_package_has_exactly_one_table():
     """``PATCHES`` and ``READS`` are assigned once per package, in its keras_fixes.py, as
     one literal list each; the role modules beside it hold no table; a row is
@@ -275,6 +279,7 @@ def test_each_backend_package_has_exactly_one_table():
         assert len(keys) == len(set(keys)), f"{module}: a row twice"
 
 
+@pytest.mark.backend_neutral
 def test_every_attribute_a_role_module_swaps_or_installs_is_a_patch():
     """``swapped((owner, "name", make))`` and ``install(owner, "name", make)`` with the
     name written out: the name is the attribute of a PATCHES row of the package or the
@@ -299,6 +304,7 @@ def test_every_attribute_a_role_module_swaps_or_installs_is_a_patch():
     assert not wrong, "swapped or installed without a PATCHES row: " + ", ".join(wrong)
 
 
+@pytest.mark.backend_neutral
 def test_keras_internals_are_used_only_in_registry_modules():
     """``keras.src`` is imported or named only in a ``keras_fixes.py`` or a role module
     beside one (``*_fixes.py``)."""
@@ -340,6 +346,7 @@ def behaviour_tests():
 NOT_YET = set()
 
 
+@pytest.mark.backend_neutral
 def test_every_patch_row_has_a_behaviour_test():
     """Each PATCHES row's Keras behaviour (what Keras does there, the row's ``why``) is
     checked by a test that names the row (``tests/relies_on.py``), so a Keras that changes

@@ -7,6 +7,10 @@ import inspect
 import pathlib
 import re
 
+import pytest
+
+pytestmark = pytest.mark.backend_neutral  # the same files in every backend's session
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 

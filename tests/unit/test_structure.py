@@ -84,11 +84,13 @@ def find_cycle(graph):
     return None
 
 
+@pytest.mark.backend_neutral
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+@pytest.mark.backend_neutral
 def test_no_import_cycle_anywhere_in_kmgpu():
     graph = import_graph()
     assert "kmgpu.engines.torch.engine" in graph  # the walk sees the backend folders
@@ -112,6 +114,7 @@ def engines_importing_the_front(graph):
                   if not _is_engine(target) and target not in LEAVES and target != "kmgpu")
 
 
+@pytest.mark.backend_neutral
 def test_engines_import_only_engine_code_and_leaves():
     """The front imports ``kmgpu.engines``, never the other way: no module under
     kmgpu/engines imports a front module (api, connector, plan, checks, callbacks...),
@@ -123,6 +126,7 @@ def test_engines_import_only_engine_code_and_leaves():
     assert not wrong, "engines importing the front: " + ", ".join(wrong)
 
 
+@pytest.mark.backend_neutral
 def test_the_import_rule_sees_a_lazy_import_of_the_front():
     modules = _modules()
     lazy = ("import keras\nfrom kmgpu.engines import lr\n\n\ndef f():\n"
@@ -135,6 +139,7 @@ def test_the_import_rule_sees_a_lazy_import_of_the_front():
     assert "kmgpu.environment" in graph[name] and "kmgpu.engines.lr" in graph[name]
 
 
+@pytest.mark.backend_neutral
 def test_no_module_over_500_lines():
     long = {name: n for name, path in _modules().items()
             if (n := len(path.read_text().splitlines())) > 500}
@@ -162,6 +167,7 @@ def history_references(text):
     return found
 
 
+@pytest.mark.backend_neutral
 def test_the_history_grep_tells_ours_from_upstream():
     assert history_references("fixed in issue 27 (#131), 2026-05-01") == [
         "2026-05", "issue 27", "#131"]
@@ -169,6 +175,7 @@ def test_the_history_grep_tells_ours_from_upstream():
                               "https://github.com/keras-team/keras/pull/20585") == []
 
 
+@pytest.mark.backend_neutral
 def test_no_issue_numbers_or_dates_in_the_code():
     root = PACKAGE.parent
     found = sorted((path.relative_to(root).as_posix(), ref)
@@ -182,6 +189,7 @@ def test_no_issue_numbers_or_dates_in_the_code():
 MISSING_CITED = set()
 
 
+@pytest.mark.backend_neutral
 def test_every_test_file_the_code_cites_exists():
     root = PACKAGE.parent
     cited = sorted((path.relative_to(root).as_posix(), ref) for path in PACKAGE.rglob("*.py")
@@ -234,6 +242,7 @@ def test_the_installed_keras_is_inside_the_declared_range():
         "widen the range and KERAS in each kmgpu/engines/**/keras_fixes.py")
 
 
+@pytest.mark.backend_neutral
 def test_the_range_check_reads_versions_as_pip_does():
     from kmgpu import versions
 
@@ -246,6 +255,7 @@ def test_the_range_check_reads_versions_as_pip_does():
     assert versions.in_range("3.15.1", "==3.15.1") and not versions.in_range("3.15.1", "!=3.15.1")
 
 
+@pytest.mark.backend_neutral
 def test_import_kmgpu_imports_no_backend():
     code = ("import sys, kmgpu, kmgpu.hardware, kmgpu.environment, kmgpu.commands.cli; "
             "bad = [m for m in ('keras', 'tensorflow', 'jax', 'torch') if m in sys.modules]; "
