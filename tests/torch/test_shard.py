@@ -170,3 +170,57 @@ def flat_layout_slots(model):
 
     inner = flat_optim.scaler(model.optimizer)[1]
     return [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]
+
+
+def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
+    """In one process (rank 0 of 2, the other rank's piece copied in by a stand-in for
+    the all-gather): under shard="weights" Keras's forward and backward read each
+    layer's weights only after its buffer was gathered, at most ``fsdp.KEEP`` layers are
+    whole at any time, every buffer is freed afterwards, and the gradients equal the
+    unsharded model's."""
+    from kmgpu.engines.torch.optim import fsdp, zero
+
+    ref = tiny()
+    grads_ref = _grads(ref)
+    model = tiny()
+    whole = [v.value.detach().clone() for v in model.trainable_weights]
+    shards = zero.Shards(O.Adam(0.01), model.trainable_weights, 0, 2, transient=True,
+                         weights=True)
+    flats = shards.flat.params
+    assert all(fsdp.is_free(f) for f in flats) and len(flats) == 4  # one per layer
+    # the stand-in all-gather: the whole buffer laid out from the original values
+    full = [f.new_zeros(f.numel()) for f in flats]
+    for view, w in zip(shards.flat.weights.like(full), whole):
+        view.copy_(w)
+    most = []
+
+    def gather(out, piece):
+        k = next(i for i, p in enumerate(shards.flat.pieces) if p.params is piece)
+        out.copy_(full[k])
+        most.append(sum(not fsdp.is_free(f) for f in flats))
+
+    shards.gathering.gather = gather
+    with shards.active():
+        grads = _grads(model)
+    assert max(most) <= fsdp.KEEP and len(most) >= 2 * len(flats) - fsdp.KEEP
+    assert all(fsdp.is_free(f) for f in flats)
+    for a, b in zip(grads_ref, grads):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _grads(model):
+    x = keras.ops.convert_to_tensor(X[:8])
+    loss = keras.ops.mean((model(x, training=True) - keras.ops.convert_to_tensor(Y[:8])) ** 2)
+    return [g.numpy() for g in torch.autograd.grad(loss, [v.value for v in
+                                                          model.trainable_weights])]
+
+
+def test_a_non_elementwise_optimizer_is_refused_before_any_work():
+    model = tiny()
+    before = model.get_weights()
+    parallel = kmgpu.parallelize(model, gpus=2, shard="weights", sync_batchnorm=True)
+    parallel.compile(optimizer=O.Lamb(), loss="mse")
+    with pytest.raises(ValueError, match="shard='weights' on torch shards an update that is "
+                                         "elementwise.*KERAS_BACKEND=jax"):
+        parallel.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+    assert rel_diff(before, model.get_weights()) == 0.0 and not model.optimizer.built

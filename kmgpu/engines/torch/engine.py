@@ -61,7 +61,7 @@ class TorchEngine(Engine):
         if template.compiled and self.num_replicas > 1:
             kwargs = batch_checks.check_weighable(template, kwargs, method)  # before any work
             if self.config.shard_optimizer:
-                zero.check(template.optimizer)
+                zero.check(template.optimizer, self.config.shard)
         resets = (bool(replication.stateful_layers(template))
                   and self.config.reset_states == "epoch" and not method.endswith("_on_batch"))
         if resets:
@@ -69,6 +69,12 @@ class TorchEngine(Engine):
         kwargs = dict(kwargs)
         callbacks = kwargs.pop("callbacks", None)
         launcher, clock = self.launcher, timing.Clock("parent")
+        # a pool's driver holds the user's model beside rank 0's GPU (under torchrun each
+        # process's own model is filled from its replica: it stays where Keras put it)
+        host = (self.config.shard in ("gradients", "weights") and self.num_replicas > 1
+                and isinstance(launcher, launchers.PoolLauncher))
+        if host:
+            to_host(template)  # no whole copy on device 0 while the ranks hold 1/N
         try:
             driver = relay.CallbackDriver(
                 callbacks if launcher.runs_callbacks else None, template, method,
@@ -99,6 +105,8 @@ class TorchEngine(Engine):
             launcher.end_call(failed=True)
             raise
         launcher.end_call(failed=False, touched=any(a.touched for a in answers))
+        if host:
+            to_host(template)  # an optimizer built by the state load comes here too
         return out
 
     def _finish(self, method, template, results, driver):
@@ -172,6 +180,25 @@ class TorchEngine(Engine):
         """Every rank's bytes of weights, gradients and optimizer state its sharded
         train step holds now (between calls: what it keeps), rank order."""
         return self.launcher.rank_held_bytes()
+
+
+def to_host(template):
+    """With shard="gradients" / "weights" on GPUs: the user's model's weights and
+    optimizer variables in host memory (each torch Parameter's data moved to the CPU,
+    the Keras variables the same objects), so the process that holds the user's model
+    keeps no whole copy on a GPU while the ranks keep 1/N; ``save``, ``load_model`` and
+    the next call read and write them there. A no-op for variables already on the CPU
+    (every CPU run)."""
+    import torch
+
+    opt = getattr(template, "optimizer", None)
+    variables = list(template.weights) + (list(opt.variables) if opt is not None
+                                          and opt.built else [])
+    with torch.no_grad():
+        for v in variables:
+            value = v.value
+            if torch.is_tensor(value) and value.device.type != "cpu":
+                value.data = value.data.cpu()
 
 
 def _timed(clock, name, fn, *args):

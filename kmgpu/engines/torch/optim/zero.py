@@ -51,17 +51,19 @@ from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, sizes
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
 
-def check(optimizer):
+def check(optimizer, shard="optimizer"):
     """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded."""
     if optimizer is None:
         return
     ok, why = flat_optim.supported(optimizer)
     if not ok:
         name = type(optimizer).__name__
+        asked, off = (("shard_optimizer=True", "shard_optimizer=False") if shard == "optimizer"
+                      else (f"shard={shard!r}", "shard=None"))
         raise ValueError(
-            f"shard_optimizer=True on torch shards an update that is elementwise over the "
+            f"{asked} on torch shards an update that is elementwise over the "
             f"parameters: Keras's {', '.join(flat_optim.COVERED)}; this optimizer is not ({why}"
-            f"). Use one of those, pass shard_optimizer=False, or the JAX backend "
+            f"). Use one of those, pass {off}, or the JAX backend "
             f"(KERAS_BACKEND=jax), which shards any optimizer's state. ({name})")
 
 
