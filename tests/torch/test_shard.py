@@ -215,12 +215,15 @@ def _grads(model):
                                                           model.trainable_weights])]
 
 
-def test_a_non_elementwise_optimizer_is_refused_before_any_work():
+@pytest.mark.parametrize("make_opt, says", [
+    (lambda: O.Lamb(), "shard='weights' on torch shards an update that is elementwise.*"
+                       "KERAS_BACKEND=jax"),
+    (lambda: O.Adam(use_ema=True), "use_ema needs every weight whole.*shard='gradients'")])
+def test_what_cannot_be_sharded_is_refused_before_any_work(make_opt, says):
     model = tiny()
     before = model.get_weights()
     parallel = kmgpu.parallelize(model, gpus=2, shard="weights", sync_batchnorm=True)
-    parallel.compile(optimizer=O.Lamb(), loss="mse")
-    with pytest.raises(ValueError, match="shard='weights' on torch shards an update that is "
-                                         "elementwise.*KERAS_BACKEND=jax"):
+    parallel.compile(optimizer=make_opt(), loss="mse")
+    with pytest.raises(ValueError, match=says):
         parallel.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
     assert rel_diff(before, model.get_weights()) == 0.0 and not model.optimizer.built

@@ -61,7 +61,7 @@ class TorchEngine(Engine):
         if template.compiled and self.num_replicas > 1:
             kwargs = batch_checks.check_weighable(template, kwargs, method)  # before any work
             if self.config.shard_optimizer:
-                zero.check(template.optimizer, self.config.shard)
+                zero.check(template.optimizer, self.config.shard, template.trainable_weights)
         resets = (bool(replication.stateful_layers(template))
                   and self.config.reset_states == "epoch" and not method.endswith("_on_batch"))
         if resets:

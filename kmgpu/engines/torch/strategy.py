@@ -87,8 +87,9 @@ class DDPStrategy:
         if self.sharded_step is not None and self.sharded_step.zero is not None:
             self.sharded_step.zero.materialize(self.gather_everywhere)
 
-    def _let_go(self):
-        """After a fit whose final state rank 0 has written out (a pool worker), with
+    def let_go(self):
+        """After a fit or train_on_batch whose state rank 0 has written out (a pool
+        worker, every rank alike: no collective), with
         shard="gradients" / "weights": the whole optimizer state (and weights) that the
         last gather put into rank 0's Keras variables freed again, so between calls no
         rank holds a whole copy. Under torchrun each process's own model is filled from
@@ -286,9 +287,7 @@ class DDPStrategy:
         guard = batch_checks.guard(replica, method, self.world)  # each batch of a dataset
         try:
             if method == "fit":
-                out = self._fit(replica, kwargs, verbose, callbacks, guard)
-                self._let_go()
-                return out
+                return self._fit(replica, kwargs, verbose, callbacks, guard)
             if method == "evaluate":
                 slices = inputs.RankSlices(
                     inputs.source_of(kwargs.pop("x"), kwargs.pop("y", None),

@@ -292,6 +292,8 @@ class Worker:
             snapshot(replica, -2)  # stopped: the last completed step's state goes back
         if call.method == "train_on_batch" and self.rank == 0:
             _Snapshots(state, call.layout, True, clock)(replica, -1)  # the new state
+        if call.method in ("fit", "train_on_batch"):
+            s.let_go()  # written out: rank 0's whole copy of a sharded state freed
         clock(call.method)
         clock.report()
         # this rank's stateful RNN rows go back to the user's model, like the weights

@@ -51,10 +51,21 @@ from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, sizes
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
 
-def check(optimizer, shard="optimizer"):
-    """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded."""
+def check(optimizer, shard="optimizer", variables=()):
+    """Raise ValueError (what to do instead) when ``optimizer`` cannot be sharded (with
+    shard="weights" also: ``variables``, the trainable ones, with a constraint, or
+    ``use_ema``: both need the whole weights after each update)."""
     if optimizer is None:
         return
+    if shard == "weights":
+        inner = flat_optim.scaler(optimizer)[1]
+        bound = [v.path for v in variables if v.constraint is not None]
+        if bound or getattr(inner, "use_ema", False):
+            what = f"variables with a constraint ({bound})" if bound else "use_ema"
+            raise ValueError(
+                f"shard='weights' on torch keeps 1/N of the weights on each rank; {what} "
+                "needs every weight whole after each update. Pass shard='gradients' (the "
+                "weights whole, the gradient and optimizer state 1/N), or the JAX backend.")
     ok, why = flat_optim.supported(optimizer)
     if not ok:
         name = type(optimizer).__name__
