@@ -176,7 +176,7 @@ def _memory(engine, config, template, grads):
         key = kind.split()[0]
         measured = engine.sharded_bytes(template, key) if n > 1 else None
         if whole is None and measured is None:
-            part = "known once the optimizer is built (after the first fit)"
+            part = "bytes known once the optimizer is built (after the first fit)"
             parts.append(f"{kind}: 1/{n} per device, {part}" if key in sharded else
                          f"{kind}: {part}")
             continue

@@ -43,7 +43,7 @@ def test_refused_before_any_work_or_sharded():
     if hardware.backend_name() in ("jax", "torch"):
         parallel = kmgpu.parallelize(model, shard_optimizer=True)
         text = str(parallel.describe())
-        assert "optimizer state: 1/4 per device, known once" in text
+        assert "optimizer state: 1/4 per device, bytes known once" in text
         assert "shard='optimizer'" in text
         for a, b in zip(before, model.get_weights()):
             assert np.array_equal(a, b)
