@@ -227,3 +227,36 @@ def test_what_cannot_be_sharded_is_refused_before_any_work(make_opt, says):
     with pytest.raises(ValueError, match=says):
         parallel.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
     assert rel_diff(before, model.get_weights()) == 0.0 and not model.optimizer.built
+
+
+def test_forward_replayed_with_layers_gathered_inside_it(monkeypatch, capsys):
+    """shard="weights" on 2 ranks with graph A 'replayed' (a fake capture, inherited by
+    the forked workers; graph B's capture failing, so the update runs eagerly after it):
+    the layers' gathers and the step's own gradient buffers happen inside the capture,
+    and each replay's exchange reads the buffers that graph wrote; still one device's
+    result, and 1/N kept."""
+    from kmgpu.engines.torch.launch import launchers
+    from kmgpu.engines.torch.optim import sizes
+    from tests.torch.test_captured_step import _forced_capture
+    from tests.torch.test_zero import mlp, X as X5, Y as Y5
+
+    launchers.close_pools()
+    try:
+        _forced_capture(monkeypatch, fail_update=True)
+        ref, model = mlp(), mlp()
+        parallel = kmgpu.parallelize(model, gpus=2, shard="weights")
+        for runner in (ref, parallel):
+            runner.compile(optimizer=O.Adam(0.01), loss="mse")
+        ref_history = ref.fit(X5, Y5, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        history = parallel.fit(X5, Y5, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        held = parallel._engine.rank_held_bytes()
+        parallel.close()
+        assert "run eagerly after the captured" in capsys.readouterr().out
+        assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+        assert rel_diff(_state(ref), _state(model)) <= TOL
+        np.testing.assert_allclose(ref_history.history["loss"], history.history["loss"],
+                                   rtol=TOL)
+        piece = sizes.grad_bytes(model, 2, by_layer=True)[0]
+        assert held[0] == held[1] and held[0]["weights"] == held[0]["gradients"] == piece
+    finally:
+        launchers.close_pools()  # no worker keeps the fake capture
