@@ -208,8 +208,11 @@ class Shards:
         model; the other ranks keep 1/N), or on every rank (``everywhere``: each process
         has its own user model, torchrun). ``use_ema``'s moving averages go to every rank
         (all-gather): fit's ``finalize_variable_values`` reads them whole on every rank.
-        No-op where they hold it already."""
+        With shard="gradients" / "weights" rank 0's whole state is put in host memory
+        (one piece at a time through the device: ``_to_host``), so no rank holds a whole
+        copy of it on its device. No-op where they hold it already."""
         mine = everywhere or self.rank == 0
+        host = self.transient and not everywhere
         if self.weights and not self.weights_whole:  # (the same on every rank)
             for flat, piece in zip(self.flat.params, self.flat.pieces):
                 if mine:
@@ -226,15 +229,33 @@ class Shards:
         for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
             for name, own in piece.slots.items():
                 here = mine or name == EMA
-                whole = own.new_empty(flat.numel()) if here else None
-                if everywhere or name == EMA:
+                if host and name != EMA:
+                    whole = self._to_host(own, flat.numel())
+                elif everywhere or name == EMA:
+                    whole = own.new_empty(flat.numel())
                     _all_gather(whole, own)
                 else:
+                    whole = own.new_empty(flat.numel()) if here else None
                     dist.gather(own, list(whole.chunk(self.world)) if mine else None, dst=0)
                 if here:
                     self._keras_views(k, name, whole)
         self.materialized = mine
         self.ema_held = not mine and EMA in self.flat.keras_slots
+
+    def _to_host(self, own, numel):
+        """Every rank's piece ``own`` into a host tensor of ``numel`` elements on rank 0
+        (None elsewhere), one piece at a time (point to point: NCCL and gloo both)."""
+        if self.rank != 0:
+            dist.send(own, dst=0)
+            return None
+        whole = torch.empty(numel, dtype=own.dtype, device="cpu")
+        n = own.numel()
+        whole[:n].copy_(own)
+        staging = torch.empty_like(own) if self.world > 1 else None
+        for src in range(1, self.world):
+            dist.recv(staging, src=src)
+            whole[src * n:(src + 1) * n].copy_(staging)
+        return whole
 
     @torch.no_grad()
     def receivable(self):
