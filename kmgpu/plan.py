@@ -131,7 +131,7 @@ def describe(*, backend, engine, config, template, samples=None, batch_size=None
     per_text = str(per[0]) if len(set(per)) == 1 else f"{min(per)}-{max(per)} (uneven split)"
     steps = f"{math.ceil(samples / gb)} ({samples} samples)" if samples else "depends on the data"
     params = sum(int(math.prod(v.shape)) * _itemsize(v.dtype) for v in template.trainable_weights)
-    reduced = params * 2 * (n - 1) / n
+    moved = _traffic(config.shard, params, n)
     factor = lr_factor(config, n)
     lr = f"x{factor:g} (linear scaling rule)" if config.scale_lr else "x1 (unchanged)"
     if config.warmup_epochs:
@@ -149,11 +149,27 @@ def describe(*, backend, engine, config, template, samples=None, batch_size=None
         *([("train step", step)] if (step := engine.train_step_mode(template)) else []),
         ("stateful RNNs", stateful),
         ("own losses", own_losses_text(backend, template, n)),
-        ("all-reduce/step", f"{_bytes(reduced)} (params {_bytes(params)} x 2(N-1)/N)"),
+        moved,
         ("memory/device", _memory(engine, config, template, params)),
     ]
     width = max(len(k) for k, _ in lines)
     return "kmgpu plan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
+
+
+def _traffic(shard, params, n):
+    """The bytes each device sends per step, as (label, text): an all-reduce of the
+    gradients; with ``shard`` "optimizer" or "gradients" the same bytes as a
+    reduce-scatter of the gradients and an all-gather of the updated weights; with
+    "weights" also each layer's weights gathered again for the backward pass."""
+    if shard == "weights":
+        return ("traffic/step", f"{_bytes(params * 3 * (n - 1) / n)} (params {_bytes(params)} "
+                "x 3(N-1)/N: weights all-gathered for the forward and the backward pass, "
+                "gradients reduce-scattered)")
+    if shard in ("optimizer", "gradients"):
+        return ("traffic/step", f"{_bytes(params * 2 * (n - 1) / n)} (params {_bytes(params)} "
+                "x 2(N-1)/N: gradients reduce-scattered, weights all-gathered)")
+    return ("all-reduce/step", f"{_bytes(params * 2 * (n - 1) / n)} (params {_bytes(params)} "
+            "x 2(N-1)/N)")
 
 
 #: what each ``shard`` value lays out over the devices
