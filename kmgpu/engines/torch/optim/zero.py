@@ -120,6 +120,9 @@ class Shards:
         self.gathering = None
         self.weights_whole = False  # the whole weights are in the Keras variables (rank 0)
         if weights:
+            # the variables' views of the flat buffers, kept to put back after rank 0's
+            # host copy (a view of a freed buffer cannot be made, only kept)
+            self._device_views = self.flat.weights.like(self.flat.params)
             self.flat.own_pieces()
             self.gathering = fsdp.Gathering(self.flat.params,
                                             [p.params for p in self.flat.pieces])
@@ -175,6 +178,7 @@ class Shards:
         if self.gathering is None:
             yield
             return
+        self.free_weights()  # rank 0's host copy for the user's model: the device views back
         try:
             with self.gathering.active():
                 yield
@@ -214,14 +218,16 @@ class Shards:
         mine = everywhere or self.rank == 0
         host = self.transient and not everywhere
         if self.weights and not self.weights_whole:  # (the same on every rank)
-            for flat, piece in zip(self.flat.params, self.flat.pieces):
-                if mine:
-                    fsdp.grow(flat)
+            for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
                 if everywhere:
+                    fsdp.grow(flat)
                     _all_gather(flat, piece.params)
-                else:
-                    dist.gather(piece.params, list(flat.chunk(self.world)) if mine else None,
-                                dst=0)
+                    continue
+                whole = self._to_host(piece.params, flat.numel())  # rank 0: host memory
+                if whole is not None:  # the variables, views of it until ``free_weights``
+                    weights = self.flat.weights
+                    for i, view in zip(weights.members[k], weights.split(k, whole)):
+                        weights.views[i].data = view
             self.weights_whole = True
         if not self.stepped:  # nothing new since the last gather: the same on every rank
             return
@@ -263,6 +269,7 @@ class Shards:
         made whole again where they are not (their values come from the broadcast); the
         next step takes this rank's piece from them."""
         if self.weights:  # the whole weights to receive into, taken by ``take_weights``
+            self.free_weights()
             for flat in self.flat.params:
                 fsdp.grow(flat)
                 flat.zero_()
@@ -286,11 +293,17 @@ class Shards:
         self.free_weights()
 
     def free_weights(self):
-        """shard="weights": the whole weights freed (the pieces are current)."""
-        if self.weights:
-            for flat in self.flat.params:
-                fsdp.free(flat)
-            self.weights_whole = False
+        """shard="weights": the whole weights freed (the pieces are current): the
+        variables views of the freed flat buffers again where ``materialize`` made them
+        views of a host copy."""
+        if not self.weights:
+            return
+        for flat in self.flat.params:
+            fsdp.free(flat)
+        for param, view in zip(self.flat.weights.views, self._device_views):
+            if fsdp.storage_key(param) != fsdp.storage_key(view):
+                param.data = view
+        self.weights_whole = False
 
     @torch.no_grad()
     def release(self):

@@ -275,7 +275,7 @@ class SplitStep:
         flat = self.zero.flat if self.zero is not None else self.flat
         if flat is None:
             return None
-        weights = list(flat.params)
+        weights = list(flat.params) + list(flat.weights.views)  # (a host copy included)
         grads = list(self.current.flats) if self.current is not None else []
         state = [v.value for slots in flat.keras_slots.values() for v in slots]
         if self.zero is not None:
