@@ -26,6 +26,11 @@ at the same point: the all-gathers match. A rank with only a stand-in row runs t
 same forward. Memory: 1/N of the weights, gradient pieces and optimizer state between
 steps; within a step the ``KEEP`` gathered buffers, the activations and (as with
 shard="gradients") the step's whole gradient buffers, freed once reduce-scattered.
+
+On CUDA the train step is captured as it is unsharded: the forward and backward, with
+their gathers, are graph A, so the all-gathers (NCCL) and the buffers' memory (grown from
+the graph's pool during the capture, at the addresses each replay uses) are recorded in
+it; the reduce-scatter stays outside, between A and the update (graph B).
 """
 
 import collections

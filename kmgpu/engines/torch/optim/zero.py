@@ -1,4 +1,5 @@
-"""``shard_optimizer=True`` on torch (ZeRO stage 1): the flat optimizer on a piece.
+"""``shard="optimizer"`` (``shard_optimizer=True``, ZeRO-1), ``"gradients"`` (ZeRO-2) and
+``"weights"`` (ZeRO-3 / FSDP) on torch: the flat optimizer on a piece.
 
 The split step (``split_step``) keeps the gradient in one flat buffer per dtype
 (``flat_layout.Buffers``), its head padded to N equal, 256-byte aligned pieces, laid out
@@ -31,6 +32,24 @@ every rank, after the last epoch end's gather: each weight is assigned its whole
 so every rank's replica ends with rank 0's weights (the replicas stay resident for the
 next call). The all-gather moves what the gather moves into rank 0; the whole
 averages are freed again at the next step.
+
+shard="gradients" (``transient``): the same step, but the split step makes its whole
+gradient buffers anew for each step and lets go of them once reduce-scattered (a captured
+graph A makes its own inside the capture, in its memory pool, as its activations), so
+between steps a rank keeps the whole weights, its 1/N of the gradient and its 1/N of the
+optimizer state: 4 + (4 + 8)/N bytes per parameter with Adam in float32.
+
+shard="weights" (``weights``, ``fsdp``): one flat buffer per layer and dtype, each cut
+into N pieces; a rank keeps its pieces of the weights as tensors of their own, the whole
+buffers are freed and gathered layer by layer where the forward and the backward read
+them (``active``); no all-gather after the update. About 16/N bytes per parameter, plus
+the two gathered layers, the step's whole gradient and the activations within a step.
+Variable constraints and ``use_ema`` are refused (``check``): both need every weight
+whole after each update.
+
+With "gradients" and "weights", ``materialize`` puts rank 0's whole copy for the user's
+model in host memory (``_to_host``), and a pool worker lets go of it once written out
+(``DDPStrategy.let_go``): no rank keeps a whole copy on its device.
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
 Adagrad, Lion, Nadam and Adamax with their options (``flat_optim.COVERED``); anything else
