@@ -4,7 +4,8 @@ One tiny model carries an Embedding, a BatchNormalization and 103 trainable para
 (neither 2 nor 4 divides it); 90 rows at batch 8 end in a batch of 2 (at N=4 two ranks
 get a stand-in row). Each optimizer case runs once, the (shard value, N) pairs rotating
 so that each shard value meets N=2 and N=4; weights, History, the optimizer's variables,
-evaluate and predict equal one device (plain Keras) to 1e-5 after 2 epochs
+evaluate and predict (one case per shard value) equal one device (plain Keras) to 1e-5
+after 2 epochs
 (mixed_float16: the unsharded run on as many ranks, float16 sums of 4 and 8 rows differ
 at float16 resolution; BatchNorm per replica there, its moving statistics averaged by the
 step, else over the global batch). The fits are shared by the tests (module fixture).
@@ -60,7 +61,11 @@ CASES = {  # name: (shard, N, optimizer, layer dtype policy)
 RUN = [name for name, case in CASES.items() if case[0] in TorchEngine.shards]
 
 
-def _fit(make_opt, dtype, gpus=None, shard=None):
+#: the cases that evaluate and predict too (one per shard value, on 4 ranks: a stand-in row)
+EVALUATED = ("adamw_exclusions", "global_clipnorm")
+
+
+def _fit(make_opt, dtype, gpus=None, shard=None, evaluated=True):
     model = tiny(dtype)
     # BatchNorm's moments over the global batch, as one device; under mixed_float16
     # (against the unsharded run) per replica, so the step averages its moving statistics
@@ -68,9 +73,11 @@ def _fit(make_opt, dtype, gpus=None, shard=None):
                                                           sync_batchnorm=dtype is None)
     runner.compile(optimizer=make_opt(), loss="mse", metrics=["mae"])
     history = runner.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    evaluated = runner.evaluate(X, Y, batch_size=12, verbose=0)
+    if not evaluated:
+        return model, history.history, runner, None, None
+    scores = runner.evaluate(X, Y, batch_size=12, verbose=0)
     predicted = runner.predict(X, batch_size=12, verbose=0)
-    return model, history.history, runner, evaluated, predicted
+    return model, history.history, runner, scores, predicted
 
 
 def _state(model):
@@ -85,8 +92,9 @@ def fits():
     out = {}
     for name in RUN:
         shard, n, make_opt, dtype = CASES[name]
-        ref = _fit(make_opt, dtype, n) if dtype else _fit(make_opt, dtype)
-        mine = _fit(make_opt, dtype, n, shard)
+        evaluated = name in EVALUATED
+        ref = _fit(make_opt, dtype, n if dtype else None, evaluated=evaluated)
+        mine = _fit(make_opt, dtype, n, shard, evaluated)
         HELD[name] = mine[2]._engine.rank_held_bytes()  # before another pool replaces it
         out[name] = (ref, mine)
     yield out
@@ -106,8 +114,9 @@ def test_sharded_equals_one_device(fits, name):
     assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy())
     for key in ref_history:
         np.testing.assert_allclose(ref_history[key], history[key], rtol=TOL, err_msg=key)
-    np.testing.assert_allclose(ref_eval, ev, rtol=TOL)
-    np.testing.assert_allclose(ref_pred, pred, rtol=TOL, atol=1e-6)
+    if name in EVALUATED:
+        np.testing.assert_allclose(ref_eval, ev, rtol=TOL)
+        np.testing.assert_allclose(ref_pred, pred, rtol=TOL, atol=1e-6)
     assert rel_diff(tiny(CASES[name][3]).get_weights(), model.get_weights()) > 1e-2
     shard, n = CASES[name][:2]
     text = parallel.describe()
