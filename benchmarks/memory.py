@@ -1,43 +1,53 @@
-"""``shard_optimizer=True`` (ZeRO stage 1): what it saves and what it costs.
+"""``shard=`` (ZeRO-1/2/3): what each shard value saves per device and what it costs.
 
-``KERAS_BACKEND=jax python benchmarks/memory.py [--speed]`` on CPU with 8 simulated devices;
-``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]``: torch (``engines/torch/optim/zero.py``),
-where 1. is the bytes of each rank's pieces from the layout ``zero.Shards`` makes (every
-variable 256-byte aligned, each dtype padded to N equal pieces; ``tests/torch/test_zero.py``
-asserts a rank's tensors are that), without starting the ranks, and 3. compares two
-split steps (``jit_compile=True``: the unsharded one all-reduces and updates with
-``flat_optim``), so only the sharding differs.
+``KERAS_BACKEND=jax python benchmarks/memory.py [--speed] [--optimizers]`` and
+``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]`` on CPU with 8 simulated
+devices (torch: one gloo rank per device).
 
-1. Memory. For N = 1, 2, 4, 8 devices, with and without sharding, a model of Dense
-   layers whose sizes 8 divides is fitted one step with Adam in float32, and the bytes
-   each device holds are read from the arrays' addressable shards (the replica's
-   weights and optimizer state; the gradients are whole on every device during the
-   step, as many bytes as the trainable weights). Divided by the parameter count they
-   give the bytes per parameter per device, b(N), and the largest model that fits one
-   H200 is ``P_max = M / b(N)`` with M = 141e9 bytes (the H200's 141 GB), i.e.
+1. Memory. For N = 1, 2, 4, 8 devices and each ``shard`` value (None, "optimizer",
+   "gradients", "weights"; a no-op on one device), a model of Dense layers whose sizes 8
+   divides is fitted one step with Adam in float32, and the bytes each device holds are
+   MEASURED FROM THE ARRAYS:
 
-       b(N) = 4 (weights) + 4 (gradients) + 8 / N (Adam's m and v; 8 unsharded)
+   - JAX: each device's addressable shards of every live array of the replica
+     (``engine.replica``'s weights and optimizer variables), plus what the user's own
+     model holds on each device other than the host CPU device (``engines/jax/host.py``:
+     with ``shard=`` its whole state lives in host memory). The gradients live only
+     inside the jitted step: they are counted from the sharded layout
+     (``zero.planned_bytes`` of the trainable variables: 1/N each under "gradients" /
+     "weights", whole otherwise), not measured.
+   - torch: each rank's tensors as its train step holds them after the fit (the engine's
+     ``rank_held_bytes()``, a ``WeightsQuery("held")`` per rank: flat weights / pieces,
+     gradient buffers / pieces, optimizer state / pieces, each storage once). Both runs
+     use kmgpu's split step (``jit_compile=True``), so only the sharding differs. On one
+     device (no ranks) the user's model's tensors are counted, gradients = trainable.
 
-   Left out of b(N), so the real limit is lower: activations (which grow with the batch
-   and the depth, and often dominate), XLA's temporaries in the step (the updated
-   weights before they are gathered, fusion buffers), the step counter and variables
-   no dimension of which N divides (kept whole; ~0 here), the framework's own
-   reservation (XLA preallocates 75% of the GPU by default). The user's own model keeps a
-   whole copy of the weights and the optimizer state on its device (device 0) between
-   calls (kmgpu copies the state back after every fit): the last two columns count it,
-   measured the same way, b0(N) = b(N) + 4 + 8 on device 0, which then sets the limit.
+   On CPU the host device is device 0 itself, so "your model off the host" reads 0 by
+   construction; on GPUs the user's model keeps its whole state in host memory only
+   where ``shard=`` moves it there (JAX: any shard value; torch: "gradients" / "weights"),
+   else on device 0 (+12 B/param there: shard=None, and torch "optimizer").
 
-2. ``--optimizers``: every Keras optimizer (and EMA, gradient accumulation,
+   Divided by the parameter count they give the bytes per parameter on each device;
+   device 0 is its own column, and b(N) is the fullest device's (device 0 included).
+   The largest model that fits one H200 is ``P_max = M / b(N)``, M = 141e9 bytes. The
+   ideal is b(N) = 16 (None), 8 + 8/N ("optimizer"), 4 + 12/N ("gradients"), 16/N
+   ("weights"). Left out of b(N), so the real limit is lower: activations (they grow
+   with the batch and the depth, and often dominate), the step's temporaries (with
+   "weights" each layer's gathered weights and its whole gradient while it is
+   computed; XLA's fusion buffers), the framework's own reservation.
+
+2. ``--optimizers`` (JAX): every Keras optimizer (and EMA, gradient accumulation,
    ``train_on_batch``) on a tiny model, sharded on 4 devices against plain Keras on one:
    the largest relative difference of the weights and of the optimizer variables after 2
    epochs, and how many optimizer variables are sharded.
 
-3. ``--speed``: the step time of the sharded and the unsharded fit on 4 simulated
-   devices, order-balanced in one process (unsharded, sharded, unsharded, sharded...,
-   each after its own compile), median epoch time of each.
+3. ``--speed``: the step time of each shard value against the unsharded fit on 4
+   simulated devices, order-balanced in one process (each round runs None and every
+   shard value, the order reversed every other round, each after its own compile),
+   median epoch time of each.
 
-Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` asserts
-the bytes per device on a tiny model).
+Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` and
+``tests/torch/test_shard.py`` assert the bytes per device on tiny models).
 """
 
 import argparse
@@ -50,6 +60,10 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 H200 = 141e9  # bytes
+SHARDS = (None, "optimizer", "gradients", "weights")
+IDEAL = {None: lambda n: 16.0, "optimizer": lambda n: 8 + 8 / n,
+         "gradients": lambda n: 4 + 12 / n, "weights": lambda n: 16 / n}
+KINDS = ("weights", "gradients", "optimizer")
 
 
 def _model(width, depth, features=16):
@@ -73,38 +87,18 @@ def _parallel(n, shard, width, depth):
     model = _model(width, depth)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one device; few steps
-        parallel = kmgpu.parallelize(model, gpus=n, shard_optimizer=shard)
-    # torch: the split step in both runs (jit_compile=True), so only the sharding differs
+        parallel = kmgpu.parallelize(model, gpus=n, shard=shard)
+    # torch: the split step in every run (jit_compile=True), so only the sharding differs
     parallel.compile(optimizer="adam", loss="mse", **({"jit_compile": True} if _torch() else {}))
     return model, parallel
 
 
-def memory_torch(width, depth):
-    """torch: bytes per parameter per rank from the layout of ``zero.Shards``."""
-    import keras
+def _data(rows):
+    import numpy as np
 
-    from kmgpu.engines.torch.optim import flat_layout, zero
-
-    model = _model(width, depth)
-    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    model.optimizer.build(model.trainable_variables)
-    params = sum(v.value.numel() for v in model.trainable_variables)
-    w = sum(v.value.numel() * v.value.element_size() for v in model.weights) / params
-    print(f"Adam, float32, torch; layout of a {depth} x Dense({width}) model ({params:,} "
-          "parameters); largest model on one H200 = 141e9 B / (bytes per parameter per device)\n")
-    print("| devices | sharded | weights B/param | gradients B/param | optimizer B/param "
-          "| total B/param/device | largest model (billion params) |")
-    print("|---|---|---|---|---|---|---|")
-    for n in (1, 2, 4, 8):
-        per, whole, _ = zero.state_bytes(model, n)
-        for shard in ((False,) if n == 1 else (False, True)):
-            # the gradient buffer: padded to N aligned pieces when sharded
-            grads = flat_layout.offsets([v.value for v in model.trainable_variables],
-                                        n if shard else 1)[1] * 4
-            o = (per if shard else whole) / params
-            b = w + grads / params + o
-            print(f"| {n} | {'yes' if shard else ('no' if n > 1 else '-')} | {w:.3f} | "
-                  f"{grads / params:.3f} | {o:.3f} | {b:.3f} | {H200 / b / 1e9:.2f} |")
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(rows, 16)).astype("float32"),
+            rng.normal(size=(rows, 8)).astype("float32"))
 
 
 def _on_devices(variables):
@@ -115,50 +109,91 @@ def _on_devices(variables):
     return sizes
 
 
-def _per_device(variables):
-    return max(_on_devices(variables).values())
+def _held_jax(n, shard, model, parallel):
+    """{kind: [bytes on device 0, 1, ...]} and the user's model's bytes off the host."""
+    import jax
+
+    from kmgpu.engines import replication
+    from kmgpu.engines.jax import host, zero
+
+    live = getattr(parallel._engine, "replica", None) or model
+    devices = jax.devices()[:n]
+    held = {}
+    for kind, variables in (("weights", replication.weights(live)),
+                            ("optimizer", replication.optimizer_state(live.optimizer))):
+        on = _on_devices(variables)
+        held[kind] = [on.get(d, 0) for d in devices]
+    # the gradients: only inside the jitted step; their planned layout
+    per = zero.planned_bytes(live.trainable_variables, n)[0] if (
+        n > 1 and shard in ("gradients", "weights")) else sum(
+        v.value.nbytes for v in live.trainable_variables)
+    held["gradients"] = [per] * n
+    mine = _on_devices(host.template_variables(model))
+    off_host = sum(b for d, b in mine.items() if d != host.device())
+    return held, off_host
+
+
+def _held_torch(n, shard, model, parallel):
+    def size(vs):
+        return sum(v.value.numel() * v.value.element_size() for v in vs)
+
+    ranks = parallel._engine.rank_held_bytes() if n > 1 else [None]
+    if ranks[0] is None:
+        # one device (no ranks: the user's model itself), or shard=None: the unsharded step
+        # keeps no split step to ask (``held_bytes`` is None), so each rank's replica
+        # weights are read back (``rank_weights``) and the gradients and the optimizer
+        # state are the whole values, as every rank holds them
+        weights = ([sum(a.nbytes for a in w) for w in parallel._engine.rank_weights()]
+                   if n > 1 else [size(model.weights)])
+        held = {"weights": weights, "gradients": [size(model.trainable_weights)] * n,
+                "optimizer": [size(model.optimizer.variables)] * n}
+    else:
+        held = {k: [r[k] for r in ranks] for k in KINDS}
+    off_host = 0
+    for v in list(model.weights) + list(model.optimizer.variables):
+        if v.value.device.type != "cpu":
+            off_host += v.value.numel() * v.value.element_size()
+    return held, off_host
 
 
 def memory(width, depth):
     import numpy as np
 
-    from kmgpu.engines import replication
-
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 8)).astype("float32")
+    x, y = _data(64)
     rows = []
     for n in (1, 2, 4, 8):
-        for shard in (False, True):
-            if n == 1 and shard:
-                continue  # a no-op
+        for shard in SHARDS:
             model, parallel = _parallel(n, shard, width, depth)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 parallel.fit(x, y, batch_size=64, epochs=1, verbose=0)
-            live = parallel._engine.replica if n > 1 else model
-            params = sum(int(np.prod(v.shape)) for v in live.trainable_variables)
-            w = _per_device(replication.weights(live)) / params
-            g = sum(v.value.nbytes for v in live.trainable_variables) / params
-            o = _per_device(replication.optimizer_state(live.optimizer)) / params
-            b = w + g + o
-            # device 0 also holds your own model's weights and optimizer state, whole
-            mine = replication.weights(model) + replication.optimizer_state(model.optimizer)
-            first = parallel._engine.replica.weights[0].value.addressable_shards[0].device \
-                if n > 1 else None
-            b0 = b + (_on_devices(mine).get(first, 0) / params if n > 1 else 0)
-            rows.append((n, "yes" if shard else ("no" if n > 1 else "-"), w, g, o, b,
-                         H200 / b / 1e9, params, b0, H200 / b0 / 1e9))
+            params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+            held, off_host = (_held_torch if _torch() else _held_jax)(n, shard, model, parallel)
+            totals = [sum(held[k][d] for k in KINDS) / params for d in range(n)]
+            other = max(totals[1:], default=None)  # the fullest device but device 0
+            rows.append((n, shard, params, {k: held[k][0] / params for k in KINDS},
+                         totals[0], other, max(totals), off_host / params))
             parallel.close()
-    print(f"Adam, float32; measured on a {depth} x Dense({width}) model "
-          f"({rows[0][7]:,} parameters), 8 simulated CPU devices; "
-          f"largest model on one H200 = 141e9 B / (bytes per parameter per device)\n")
-    print("| devices | sharded | weights B/param | gradients B/param | optimizer B/param "
-          "| total B/param/device | largest model (billion params) | device 0 with your "
-          "model's copy: B/param | largest model, device 0 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, s, w, g, o, b, pmax, _, b0, pmax0 in rows:
-        print(f"| {n} | {s} | {w:.3f} | {g:.3f} | {o:.3f} | {b:.3f} | {pmax:.2f} | {b0:.3f} "
-              f"| {pmax0:.2f} |")
+    backend = "torch, each rank's held tensors" if _torch() else (
+        "JAX, the arrays' addressable shards on each device")
+    print(f"Adam, float32; measured ({backend}) on a {depth} x Dense({width}) model "
+          f"({rows[0][2]:,} parameters), simulated CPU devices. B/param = bytes per "
+          "parameter; dev 0 = device 0; b(N) = the fullest device's (device 0 included); "
+          "P_max = 141e9 B / b(N), activations not counted\n")
+    print("| N | shard | weights dev 0 | gradients dev 0 | optimizer dev 0 | total dev 0 "
+          "| total, fullest other device | b(N) | ideal b(N) | your model off the host "
+          "| P_max (billion params) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, shard, _, k, t0, other, b, off in rows:
+        print(f"| {n} | {shard} | {k['weights']:.3f} | {k['gradients']:.3f} | "
+              f"{k['optimizer']:.3f} | {t0:.3f} | {'-' if other is None else f'{other:.3f}'} | "
+              f"{b:.3f} | {IDEAL[shard](n):.3f} | {off:.3f} | {H200 / b / 1e9:.2f} |")
+    print("\nP_max, billion parameters (Adam, float32, activations not counted):\n")
+    print("| shard | N=1 | N=2 | N=4 | N=8 |")
+    print("|---|---|---|---|---|")
+    for shard in SHARDS:
+        cells = [f"{H200 / r[6] / 1e9:.2f}" for r in rows if r[1] == shard]
+        print(f"| {shard} | " + " | ".join(cells) + " |")
 
 
 def optimizers():
@@ -191,7 +226,7 @@ def optimizers():
     }
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(70, 5)).astype("float32"), rng.normal(size=(70, 1)).astype("float32")
-    print("\nEvery Keras optimizer, 4 simulated devices, shard_optimizer=True against plain Keras "
+    print("\nEvery Keras optimizer, 4 simulated devices, shard='optimizer' against plain Keras "
           "on one device, 2 epochs (70 rows, batch 16)\n")
     print("| optimizer | weights rel. diff | optimizer variables rel. diff | sharded variables |")
     print("|---|---|---|---|")
@@ -200,7 +235,7 @@ def optimizers():
         ref.compile(optimizer=make(), loss="mse")
         ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         model = tiny()
-        parallel = kmgpu.parallelize(model, gpus=4, shard_optimizer=True)
+        parallel = kmgpu.parallelize(model, gpus=4, shard="optimizer")
         parallel.compile(optimizer=make(), loss="mse")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -211,7 +246,7 @@ def optimizers():
               f"{rel_diff(state(ref), state(model)):.1e} | {sharded} of {len(replica)} |")
         parallel.close()
     ref, model = tiny(), tiny()
-    parallel = kmgpu.parallelize(model, gpus=4, shard_optimizer=True)
+    parallel = kmgpu.parallelize(model, gpus=4, shard="optimizer")
     for m in (ref, parallel):
         m.compile(optimizer="adam", loss="mse")
     for i in range(3):
@@ -224,12 +259,9 @@ def optimizers():
 def speed(width, depth, rounds, steps):
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    rows = 64 * steps
-    x, y = rng.normal(size=(rows, 16)).astype("float32"), rng.normal(size=(rows, 8)).astype(
-        "float32")
-    runs = {shard: _parallel(4, shard, width, depth)[1] for shard in (False, True)}
-    times = {False: [], True: []}
+    x, y = _data(64 * steps)
+    runs = {shard: _parallel(4, shard, width, depth)[1] for shard in SHARDS}
+    times = {shard: [] for shard in SHARDS}
 
     def epoch(shard):
         start = time.perf_counter()
@@ -238,24 +270,23 @@ def speed(width, depth, rounds, steps):
             runs[shard].fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         return (time.perf_counter() - start) / steps
 
-    for shard in (False, True):
+    for shard in SHARDS:
         epoch(shard)  # compile
     for r in range(rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        for shard in order:
+        for shard in (SHARDS if r % 2 == 0 else SHARDS[::-1]):
             times[shard].append(epoch(shard))
-    a, b = statistics.median(times[False]), statistics.median(times[True])
-    params = sum(int(np.prod(v.shape)) for v in runs[False].model.trainable_variables)
+    params = sum(int(np.prod(v.shape)) for v in runs[None].model.trainable_variables)
     for run in runs.values():
         run.close()
+    base = statistics.median(times[None])
     print(f"\n4 simulated CPU devices, {depth} x Dense({width}) ({params:,} parameters), Adam, "
           f"batch 64, {steps} steps per fit, {rounds} rounds alternating the order\n")
-    print("| run | median ms/step | all ms/step |")
-    print("|---|---|---|")
-    print(f"| unsharded | {1e3 * a:.2f} | {', '.join(f'{1e3 * t:.1f}' for t in times[False])} |")
-    print(f"| shard_optimizer=True | {1e3 * b:.2f} | "
-          f"{', '.join(f'{1e3 * t:.1f}' for t in times[True])} |")
-    print(f"\nsharded / unsharded: {b / a:.3f}x")
+    print("| shard | median ms/step | / shard=None | all ms/step |")
+    print("|---|---|---|---|")
+    for shard in SHARDS:
+        m = statistics.median(times[shard])
+        print(f"| {shard} | {1e3 * m:.2f} | {m / base:.3f}x | "
+              f"{', '.join(f'{1e3 * t:.1f}' for t in times[shard])} |")
 
 
 def main():
@@ -263,17 +294,16 @@ def main():
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--speed", action="store_true", help="also time the step")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--optimizers", action="store_true",
-                        help="also check every Keras optimizer against one device")
+                        help="also check every Keras optimizer against one device (JAX)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     import kmgpu
 
     kmgpu.simulate_devices(8)
-    if _torch():
-        memory_torch(args.width, args.depth)
-    else:
+    if not args.no_memory:
         memory(args.width, args.depth)
     if args.optimizers and not _torch():
         optimizers()
