@@ -71,7 +71,7 @@ class TorchEngine(Engine):
         launcher, clock = self.launcher, timing.Clock("parent")
         # a pool's driver holds the user's model beside rank 0's GPU (under torchrun each
         # process's own model is filled from its replica: it stays where Keras put it)
-        host = (self.config.shard in ("gradients", "weights") and self.num_replicas > 1
+        host = (self.config.shard is not None and self.num_replicas > 1
                 and isinstance(launcher, launchers.PoolLauncher))
         if host:
             to_host(template)  # no whole copy on device 0 while the ranks hold 1/N

@@ -90,13 +90,12 @@ class DDPStrategy:
     def let_go(self):
         """After a fit or train_on_batch whose state rank 0 has written out (a pool
         worker, every rank alike: no collective), with
-        shard="gradients" / "weights": the whole optimizer state (and weights) that the
+        any ``shard``: the whole optimizer state (and weights) that the
         last gather put into rank 0's Keras variables freed again, so between calls no
         rank holds a whole copy. Under torchrun each process's own model is filled from
         its replica after the call: it keeps them until its next step."""
         step = self.sharded_step
-        if (step is None or step.zero is None or self.gather_everywhere
-                or step.shard not in ("gradients", "weights")):
+        if step is None or step.zero is None or self.gather_everywhere:
             return
         step.zero.release()
 

@@ -178,7 +178,7 @@ class FlatOptimizer:
         # the slots laid out as the weights (Keras makes each with its variable's dtype);
         # ZeRO keeps only this rank's piece of them
         self.state = None if world > 1 else {
-            name: flat_layout.Buffers([s.value for s in slots], adopt=True)
+            name: flat_layout.Buffers([s.value for s in slots], adopt=True, groups=groups)
             for name, slots in self.keras_slots.items()}
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
         self.device = variables[0].value.device

@@ -47,8 +47,8 @@ the two gathered layers, the step's whole gradient and the activations within a 
 Variable constraints and ``use_ema`` are refused (``check``): both need every weight
 whole after each update.
 
-With "gradients" and "weights", ``materialize`` puts rank 0's whole copy for the user's
-model in host memory (``_to_host``), and a pool worker lets go of it once written out
+With every value, ``materialize`` puts rank 0's whole copy for the user's model in host
+memory (``_to_host``), and a pool worker lets go of it once written out
 (``DDPStrategy.let_go``): no rank keeps a whole copy on its device.
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
@@ -231,11 +231,11 @@ class Shards:
         model; the other ranks keep 1/N), or on every rank (``everywhere``: each process
         has its own user model, torchrun). ``use_ema``'s moving averages go to every rank
         (all-gather): fit's ``finalize_variable_values`` reads them whole on every rank.
-        With shard="gradients" / "weights" rank 0's whole state is put in host memory
-        (one piece at a time through the device: ``_to_host``), so no rank holds a whole
-        copy of it on its device. No-op where they hold it already."""
+        Rank 0's whole state is put in host memory (one piece at a time through the
+        device: ``_to_host``), so no rank holds a whole copy of it on its device. No-op
+        where they hold it already."""
         mine = everywhere or self.rank == 0
-        host = self.transient and not everywhere
+        host = not everywhere
         if self.weights and not self.weights_whole:  # (the same on every rank)
             for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
                 if everywhere:

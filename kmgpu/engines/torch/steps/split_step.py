@@ -95,12 +95,12 @@ class SplitStep:
                      "weights": "ZeRO-3: 1/N of the weights and the gradient kept"}[self.shard]
             self.optimizer_path = (f"kmgpu's flat {self.zero.flat.kind} update on this "
                                    f"rank's 1/{self.world} of the state ({stage})")
+        else:
+            self.optimizer_path = None
         if self.transient:  # made anew by each step (``begin``), freed by ``finish``
             self.buffers.drop()
             self.current = None
             self.zero.drop_grads()
-        else:
-            self.optimizer_path = None
         self.trainable, self._key, self.used = trainable, key, None
         self.flat = None
         return True
