@@ -1,4 +1,4 @@
-"""torch on one GPU: the flat optimizer's speed and the captured sharded step (issues 31, 32).
+"""torch on one GPU: the flat optimizer's speed and the captured sharded steps.
 
 ``KERAS_BACKEND=torch python benchmarks/torch_zero_gpu.py [--small] [--out DIR]``
 
@@ -6,12 +6,15 @@
    Keras's own ``optimizer.apply`` in stage B (``KMGPU_TORCH_FLAT_OPTIMIZER=0``) and with
    kmgpu's flat update (``flat_optim``), order-balanced in one process: off, on, off, on;
    samples/s of the median epoch after the first.
-2. The captured sharded step (``zero``) at N = 1: a 1-rank process group (NCCL on a GPU,
-   gloo on a CPU), the split step with ``shard=True`` captured as CUDA graphs (its
-   reduce-scatter / all-reduce and in-place all-gather run between the graphs), against
-   the unsharded captured step from the same weights, TF32 off: the relative difference
-   of the weights and of the optimizer variables after 2 epochs (Adam: reduce-scatter;
-   AdamW with clipnorm: the all-reduce path), and whether both steps were captured.
+2. The captured sharded steps at N = 1: a 1-rank process group (NCCL on a GPU, gloo on a
+   CPU), the split step with each ``shard`` value ("optimizer", "gradients", "weights")
+   captured as CUDA graphs (its reduce-scatter / all-reduce and all-gather run between
+   the graphs; with "weights" the layers' gathers run inside graph A), against the
+   unsharded captured step from the same weights, TF32 off: the relative difference of
+   the weights and of the optimizer variables after 2 epochs (Adam: reduce-scatter; AdamW
+   with clipnorm: the all-reduce path), and whether both steps were captured.
+3. The step time of each ``shard`` value against the unsharded one on the same 1-rank
+   group (ResNet-50 64x64, batch 256, Adam; captured), order-balanced.
 
 Prints a markdown table; ``--out`` also writes it there. ``--small``: tiny sizes (a CPU).
 """
@@ -83,14 +86,38 @@ def _group():
     return torch.device("cuda:0" if cuda() else "cpu")
 
 
-def sharded_parity(n, epochs):
-    import keras
-    import numpy as np
-    import torch.distributed as dist
+SHARDS = (None, "optimizer", "gradients", "weights")
 
+
+def one_rank(build, make_opt, loss, x, y, shard, epochs, batch):
+    """One fit of ``build()`` through the split step on the 1-rank group, captured as CUDA
+    graphs on a GPU, TF32 off: (weights, optimizer variables, captured, optimizer path,
+    epoch seconds)."""
     from kmgpu.engines.torch.capture import graphs
 
-    device = _group()
+    device = "cuda:0" if cuda() else "cpu"
+    model = build()
+    model.compile(optimizer=make_opt(), loss=loss)
+    split = graphs.SplitStep(model, world=1, rank=0, shard=shard)
+    step = graphs.CapturedStep(split, device, tf32=False)
+    timer = epoch_timer()
+    with exact(), graphs.installed(model, step):
+        model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[timer])
+    if split.zero is not None:
+        split.zero.materialize()
+    captured = bool(step.graphs) and all(e.graph_b is not None for e in step.graphs.values())
+    out = (model.get_weights(), [v.numpy() for v in model.optimizer.variables], captured,
+           split.optimizer_path, timer.times)
+    step.close()
+    return out
+
+
+def sharded_parity(n, epochs):
+    """Each ``shard`` value against the unsharded split step from the same weights (Adam:
+    reduce-scatter; AdamW with clipnorm: the all-reduce path)."""
+    import keras
+    import numpy as np
 
     def build():
         keras.utils.set_random_seed(1)
@@ -108,29 +135,47 @@ def sharded_parity(n, epochs):
                  1e-2, weight_decay=0.05, clipnorm=0.5)}
     rows = []
     for name, make_opt in cases.items():
-        out = []
-        for shard in (False, True):
-            model = build()
-            model.compile(optimizer=make_opt(), loss="mse")
-            split = graphs.SplitStep(model, world=1, rank=0, shard=shard)
-            step = graphs.CapturedStep(split, device, tf32=False)
-            with exact(), graphs.installed(model, step):
-                model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
-            if split.zero is not None:
-                split.zero.materialize()
-            captured = bool(step.graphs) and all(e.graph_b is not None
-                                                 for e in step.graphs.values())
-            out.append((model.get_weights(), [v.numpy() for v in model.optimizer.variables],
-                        captured, split.optimizer_path))
-            step.close()
-        (w0, s0, c0, _), (w1, s1, c1, path) = out
-        rows.append((name, rel_diff(w0, w1), rel_diff(s0, s1), c0, c1, path))
-        print(rows[-1][:5], flush=True)
-    dist.destroy_process_group()
+        w0, s0, c0, _, _ = one_rank(build, make_opt, "mse", x, y, None, epochs, 32)
+        for shard in SHARDS[1:]:
+            w1, s1, c1, path, _ = one_rank(build, make_opt, "mse", x, y, shard, epochs, 32)
+            rows.append((name, shard, rel_diff(w0, w1), rel_diff(s0, s1), c0, c1, path))
+            print(rows[-1], flush=True)
     return rows
 
 
-def markdown(speed_rows, parity_rows, args):
+def shard_speed(image, batch, steps, epochs, small):
+    """The captured step's median epoch for each ``shard`` value on the 1-rank group,
+    order-balanced (None, optimizer, gradients, weights, then back)."""
+    import keras
+    import numpy as np
+
+    def build():
+        keras.utils.set_random_seed(0)
+        if small:
+            return keras.Sequential([keras.Input((image, image, 3)),
+                                     keras.layers.Conv2D(8, 3), keras.layers.BatchNormalization(),
+                                     keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3),
+                                           classes=10, classifier_activation=None)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch * steps, image, image, 3), dtype=np.float32)
+    y = rng.integers(0, 10, batch * steps).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    times = {s: [] for s in SHARDS}
+    captured = {}
+    for shard in SHARDS + SHARDS[::-1]:
+        _, _, c, _, t = one_rank(build, lambda: keras.optimizers.Adam(1e-3), loss, x, y,
+                                 shard, epochs, batch)
+        times[shard].append(statistics.median(t[1:]))
+        captured[shard] = c
+        print(f"shard={shard}: epoch {times[shard][-1]:.3f} s, captured={c}", flush=True)
+    base = statistics.mean(times[None])
+    return [(s, statistics.mean(times[s]), statistics.mean(times[s]) / base, captured[s],
+             times[s]) for s in SHARDS]
+
+
+def markdown(speed_rows, parity_rows, shard_rows, args):
     lines = [f"# torch on one {'GPU' if cuda() else 'CPU'}: the flat optimizer and the "
              "captured sharded step", "",
              f"`benchmarks/torch_zero_gpu.py{' --small' if args.small else ''}`", "",
@@ -145,12 +190,21 @@ def markdown(speed_rows, parity_rows, args):
         if rates:
             lines.append(f"| **mean, {'flat' if flat else 'Keras'}** | "
                          f"**{statistics.mean(rates):,.0f}** | | |")
-    lines += ["", "## shard_optimizer at N = 1 (1-rank group), captured, TF32 off, 2 epochs:"
-              " sharded vs unsharded", "",
-              "| optimizer | weights rel. diff | optimizer vars rel. diff | unsharded captured "
-              "| sharded captured | sharded path |", "|---|---|---|---|---|---|"]
-    for name, dw, ds, c0, c1, path in parity_rows:
-        lines.append(f"| {name} | {dw:.2e} | {ds:.2e} | {c0} | {c1} | {path} |")
+    lines += ["", "## Each shard value at N = 1 (1-rank group), captured, TF32 off, 2 epochs: "
+              "against the unsharded split step", "",
+              "| optimizer | shard | weights rel. diff | optimizer vars rel. diff | unsharded "
+              "captured | sharded captured | sharded path |", "|---|---|---|---|---|---|---|"]
+    for name, shard, dw, ds, c0, c1, path in parity_rows:
+        lines.append(f"| {name} | {shard} | {dw:.2e} | {ds:.2e} | {c0} | {c1} | {path} |")
+    lines += ["", f"## Step time of each shard value at N = 1 (1-rank group), captured, TF32 "
+              f"off: {'a small conv net' if args.small else f'ResNet-50 {args.image}x{args.image}'}, "
+              f"batch {args.batch}, Adam; median epoch after the first, each value run twice "
+              "(order None, optimizer, gradients, weights, then back)", "",
+              "| shard | epoch (s), mean of 2 | vs unsharded | captured | the two runs (s) |",
+              "|---|---|---|---|---|"]
+    for shard, t, ratio, c, runs in shard_rows:
+        lines.append(f"| {shard} | {t:.3f} | {ratio:.2f}x | {c} | "
+                     f"{', '.join(f'{r:.3f}' for r in runs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -163,8 +217,10 @@ def main():
     start = time.perf_counter()
     speed_rows = speed(args.image, args.batch, steps, epochs, (False, True, False, True),
                        args.small)
+    _group()
     parity_rows = sharded_parity(64 if args.small else 640, 2)
-    text = markdown(speed_rows, parity_rows, args)
+    shard_rows = shard_speed(args.image, args.batch, steps, epochs, args.small)
+    text = markdown(speed_rows, parity_rows, shard_rows, args)
     print(text, f"({time.perf_counter() - start:.0f} s)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
