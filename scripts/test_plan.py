@@ -5,14 +5,13 @@ The files of a backend are tests/unit, tests/common and tests/<backend> (test_*.
 here, so a new file is in the next run); a file's weight is its line in
 scripts/test_times.txt (measured: ``bash scripts/test.sh --save-times``), or DEFAULT_S
 for a file not measured yet. Each backend's files are cut into parts of about equal
-weight (longest first, each to the lightest part); the jobs are printed round by round
-(every backend's heaviest part, heaviest first, then the next parts: ``jobs_of``), one a
-line: ``<backend> <part> <seconds> <file> ...``. The lanes take them in that order as
-they get free, so the long ones go first and no two TensorFlow sessions share the cores.
+weight (longest first, each to the lightest part); the jobs are printed heaviest first,
+one a line: ``<backend> <part> <seconds> <file> ...``. The lanes take them in that order
+as they get free, so the longest go first and the short ones fill in.
 
 How many parts: ``--parts N`` for every backend, or (the default) for each backend the
-count that makes the ``--lanes`` end soonest, the lanes' run (jobs in ``jobs_of``'s
-order) played out with each job's weight plus START_S, and of ends within NEAR of the soonest the plan whose heaviest job is
+count that makes the ``--lanes`` end soonest, the lanes' run played out with each job's
+weight plus START_S, and of ends within NEAR of the soonest the plan whose heaviest job is
 lightest (a job that runs long then delays the end least). Three equal parts per backend on two lanes gave one lane five jobs and the other four: the
 measured lanes ended 742 and 830 s, a part's length apart.
 """
@@ -62,18 +61,13 @@ def split(weights, parts):
 
 
 def jobs_of(backends, parts, known):
-    """The jobs for ``parts`` = {backend: count}: round by round (each backend's heaviest
-    part, then each one's next...), heaviest first within a round. So a backend's parts
-    do not run side by side while another backend's could: TensorFlow's sessions keep
-    thread pools of their own (the JAX and torch sessions run one thread), and two of them
-    beside each other oversubscribe the two cores."""
+    """The jobs for ``parts`` = {backend: count}, heaviest first."""
     jobs = []
     for backend in backends:
         weights = {f: known.get((backend, f), DEFAULT_S) for f in files(backend)}
-        cut = sorted(split(weights, parts[backend]), key=lambda p: -p[0])
-        for i, (total, names) in enumerate(cut):
+        for i, (total, names) in enumerate(split(weights, parts[backend])):
             jobs.append((total + START_S, backend, i + 1, names))
-    return sorted(jobs, key=lambda j: (j[2], -j[0]))
+    return sorted(jobs, key=lambda j: -j[0])
 
 
 def lanes_end(jobs, lanes):
