@@ -155,8 +155,8 @@ class DDPStrategy:
             if kind == graphs.KERAS and replica.trainable_weights and replica.compiled:
                 kind = graphs.SPLIT
             elif kind != graphs.SPLIT and self.rank == 0:
-                print(f"kmgpu (torch): shard_optimizer=True: the optimizer state stays whole "
-                      f"on every rank: {why}")
+                print(f"kmgpu (torch): shard={self.config.shard!r}: nothing is sharded, the "
+                      f"weights, gradients and optimizer state stay whole on every rank: {why}")
         if (kind == graphs.KERAS and self.world > 1 and replica.compiled
                 and getattr(replica, "loss", None) is None and replica.trainable_weights):
             # only added losses: DDP finds unused weights from the forward's outputs,

@@ -198,9 +198,9 @@ class SplitStep:
             if self.zero is not None:
                 if not all(self.used):
                     raise ValueError(
-                        "shard_optimizer=True: some trainable variables get no gradient "
+                        f"shard={self.shard!r}: some trainable variables get no gradient "
                         "(Keras's update skips them, a sharded update cannot): freeze them "
-                        "(trainable=False) or pass shard_optimizer=False.")
+                        "(trainable=False) or pass shard=None.")
                 self.zero.update()
             elif flat is not None:
                 flat.step(self.grads)
