@@ -42,6 +42,11 @@ def rel_diff(a_weights, b_weights):
     return worst
 
 
+def optimizer_state(model):
+    """The model's optimizer variables as float64 arrays, in the optimizer's order."""
+    return [np.asarray(v.value, dtype="float64") for v in model.optimizer.variables]
+
+
 def tiny_mlp(metrics=None, **compile_args):
     """A compiled Dense(3 -> 2): the smallest model a test of Keras's own behaviour fits."""
     import keras

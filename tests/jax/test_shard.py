@@ -16,13 +16,14 @@ each shard value meets N=2 and N=4; the one-device fits are shared. The other te
 those fits (``_SHARDED``). Across processes: tests/jax/test_launch.py.
 """
 
+import functools
 import warnings
 
 import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import optimizer_state, rel_diff
 
 TOL = 1e-5
 BATCH, VOCAB = 16, 8
@@ -98,25 +99,20 @@ def _fit(name, gpus=None, epochs=2, model=None, callbacks=None):
     return model, target, history
 
 
-_REFS = {}
 _SHARDED = {}  # case -> (model, ParallelModel, history) of test_equals_one_device
 
 
+@functools.cache
 def _reference(name):
-    if name not in _REFS:
-        _REFS[name] = _fit(name)
-    return _REFS[name]
-
-
-def _state(model):
-    return [np.asarray(v.value, dtype="float64") for v in model.optimizer.variables]
+    return _fit(name)
 
 
 def _assert_same(model, losses, ref, ref_losses, tol=TOL):
     assert rel_diff(ref.get_weights(), model.get_weights()) <= tol
     assert [v.shape for v in model.optimizer.variables] == \
         [v.shape for v in ref.optimizer.variables]
-    assert rel_diff(_state(ref), _state(model)) <= (10 * tol if tol > TOL else tol)
+    assert rel_diff(optimizer_state(ref), optimizer_state(model)) <= (
+        10 * tol if tol > TOL else tol)
     np.testing.assert_allclose(losses, ref_losses, rtol=tol)
 
 
@@ -194,7 +190,7 @@ def test_save_load_and_a_second_fit_continue_exactly(tmp_path):
     loaded = keras.saving.load_model(path)
     assert int(loaded.optimizer.iterations.numpy()) == 4
     assert rel_diff(model.get_weights(), loaded.get_weights()) == 0
-    assert rel_diff(_state(model), _state(loaded)) == 0
+    assert rel_diff(optimizer_state(model), optimizer_state(loaded)) == 0
     x, y = _data(name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="kmgpu: only")

@@ -11,13 +11,14 @@ processes (``kmgpu launch``, 2 x 1 device): tests/jax/test_launch.py, in the lau
 makes anyway.
 """
 
+import functools
 import warnings
 
 import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import mlp, one_device, rel_diff
+from tests.helpers import mlp, one_device, optimizer_state, rel_diff
 
 TOL = 1e-5
 ROWS, BATCH = 70, 16
@@ -76,18 +77,12 @@ def _fit(name, n=None, shard=False, epochs=2, model=None):
     return model, target, history
 
 
-_REFS = {}
 _SHARDED = {}  # name -> the ParallelModel of test_equals_one_device, for the memory test
 
 
+@functools.cache
 def _reference(name):
-    if name not in _REFS:
-        _REFS[name] = _fit(name)
-    return _REFS[name]
-
-
-def _state(model):
-    return [np.asarray(v.value, dtype="float64") for v in model.optimizer.variables]
+    return _fit(name)
 
 
 def _kind(variable):
@@ -98,7 +93,7 @@ def _assert_same(model, history, ref, ref_history, tol=TOL, state_tol=TOL):
     assert rel_diff(ref.get_weights(), model.get_weights()) <= tol
     assert [(_kind(v), v.shape) for v in model.optimizer.variables] == \
         [(_kind(v), v.shape) for v in ref.optimizer.variables]
-    assert rel_diff(_state(ref), _state(model)) <= state_tol
+    assert rel_diff(optimizer_state(ref), optimizer_state(model)) <= state_tol
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=tol)
 
 
@@ -154,7 +149,7 @@ def test_save_load_and_a_second_fit_continue_exactly(tmp_path):
     assert int(loaded.optimizer.iterations.numpy()) == 5
     loaded, _, _ = _fit("rmsprop", n=4, shard=True, epochs=1, model=loaded)
     assert rel_diff(ref.get_weights(), loaded.get_weights()) <= TOL
-    assert rel_diff(_state(ref), _state(loaded)) <= TOL
+    assert rel_diff(optimizer_state(ref), optimizer_state(loaded)) <= TOL
 
 
 def test_optimizer_bytes_per_device_are_one_nth():
