@@ -135,7 +135,7 @@ class TorchEngine(Engine):
         text = graphs.describe(template, on_gpu, self.num_replicas, self.config.sync_batchnorm,
                                tf32=self.config.tf32)
         if self.config.shard_optimizer and self.num_replicas > 1:
-            text = zero.describe(text, self.num_replicas, template, self.config.shard)
+            text = sizes.describe(text, self.num_replicas, template, self.config.shard)
         return (text + (eval_steps.WORDS if on_gpu and not template.run_eagerly else "")
                 + fast_layers.describe(template, on_gpu)
                 + fast_layers.describe_ops(template, on_gpu))

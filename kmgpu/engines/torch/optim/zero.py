@@ -65,7 +65,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, sizes
+from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp
 
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
@@ -376,6 +376,3 @@ class GatherOptimizerState(keras.callbacks.Callback):
 
     on_test_begin = on_epoch_end = on_train_end = _gather
 
-
-#: describe()'s figures and words (``sizes``), by their former names here
-state_bytes, describe = sizes.state_bytes, sizes.describe
