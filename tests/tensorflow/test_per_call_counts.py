@@ -53,7 +53,7 @@ class Counts:
 
     def state(self):
         engine = self.parallel._engine
-        return (engine.replica, getattr(engine._kept, "builds", None),
+        return (engine.replica, getattr(engine._kept.get("fit"), "builds", None),
                 getattr(getattr(engine, "_pair_functions", None), "traces", None))
 
 
@@ -76,12 +76,12 @@ def test_repeated_fits_make_nothing_new(monkeypatch, shuffle):
     both()  # the template's optimizer exists from the first call's copy back on
     counts = Counts(monkeypatch, parallel)
     counts.watch_steps()
-    before, iterator = counts.state(), list(parallel._engine._kept._slot)
+    before, iterator = counts.state(), list(parallel._engine._kept["fit"]._slot)
     for _ in range(CALLS):
         both()
     assert (counts.iterators, counts.traces, counts.assigns) == (0, 0, 0)
     assert counts.state() == before  # same replica, no new dataset, no new copy function
-    assert iterator and parallel._engine._kept._slot == iterator
+    assert iterator and parallel._engine._kept["fit"]._slot == iterator
 
 
 def test_train_on_batch_loop_makes_nothing_new(monkeypatch):
@@ -126,11 +126,11 @@ def test_unseeded_shuffled_fits_read_one_iterator(monkeypatch):
             parallel.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
         expected = parallel.evaluate(x, y, batch_size=BATCH, verbose=0)
         counts = Counts(monkeypatch, parallel)
-        iterator = list(parallel._engine._kept._slot)
+        iterator = list(parallel._engine._kept["fit"]._slot)
         for _ in range(CALLS):
             history = parallel.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
             np.testing.assert_allclose(history.history["loss"], [expected], rtol=1e-5)
     finally:
         keras.utils.set_random_seed(0)
-    assert iterator and parallel._engine._kept._slot == iterator
+    assert iterator and parallel._engine._kept["fit"]._slot == iterator
     assert counts.iterators == 0

@@ -44,7 +44,7 @@ def _both(reference, parallel, *args, **kwargs):
 
 def _live(parallel):
     """The distributed iterator kmgpu keeps for the next fit (None: none kept)."""
-    slot = parallel._engine._kept._slot
+    slot = parallel._engine._kept["fit"]._slot
     return slot[0] if slot else None
 
 
@@ -140,3 +140,58 @@ def test_a_call_that_stopped_mid_pass_leaves_the_next_at_a_pass_start(raises):
     assert _live(parallel) is None
     _both(reference, parallel, x, y, batch_size=BATCH, shuffle=False)
     assert _live(parallel) not in (None, kept)
+
+
+class _StopEvaluating(keras.callbacks.Callback):
+    """Ends an evaluate after ``steps`` batches (``stop_evaluating``)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def on_test_batch_end(self, batch, logs=None):
+        if batch + 1 == self.steps:
+            self.model.stop_evaluating = True
+
+
+def test_repeated_evaluate_and_predict_read_one_iterator_each(monkeypatch):
+    """evaluate and predict on unchanged arrays: every call gives plain Keras's scores and
+    predictions, every row in order (the last batch of 1 row on 2 devices), and the
+    calls after the first make no new ``MultiDeviceIterator``; other arrays make a new
+    one, and an evaluate stopped mid-pass leaves the next one at the first batch."""
+    from tests.tensorflow.test_per_call_counts import Counts
+
+    x, y = data("mlp", ROWS[2])
+    reference, parallel = _pair(seed=7)
+    reference.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    parallel.compile(optimizer="adam", loss="mse", metrics=["mae"])
+
+    def both(x, y, **kwargs):
+        plain = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
+                                   **kwargs)
+        ours = parallel.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True,
+                                 **kwargs)
+        assert sorted(ours) == sorted(plain)
+        for key, value in plain.items():
+            np.testing.assert_allclose(ours[key], value, rtol=1e-6, err_msg=key)
+        predicted = parallel.predict(x, batch_size=BATCH, verbose=0)
+        np.testing.assert_allclose(predicted, reference.predict(x, batch_size=BATCH,
+                                                                verbose=0), rtol=1e-6)
+        assert len(predicted) == len(x)
+
+    both(x, y)
+    kept = {m: parallel._engine._kept[m]._slot[0] for m in ("evaluate", "predict")}
+    counts = Counts(monkeypatch, parallel)
+    for _ in range(3):
+        both(x, y)
+    assert counts.iterators == 0
+    assert all(parallel._engine._kept[m]._slot == [it] for m, it in kept.items())
+    other = x.copy()
+    other[-1, 0] += 1.0  # the last row, alone in the last batch
+    both(other, y)
+    assert counts.iterators == 2  # one each for evaluate and predict
+    for model in (reference, parallel):
+        model.evaluate(other, y, batch_size=BATCH, verbose=0, callbacks=[_StopEvaluating(3)])
+    assert parallel._engine._kept["evaluate"]._slot == []
+    both(other, y)  # from the first batch again: plain Keras's scores
+    assert counts.iterators == 3

@@ -23,6 +23,10 @@ from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH, InProcessEngine
 from kmgpu.engines.tensorflow import data, data_fixes, kept_input, layer_fixes, step_fixes
 
+#: the calls whose arrays are kept across calls (``kept_input``), each with the attribute
+#: by which a callback ends it early (a call stopped mid-pass keeps no iterator)
+KEPT = {"fit": "stop_training", "evaluate": "stop_evaluating", "predict": "stop_predicting"}
+
 
 class TensorFlowEngine(InProcessEngine):
     name = "tf.distribute.MirroredStrategy"
@@ -53,8 +57,10 @@ class TensorFlowEngine(InProcessEngine):
             ops = tf.distribute.ReductionToOneDevice() if kind == "CPU" else None
             self.strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=ops)
         self._pair_functions = _PairFunctions(self.strategy)
-        # fit's training arrays, kept across calls (one worker, several replicas)
-        self._kept = kept_input.KeptInput(self.strategy) if self._single_worker() else None
+        # fit's training arrays, and evaluate's and predict's, each kept across calls
+        # (one worker, several replicas)
+        self._kept = ({m: kept_input.KeptInput(self.strategy) for m in KEPT}
+                      if self._single_worker() else {})
 
     def scope(self):
         return self.strategy.scope()
@@ -127,22 +133,25 @@ class TensorFlowEngine(InProcessEngine):
         if guard is not None:  # every batch of a tf.data dataset passes the guard too
             kwargs = data.checked(kwargs, guard, method)
         kept = None
-        if method == "fit" and getattr(template, "steps_per_execution", 1) == 1:
-            # several steps per execution would run past an epoch's end into the next one
+        if method in KEPT and getattr(template, "steps_per_execution", 1) == 1:
+            # several steps per execution would run past a pass's end into the next one
             import keras
 
-            kept = self._kept if not keras.config.max_steps_per_epoch() else None
-            kwargs = data_fixes.repeating_datasets(kwargs, kept)
-        if method == "fit" and self._kept is not None:
-            if self._kept.holds(kwargs.get("x")):
-                self._feed["first"] = self._kept.first  # built from it: Keras reads no batch
-            else:  # other training data: the kept input's copy of the arrays goes
+            kept = self._kept.get(method) if not keras.config.max_steps_per_epoch() else None
+            if method == "fit":
+                kwargs = data_fixes.repeating_datasets(kwargs, kept)
+            elif kept is not None:
+                kwargs = data_fixes.one_pass_datasets(kwargs, method, kept)
+        if method in self._kept:
+            if self._kept[method].holds(kwargs.get("x")):
+                self._feed["first"] = self._kept[method].first  # Keras reads no batch
+            else:  # other data: the kept input's copy of the arrays goes
                 kept = None
-                self._kept.drop()
+                self._kept[method].drop()
         whole_passes = False
         try:
             result = super().run(method, template, kwargs, lr_scale)
-            whole_passes = not getattr(self.replica, "stop_training", False)
+            whole_passes = not getattr(self.replica, KEPT.get(method, "stop_training"), False)
             return result
         finally:
             if kept is not None:
@@ -152,8 +161,8 @@ class TensorFlowEngine(InProcessEngine):
                 self._average_moving_statistics(self.replica, template)
 
     def close(self):
-        if self._kept is not None:
-            self._kept.drop()
+        for kept in self._kept.values():
+            kept.drop()
 
     def copy_back(self, pairs):
         """The replica's trained state into the template, TF variable to TF variable (the

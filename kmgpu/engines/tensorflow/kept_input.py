@@ -1,11 +1,13 @@
-"""fit's training arrays kept across calls: one distributed dataset and its live iterator.
+"""fit's training arrays (and evaluate's, and predict's) kept across calls: one
+distributed dataset and its live iterator per method.
 
 Building a ``fit``'s ``tf.data`` pipeline for arrays, distributing it, and having
 tf.distribute make a ``MultiDeviceIterator`` for it traces that iterator's per-device
 functions: a large share of a short ``fit`` (plain Keras on one device makes a plain
 iterator), paid by a loop of ``fit(epochs=1)`` calls at every call and by one
-``fit(epochs=10)`` once. Here the pipeline and its iterator live on to the next call
-when that call's batches are provably those a fresh pipeline would give:
+``fit(epochs=10)`` once; evaluate and predict make one at every call. Here the pipeline
+and its iterator live on to the next call of the same method when that call's batches
+are provably those a fresh pipeline would give:
 
 - the arrays hold the same bits, shapes and dtypes as the tensors the pipeline was built
   from (compared at every call, on the host: an array changed in place, or another one,
@@ -17,12 +19,13 @@ when that call's batches are provably those a fresh pipeline would give:
   one, a continued iterator would draw the next permutation where plain Keras draws the
   first one again);
 - every earlier call read whole passes from the iterator (returned normally, no
-  ``stop_training``, no ``keras.config.max_steps_per_epoch``), so its next element is
+  ``stop_training`` / ``stop_evaluating`` / ``stop_predicting``, no
+  ``keras.config.max_steps_per_epoch``), so its next element is
   the first batch of a pass. A call that raised or stopped early drops the iterator; the
   next call starts a new one from the kept dataset, at the start of a pass.
 
-The pipeline holds one copy of the arrays (as plain Keras's does during a call) until
-another ``fit`` brings other data, the engine closes, or the process exits; dropped
+Each method's pipeline holds one copy of its arrays (as plain Keras's does during a call)
+until another call of that method brings other data, the engine closes, or the process exits; dropped
 iterators go through ``data_fixes.park`` (destroyed at the next call, idle).
 """
 
@@ -35,8 +38,9 @@ CHUNK_BYTES = 1 << 24
 
 
 class KeptInput:
-    """The training input of one engine's fits (single worker, arrays, one step per
-    execution), kept across calls where that changes no batch."""
+    """The input of one engine's fits (or evaluates, or predicts: one ``KeptInput``
+    each; single worker, arrays, one step per execution), kept across calls where that
+    changes no batch."""
 
     def __init__(self, strategy):
         self.strategy = strategy
