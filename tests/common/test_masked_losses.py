@@ -5,7 +5,8 @@ each masked differently: Embedding(mask_zero=True) -> Dense -> TimeDistributed(D
 (the masks an RNN passes on work alike; no RNN here, to keep the test fast), and
 Masking followed by a layer of the script's own that masks one more timestep
 (compute_mask). Rows sorted by length, so the replicas' valid
-timesteps differ widely; the last batch (6 rows) splits 2, 2, 1, 1.
+timesteps differ widely; on 2 devices the last batch (1 row) leaves one replica with no
+row and no valid timestep at all.
 """
 
 import keras
@@ -17,7 +18,7 @@ from tests.helpers import rel_diff
 
 
 TOL = 1e-5
-ROWS, BATCH, T = 78, 8, 6
+ROWS, BATCH, T = 81, 8, 6
 
 
 class SkipFirstStep(keras.layers.Layer):
@@ -67,7 +68,7 @@ def runs():
     for name in ("one", "kmgpu"):
         model = _model()
         before = model.get_weights()
-        target = model if name == "one" else kmgpu.parallelize(model, gpus=4)
+        target = model if name == "one" else kmgpu.parallelize(model, gpus=2)
         target.compile(optimizer=keras.optimizers.Adam(0.05), loss=["mse", "mae"],
                        metrics=[["mae"], ["mse"]])
         history = target.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
