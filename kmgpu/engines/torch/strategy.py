@@ -19,6 +19,8 @@ are averaged over ranks after every step (weighted by batch share), or with
 ``sync_batchnorm`` the moments are computed over the global batch.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from kmgpu.engines.torch import collectives, data_fixes, layer_fixes, step_fixes
 from kmgpu.engines.torch.data import inputs, resident
 from kmgpu.engines.torch.launch.messages import Aborted, Predictions
 from kmgpu.engines.torch.launch.relay import Abort, SyncCallback
+from kmgpu.engines.torch.optim import placement
 from kmgpu.engines.torch.steps.rank_steps import RankSteps
 
 
@@ -61,6 +64,48 @@ class DDPStrategy:
         self.last_rows = None    # real rows of this rank's share of the last *_on_batch
 
     # -- state across ranks -------------------------------------------------------------
+    @property
+    def host_built(self):
+        """shard="weights" over several ranks: the replica is built in host memory and
+        only this rank's pieces of its weights and optimizer state reach the device
+        (``building``, ``prepare``), so no rank's device ever holds them whole."""
+        return self.config.shard == "weights" and self.world > 1
+
+    def building(self):
+        """The scope a replica is made in (``replication.make_replica``, ``prepare``
+        inside it): host memory when ``host_built``, else the rank's device (the
+        worker's or the caller's own scope)."""
+        return keras.device("cpu") if self.host_built else contextlib.nullcontext()
+
+    def _weight_shards(self):
+        """The replica's ``zero.Shards`` when it shards the weights, else None."""
+        step = self.sharded_step
+        zero = step.zero if step is not None else None
+        return zero if zero is not None and zero.weights else None
+
+    def receivable(self):
+        """Before a state is loaded into the replica's variables (``receive_state``
+        with ``load`` None): with sharded weights, host buffers for it (local: no
+        collective); nothing otherwise."""
+        zero = self._weight_shards()
+        if zero is not None:
+            zero.receivable()
+
+    def receive_state(self, replica, load=None, shared=True):
+        """Rank 0's state in every rank's replica.
+
+        Args:
+            load: ``load(replica)`` sets the replica's state (None: it was set after
+                ``receivable``).
+            shared: every rank's ``load`` gives rank 0's state (a pool's state file):
+                with sharded weights every rank loads it into host memory and keeps
+                its pieces, with no collective; else rank 0 loads it and broadcasts
+                it. Not shared (torchrun: each process's own model): every rank loads,
+                and rank 0's wins: broadcast, or with sharded weights sent piece by
+                piece, each rank its own (``zero.Shards.take``).
+        """
+        placement.receive(self, replica, load, shared)
+
     def broadcast_state(self, replica):
         """Rank 0's weights and optimizer state on every rank (identical start, not seeding)."""
         opt = getattr(replica, "optimizer", None)
@@ -124,11 +169,21 @@ class DDPStrategy:
 
         Installs the distributed train/test steps, sync BatchNorm, the metric
         reduction and the evaluate wrapper as instance attributes; the model's class
-        and weights are untouched.
+        and weights are untouched. A ``host_built`` replica (made in host memory) has
+        its weights and optimizer state cut into pieces now, only this rank's pieces
+        copied to the device, and everything else moved there (``placement``).
 
         Returns:
             ``replica``.
         """
+        if not self.host_built:
+            return self._prepare(replica)
+        with keras.device(str(self.device)):  # what the steps make: on the device
+            replica = self._prepare(replica)
+        placement.onto_device(self, replica)
+        return replica
+
+    def _prepare(self, replica):
         from torch.nn.parallel import DistributedDataParallel
 
         bn_layers = [layer for layer in replica._flatten_layers()
@@ -244,8 +299,10 @@ class DDPStrategy:
             relay: on rank 0, ``relay(Event) -> Reply`` runs them.
             snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
                 with epoch -1 at the end of training (it decides whether to save).
-            reload: on rank 0 in a pool worker, ``reload(replica)`` loads the state
-                the driver wrote after its on_train_begin callbacks changed the model.
+            reload: in a pool worker, ``reload(replica)`` loads the state the driver
+                wrote after its callbacks changed the model (every rank can: see
+                ``receive_state``); None under torchrun, where rank 0's replica has it
+                (``receivable``, then the launcher's copy).
             fit_callbacks: more Keras callbacks every rank runs in fit (the launcher's:
                 the next pass of data read for the ranks, a stop request); one that
                 raises ``relay.Abort`` ends the call on every rank at that point.
@@ -266,10 +323,8 @@ class DDPStrategy:
         kwargs.pop("verbose", None)
         replica.stop_training = False
 
-        def reload_everywhere(model):
-            if self.rank == 0 and reload is not None:
-                reload(model)
-            self.broadcast_state(model)
+        def reload_everywhere(model):  # the driver's callbacks changed the model
+            self.receive_state(model, reload, shared=reload is not None)
 
         sync = SyncCallback(self.rank, self.device, hooks, relay,
                             snapshot if method == "fit" else None, reload_everywhere,

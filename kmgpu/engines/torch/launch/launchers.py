@@ -343,9 +343,10 @@ class InProcessLauncher(Launcher):
             # each process's own model gets a sharded optimizer state: gathered everywhere
             strategy = DDPStrategy(self.device, call.config, gather_everywhere=True)
             self.strategy = strategy
-            replica = replication.make_replica(
-                template, rows=lambda batch: batch // strategy.world,
-                lr_scale=call.lr_scale, finish=strategy.prepare)
+            with strategy.building():  # shard="weights": in host memory, pieces to the device
+                replica = replication.make_replica(
+                    template, rows=lambda batch: batch // strategy.world,
+                    lr_scale=call.lr_scale, finish=strategy.prepare)
             self.replica, self._built_key = replica, call.key
         return self.replica
 
@@ -360,9 +361,9 @@ class InProcessLauncher(Launcher):
         # replicas (rank 0's decides)
         hooks, rng, state_in = collectives.broadcast_object((call.hooks, call.rng, state_in))
         shuffle.set_state(rng)
-        if state_in:
+        if state_in:  # every rank's template into its replica; rank 0's wins
             self.push_state(template)
-            s.broadcast_state(replica)
+            s.receive_state(replica, None, shared=False)
         self._candidate = replicas.state_versions(template)
         self.copied_in = len(self._candidate) if state_in else 0
         s.write_state_rows(replica, call.rnn_states)
@@ -406,6 +407,7 @@ class InProcessLauncher(Launcher):
         return True
 
     def push_state(self, template):
+        self.strategy.receivable()  # shard="weights": host buffers to copy into
         replication.copy_state(template, self.replica)
         replication.copy_lr(template, self.replica)
 

@@ -235,10 +235,12 @@ class Worker:
         self.replica, self.key = None, None
         # a sharded optimizer state is gathered on rank 0 only: the driver reads rank 0's
         self.strategy = DDPStrategy(self.device, call.config)
-        # this process's random generators are its own: nothing to keep
-        replica = replication.make_replica(
-            replicas.FromSpec(call.model), rows=lambda batch: batch // self.world,
-            lr_scale=call.lr_scale, finish=self.strategy.prepare, keep_host_random=False)
+        # this process's random generators are its own: nothing to keep. shard="weights":
+        # built in host memory, only this rank's pieces go to the device (``building``)
+        with self.strategy.building():
+            replica = replication.make_replica(
+                replicas.FromSpec(call.model), rows=lambda batch: batch // self.world,
+                lr_scale=call.lr_scale, finish=self.strategy.prepare, keep_host_random=False)
         self.replica, self.key = replica, call.key
         return replica
 
@@ -264,16 +266,17 @@ class Worker:
         s = self.strategy  # the one this replica was made with
         clock("replica")
         state = self._state_file(call)
+
+        def reload(model):  # the template's state, or the driver's callbacks': slot 0
+            replicas.load_arrays(model, state.read(0, copy=False), call.layout)
+
         if call.state_in:  # else the replicas hold the template's state already
-            if self.rank == 0:
-                replicas.load_arrays(replica, state.read(0, copy=False), call.layout)
-            s.broadcast_state(replica)
+            # every rank reads the same file: rank 0 loads and broadcasts, or with
+            # shard="weights" each rank loads into host memory and keeps its pieces
+            s.receive_state(replica, reload, shared=True)
         s.write_state_rows(replica, call.rnn_states)
         clock("state in")
         kwargs = inputs.receive(call.kwargs)
-
-        def reload(model):  # the driver's callbacks set the model's state: slot 0
-            replicas.load_arrays(model, state.read(0, copy=False), call.layout)
 
         before = None if call.method in ("fit", "train_on_batch") else \
             replicas.state_versions(replica)
@@ -283,7 +286,7 @@ class Worker:
         shuffle.set_state(call.rng)  # the driver's: the same order on every rank
         result = s.run(replica, call.method, kwargs, hooks=call.hooks,
                        relay=self.relay, snapshot=snapshot,
-                       reload=reload if snapshot is not None else None,
+                       reload=reload if call.method == "fit" else None,
                        reset_states=call.reset_states,
                        fit_callbacks=[feeds.NextPass(kwargs.get("x"),
                                                      kwargs.get("validation_data")),

@@ -54,6 +54,10 @@ class Buffers:
         groups: a group key per tensor (None: one group): one buffer per group and
             dtype, in order of first appearance (shard="weights" gathers one layer's
             buffer at a time).
+        device: where new buffers go (None: the first tensor's device; ``adopt``
+            keeps the tensors' own).
+        lazy: no memory for the buffers yet (as after ``drop``): a layout that
+            ``fresh`` fills, so a rank never allocates them whole here.
 
     Attributes:
         flats: the buffers; ``heads`` / ``tails``: their two parts (views).
@@ -62,7 +66,8 @@ class Buffers:
         start: each tensor's offset in its buffer.
     """
 
-    def __init__(self, tensors, multiple=1, lead=None, adopt=False, groups=None):
+    def __init__(self, tensors, multiple=1, lead=None, adopt=False, groups=None, device=None,
+                 lazy=False):
         global generation
         generation += 1
         tensors = list(tensors)
@@ -79,11 +84,15 @@ class Buffers:
             where, n = offsets(head, multiple) if head else ([], 0)
             after, m = offsets(tail) if tail else ([], 0)
             first = tensors[members[0]]
-            flat = torch.zeros(n + m, dtype=first.dtype, device=first.device)
+            where_to = first.device if adopt or device is None else device
+            if lazy:
+                flat = torch.zeros(1, dtype=first.dtype, device=where_to).expand(n + m)
+            else:
+                flat = torch.zeros(n + m, dtype=first.dtype, device=where_to)
             with torch.no_grad():
                 for i, o in zip(members, where + [n + o for o in after]):
                     t = tensors[i]
-                    view = flat[o:o + t.numel()].view(t.shape)
+                    view = None if lazy else flat[o:o + t.numel()].view(t.shape)
                     if adopt:
                         view.copy_(t)
                         t.data = view
@@ -109,6 +118,18 @@ class Buffers:
         self.heads = [f[:h.numel()] for f, h in zip(self.flats, self.heads)]
         self.tails = [f[h.numel():] for f, h in zip(self.flats, self.heads)]
         self.views = [None] * len(self.views)
+
+    def move_freed(self, device):
+        """The adopted tensors onto ``device`` as views of new buffers whose memory is
+        freed at once (values not kept; ``fsdp.grow`` gives it back): each buffer is
+        made and freed in turn, so ``device`` never holds more than one of them."""
+        for k, flat in enumerate(self.flats):
+            new = torch.empty(flat.numel(), dtype=flat.dtype, device=device)
+            for i, view in zip(self.members[k], self.split(k, new)):
+                self.views[i].data = view
+            n = self.heads[k].numel()
+            self.flats[k], self.heads[k], self.tails[k] = new, new[:n], new[n:]
+            new.untyped_storage().resize_(0)
 
     def split(self, k, flat):
         """Views of ``flat``, a buffer laid out as buffer ``k``: one per tensor of it."""

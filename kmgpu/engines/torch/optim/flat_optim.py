@@ -151,7 +151,7 @@ class FlatOptimizer:
         keras_slots: slot name -> the Keras slot variable of each variable.
     """
 
-    def __init__(self, optimizer, variables, rank=0, world=1, groups=None):
+    def __init__(self, optimizer, variables, rank=0, world=1, groups=None, device=None):
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
@@ -181,7 +181,9 @@ class FlatOptimizer:
             name: flat_layout.Buffers([s.value for s in slots], adopt=True, groups=groups)
             for name, slots in self.keras_slots.items()}
         self.dtype = variables[0].value.dtype  # Keras casts its scalars to the first one's
-        self.device = variables[0].value.device
+        # where the update runs (shard="weights": the variables may be on the host yet,
+        # their pieces go to ``device``: ``own_pieces``)
+        self.device = torch.device(device) if device is not None else variables[0].value.device
         self.iterations = optimizer.iterations.value  # updated in place, on the device
         self._consts = {}
         self._decayed = [optimizer.weight_decay is not None and optimizer._use_weight_decay(v)
@@ -201,11 +203,13 @@ class FlatOptimizer:
         return cls(optimizer, variables)
 
     def own_pieces(self):
-        """The pieces' weights become tensors of their own (copies of their elements):
-        shard="weights" frees the whole buffers, so the update cannot write into them."""
+        """The pieces' weights become tensors of their own on ``device`` (copies of their
+        elements): shard="weights" frees the whole buffers, so the update cannot write
+        into them."""
         for k, p in enumerate(self.pieces):
-            own = self._piece(k, 0, 1, self._decayed, p.params.clone(), p.lo, p.hi)
-            p.params, p.decayed = own.params, own.decayed
+            params = p.params.to(self.device, copy=True)
+            own = self._piece(k, 0, 1, self._decayed, params, p.lo, p.hi)
+            p.params, p.decayed, p.slots, p.spans = own.params, own.decayed, own.slots, own.spans
 
     def _piece(self, k, rank, world, decayed, params=None, lo=None, hi=None):
         w = self.weights
@@ -222,7 +226,7 @@ class FlatOptimizer:
             decay = True if any(flags) else None
         else:
             decay = [params[a - lo:b - lo] for i, a, b in w.overlaps(k, lo, hi) if decayed[i]]
-        return Piece(lo, hi, params, slots, decay, w.spans(k, lo, hi))
+        return Piece(lo, hi, params, slots, decay, w.spans(k, lo, hi).to(params.device))
 
     # -- the layout -------------------------------------------------------------------
     @property

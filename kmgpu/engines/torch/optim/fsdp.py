@@ -27,6 +27,10 @@ same forward. Memory: 1/N of the weights, gradient pieces and optimizer state be
 steps; within a step the ``KEEP`` gathered buffers, the activations and (as with
 shard="gradients") the step's whole gradient buffers, freed once reduce-scattered.
 
+The replica is built in host memory (``placement``): the flat buffers are made on the
+device one at a time and freed at once (``flat_layout.Buffers.move_freed``), so a
+device only ever holds this rank's pieces and the gathered layers.
+
 On CUDA the train step is captured as it is unsharded: the forward and backward, with
 their gathers, are graph A, so the all-gathers (NCCL) and the buffers' memory (grown from
 the graph's pool during the capture, at the addresses each replay uses) are recorded in
@@ -41,6 +45,10 @@ from torch.overrides import TorchFunctionMode
 
 #: layer buffers whole at a time within a step (the one in use and the one before it)
 KEEP = 2
+
+#: host memory: where a rank builds its replica and loads a call's state (``zero.Shards``
+#: ``receivable`` / ``take``), so that its device only ever holds pieces and gathered layers
+HOST = torch.device("cpu")
 
 
 def _all_gather(out, piece):

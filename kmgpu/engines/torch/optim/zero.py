@@ -45,10 +45,15 @@ buffers are freed and gathered layer by layer where the forward and the backward
 them (``active``); no all-gather after the update. About 16/N bytes per parameter, plus
 the two gathered layers, the step's whole gradient and the activations within a step.
 Variable constraints and ``use_ema`` are refused (``check``): both need every weight
-whole after each update.
+whole after each update. The replica's variables may be in host memory when the
+``Shards`` are made (``device``; ``placement``): only the pieces are copied to the
+device. A call's state is loaded into host buffers (``receivable``) and each rank keeps
+its pieces of them (``take``; under torchrun rank 0's, sent piece by piece), so no
+rank's device holds the whole weights or optimizer state at any point.
 
 With every value, ``materialize`` puts rank 0's whole copy for the user's model in host
-memory (``_to_host``), and a pool worker lets go of it once written out
+memory (``_to_host``; shard="weights" under torchrun every rank's, one layer at a time
+through the device), and a pool worker lets go of it once written out
 (``DDPStrategy.let_go``): no rank keeps a whole copy on its device.
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
@@ -120,9 +125,14 @@ class Shards:
         weights: the weights sharded too (ZeRO-3, ``fsdp``): one flat buffer per layer
             and dtype, this rank's pieces of them its own tensors, the whole buffers
             freed except where ``gathering`` makes them whole.
+        device: the rank's device (None: the variables'). With ``weights`` the
+            variables may still be in host memory (the replica built there): only the
+            pieces are copied to ``device``, and the variables become views of buffers
+            on it that are freed as soon as made (``Buffers.move_freed``).
     """
 
-    def __init__(self, optimizer, trainable, rank, world, transient=False, weights=False):
+    def __init__(self, optimizer, trainable, rank, world, transient=False, weights=False,
+                 device=None):
         check(optimizer)
         self.rank, self.world, self.transient = rank, world, transient
         self.weights = weights
@@ -135,18 +145,23 @@ class Shards:
         # the weights become views of flat buffers padded to ``world`` equal aligned
         # pieces; the state of this rank's piece is taken from the Keras slots below
         self.flat = flat_optim.FlatOptimizer(optimizer, trainable, rank, world,
-                                             groups=flat_layout.layer_groups(trainable) if weights else None)
+                                             groups=flat_layout.layer_groups(trainable) if weights else None,
+                                             device=device)
         self.gathering = None
-        self.weights_whole = False  # the whole weights are in the Keras variables (rank 0)
+        self.weights_whole = False  # the whole weights are in the Keras variables (host)
+        self._host = None  # shard="weights": host buffers a call's state is loaded into
         if weights:
-            # the variables' views of the flat buffers, kept to put back after rank 0's
+            self.flat.own_pieces()  # onto the device, from wherever the weights are
+            if self.flat.params[0].device != self.flat.device:  # built in host memory
+                self.flat.weights.move_freed(self.flat.device)
+            else:
+                for f in self.flat.params:
+                    fsdp.free(f)
+            # the variables' views of the (freed) flat buffers, kept to put back after a
             # host copy (a view of a freed buffer cannot be made, only kept)
-            self._device_views = self.flat.weights.like(self.flat.params)
-            self.flat.own_pieces()
+            self._device_views = [p.data for p in self.flat.weights.views]
             self.gathering = fsdp.Gathering(self.flat.params,
                                             [p.params for p in self.flat.pieces])
-            for f in self.flat.params:
-                fsdp.free(f)
         opt = self.flat.optimizer
         # the whole gradient on every rank (all-reduce): the clipping norms, and the
         # loss scale's finite check, need every element
@@ -238,15 +253,15 @@ class Shards:
         host = not everywhere
         if self.weights and not self.weights_whole:  # (the same on every rank)
             for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
-                if everywhere:
+                if everywhere:  # one layer whole on the device at a time, then host
                     fsdp.grow(flat)
                     _all_gather(flat, piece.params)
-                    continue
-                whole = self._to_host(piece.params, flat.numel())  # rank 0: host memory
+                    whole = flat.to(fsdp.HOST, copy=True)
+                    fsdp.free(flat)
+                else:
+                    whole = self._to_host(piece.params, flat.numel())  # rank 0: host memory
                 if whole is not None:  # the variables, views of it until ``free_weights``
-                    weights = self.flat.weights
-                    for i, view in zip(weights.members[k], weights.split(k, whole)):
-                        weights.views[i].data = view
+                    self._host_views(k, whole)
             self.weights_whole = True
         if not self.stepped:  # nothing new since the last gather: the same on every rank
             return
@@ -259,6 +274,8 @@ class Shards:
                 elif everywhere or name == EMA:
                     whole = own.new_empty(flat.numel())
                     _all_gather(whole, own)
+                    if self.weights:  # host memory (shard="weights": no EMA)
+                        whole = whole.to(fsdp.HOST, copy=True)
                 else:
                     whole = own.new_empty(flat.numel()) if here else None
                     dist.gather(own, list(whole.chunk(self.world)) if mine else None, dst=0)
@@ -282,34 +299,80 @@ class Shards:
             whole[src * n:(src + 1) * n].copy_(staging)
         return whole
 
+    def _host_views(self, k, whole):
+        """Weights buffer ``k``'s variables become views of ``whole``, a host buffer laid
+        out as it (until ``free_weights``)."""
+        weights = self.flat.weights
+        for i, view in zip(weights.members[k], weights.split(k, whole)):
+            weights.views[i].data = view
+
     @torch.no_grad()
     def receivable(self):
-        """Before rank 0's state is broadcast (a call's start): the Keras slot variables
-        made whole again where they are not (their values come from the broadcast); the
-        next step takes this rank's piece from them."""
-        if self.weights:  # the whole weights to receive into, taken by ``take_weights``
+        """Before a call's state is loaded into the Keras variables (a call's start, or
+        the driver's callbacks changed the model): the Keras slot variables made whole
+        again where they are not; shard="weights": the weights and the slots in host
+        memory (one zeroed host buffer per layer: a rank's device never holds them
+        whole), which ``take`` cuts into this rank's pieces. Without ``weights`` the
+        next step takes the pieces of the slots (``release``)."""
+        if self.weights and self._host is None:
             self.free_weights()
-            for flat in self.flat.params:
-                fsdp.grow(flat)
-                flat.zero_()
+            self._host = [torch.zeros(f.numel(), dtype=f.dtype, device=fsdp.HOST)
+                          for f in self.flat.params]
+            for k, whole in enumerate(self._host):
+                self._host_views(k, whole)
             self.weights_whole = True
         if self.materialized:
             return
         self.ema_held = False  # replaced below: every slot is received whole
         for k, flat in enumerate(self.flat.params):
             for name in self.flat.keras_slots:
-                self._keras_views(k, name, flat.new_zeros(flat.numel()))
+                whole = (torch.zeros(flat.numel(), dtype=flat.dtype, device=fsdp.HOST)
+                         if self.weights else flat.new_zeros(flat.numel()))
+                self._keras_views(k, name, whole)
         self.materialized = True
 
     @torch.no_grad()
-    def take_weights(self):
-        """shard="weights", after rank 0's weights were broadcast into the whole buffers
-        (``receivable``): this rank's pieces from them, then their memory freed."""
-        if not self.weights:
+    def take(self, scatter=False):
+        """shard="weights", after the state was loaded into the host buffers
+        (``receivable``): this rank's pieces of the weights and of the optimizer state
+        from them, then the host buffers let go. ``scatter``: the ranks loaded different
+        states and rank 0's wins: it sends each rank its pieces (point to point, one
+        piece at a time through the device: NCCL and gloo both), no rank gets the
+        whole."""
+        if not self.weights or self._host is None:
             return
-        for flat, piece in zip(self.flat.params, self.flat.pieces):
-            piece.params.copy_(flat[piece.lo:piece.hi])
+        weights = self.flat.weights
+        for k, piece in enumerate(self.flat.pieces):
+            pairs = [(piece.params, self._host[k])]
+            for name, own in piece.slots.items():
+                whole = torch.zeros_like(self._host[k])
+                for v, view in zip([self.flat.keras_slots[name][i] for i in weights.members[k]],
+                                   weights.split(k, whole)):
+                    view.copy_(v.value)
+                pairs.append((own, whole))
+            for own, whole in pairs:
+                if scatter:
+                    self._from_rank0(own, whole)
+                else:
+                    own.copy_(whole[piece.lo:piece.hi])
+        self._host = None
         self.free_weights()
+        for variables in self.flat.keras_slots.values():
+            for var in variables:
+                var.value.data = var.value.new_empty(0)
+        self.materialized = False
+
+    def _from_rank0(self, own, whole):
+        """Rank 0's host buffer ``whole``, piece by piece: piece r into rank r's ``own``."""
+        if self.rank != 0:
+            dist.recv(own, src=0)
+            return
+        n = own.numel()
+        own.copy_(whole[:n])
+        staging = torch.empty_like(own) if self.world > 1 else None
+        for dst in range(1, self.world):
+            staging.copy_(whole[dst * n:(dst + 1) * n])
+            dist.send(staging, dst=dst)
 
     def free_weights(self):
         """shard="weights": the whole weights freed (the pieces are current): the
@@ -317,6 +380,7 @@ class Shards:
         views of a host copy."""
         if not self.weights:
             return
+        self._host = None
         for flat in self.flat.params:
             fsdp.free(flat)
         for param, view in zip(self.flat.weights.views, self._device_views):

@@ -66,6 +66,10 @@ class SplitStep:
         self.trainable, self.buffers, self.used, self._key = None, None, None, None
         self.current = None  # this step's ``GradBuffers`` (transient: None between steps)
         self.flat, self.optimizer_path = None, None  # the flat optimizer, or why not
+        #: the rank's device, where the variables may still be in host memory (shard=
+        #: "weights" builds the replica there: only the pieces come to the device); None:
+        #: the variables'
+        self.device = None
 
     def layout(self):
         """(Re)make the flat buffers when the trainable variables changed; True if so
@@ -82,14 +86,16 @@ class SplitStep:
         groups = None
         if self.shard == "weights":  # laid out as the weights: a buffer per layer
             groups = flat_layout.layer_groups(trainable) + [None] * len(self.averaged)
+        # transient: a layout only, the memory comes with each step (``begin``)
         self.buffers = flat_layout.Buffers(tensors, self.world if self.shard else 1,
-                                           lead=len(trainable), groups=groups)
+                                           lead=len(trainable), groups=groups,
+                                           device=self.device, lazy=self.transient)
         self.current = GradBuffers.of(self.buffers)
         self.zero = None
         if self.shard:
             self.zero = zero.Shards(self.model.optimizer, trainable, self.rank, self.world,
                                     transient=self.transient,
-                                    weights=self.shard == "weights")
+                                    weights=self.shard == "weights", device=self.device)
             self.zero.grad_buffers(self.grads)
             stage = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2: 1/N of the gradient kept",
                      "weights": "ZeRO-3: 1/N of the weights and the gradient kept"}[self.shard]
