@@ -269,3 +269,178 @@ def test_forward_replayed_with_layers_gathered_inside_it(monkeypatch, capsys):
         assert held[0] == held[1] and held[0]["weights"] == held[0]["gradients"] == piece
     finally:
         launchers.close_pools()  # no worker keeps the fake capture
+
+
+# -- no whole copy on a rank's device (shard="weights") ---------------------------------
+#: the metered model: four Dense(64) layers of 4160 parameters (16.6 kB each), so that
+#: the 256-byte alignment padding is small beside a layer and one whole copy of the
+#: weights (66.6 kB) is more than the slack the bound leaves
+WIDE_X = np.random.default_rng(4).normal(size=(40, 64)).astype("float32")
+WIDE_Y = WIDE_X[:, :1] * 0.5
+
+
+def wide():
+    keras.utils.set_random_seed(6)
+    return keras.Sequential([keras.Input((64,))] +
+                            [keras.layers.Dense(64, activation="tanh") for _ in range(3)] +
+                            [keras.layers.Dense(64)])
+
+
+class _DeviceMeter:
+    """Peak bytes of weights and optimizer state a rank's device holds (see
+    ``test_no_rank_device_holds_a_whole_copy``); made in a worker, one per replica."""
+
+    DEVICE = torch.device("cpu:0")
+
+    def __init__(self, worker):
+        self.worker, self.on, self.peak = worker, True, 0
+        self.on_device = {}  # storage id -> made on the device
+        self.params = __import__("weakref").WeakSet()  # every Parameter made since
+
+    def dispatch(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if not self.on:
+            return out
+        leaves = torch.utils._pytree.tree_leaves
+        ins = {t.untyped_storage()._cdata for t in leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+        device = kwargs.get("device")
+        made_here = (torch.device(device) == self.DEVICE if device is not None
+                     else any(self.on_device.get(c, False) for c in ins))
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:
+                self.on_device[t.untyped_storage()._cdata] = made_here
+        self.sample()
+        return out
+
+    def sample(self):
+        held = list(self.params)
+        strategy = self.worker.strategy
+        step = strategy.sharded_step if strategy is not None else None
+        if step is not None and step.zero is not None:
+            held += list(step.zero.flat.params)
+            held += [t for p in step.zero.flat.pieces for t in [p.params, *p.slots.values()]]
+        seen, total = set(), 0
+        for t in held:
+            st = t.untyped_storage()
+            if st._cdata not in seen and self.on_device.get(st._cdata, False):
+                seen.add(st._cdata)
+                total += st.nbytes()
+        self.peak = max(self.peak, total)
+
+
+def _install_meter(mp):
+    """The workers forked after this (a pool of its own: its devices are named "cpu:0")
+    meter each new replica's build, state load and first train step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kmgpu.engines.torch.launch import launchers, worker
+    from kmgpu.engines.torch.launch.messages import Call
+    from kmgpu.engines.torch.steps import split_step
+    from kmgpu.engines.torch.strategy import DDPStrategy
+
+    meters = []  # this process's (a worker's) current meter
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return meters[-1].dispatch(func, args, kwargs or {})
+
+    init, handle, finish = launchers.PoolLauncher.__init__, worker.Worker.handle, \
+        split_step.SplitStep.finish
+    held, new_param = DDPStrategy.held_bytes, torch.nn.Parameter.__new__
+
+    def init_(self, config):
+        init(self, config)
+        self.torch_devices = ["cpu:0" if d == "cpu" else d for d in self.torch_devices]
+
+    def handle_(self, msg):
+        if not (isinstance(msg, Call) and msg.key != self.key):
+            return handle(self, msg)
+        meters[:] = [_DeviceMeter(self)]
+        # Keras's default is plain "cpu" again by now; on a GPU its default is the
+        # worker's device: put "cpu:0" back as the worker's scope meant it
+        with keras.device(self.device), Mode():
+            return handle(self, msg)
+
+    def finish_(self):
+        finish(self)
+        if meters:
+            meters[-1].on = False  # the first step is over
+
+    def param_(cls, data=None, requires_grad=True):
+        p = new_param(cls, data, requires_grad)
+        if meters and meters[-1].on:
+            meters[-1].params.add(p)
+        return p
+
+    mp.setattr(launchers.PoolLauncher, "__init__", init_)
+    mp.setattr(worker.Worker, "handle", handle_)
+    mp.setattr(split_step.SplitStep, "finish", finish_)
+    mp.setattr(torch.nn.Parameter, "__new__", staticmethod(param_))
+    mp.setattr(DDPStrategy, "held_bytes", lambda self: {
+        **(held(self) or {}), "device_peak": meters[-1].peak if meters else None})
+
+
+@pytest.fixture(scope="module")
+def metered():
+    """shard="weights" and, to show the meter sees a whole copy, shard="gradients", on
+    2 ranks with Adam: the wide model's weights after one epoch, one device's, and
+    each rank's peak."""
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        _install_meter(mp)
+        ref = wide()
+        ref.compile(optimizer=O.Adam(0.01), loss="mse")
+        ref.fit(WIDE_X, WIDE_Y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        for shard in ("weights", "gradients"):
+            model = wide()
+            parallel = kmgpu.parallelize(model, gpus=2, shard=shard)
+            parallel.compile(optimizer=O.Adam(0.01), loss="mse")
+            parallel.fit(WIDE_X, WIDE_Y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+            out[shard] = (model, parallel._engine.rank_held_bytes())
+            parallel.close()
+    return ref, out
+
+
+def test_no_rank_device_holds_a_whole_copy(metered):
+    """shard="weights": no rank's device holds the whole weights or optimizer state
+    while its replica is built, the call's state is loaded and the first step runs:
+    only its pieces and at most ``fsdp.KEEP`` gathered layers; the fit still equals
+    one device.
+
+    What is measured: on a CPU the host and the "device" are one memory, so no
+    allocator can tell them apart. The ranks run on a device named "cpu:0" (the same
+    memory; torch passes that name to every operation asked to allocate there, Keras's
+    variables made in the worker's device scope included, while the engine's host
+    memory is plain "cpu"). A TorchDispatchMode in each worker marks every storage an
+    operation makes as the device's when the operation was asked for "cpu:0", or,
+    asked for no device, read a device storage (a piece's new slot, a computed
+    tensor); at every operation it adds up the bytes (now: a freed or regrown layer
+    buffer counts as it is) of the device storages behind every torch Parameter made
+    since the call began (every Keras variable: weights, optimizer slots, counters,
+    metrics) and behind the engine's flat buffers and pieces. Activations and the
+    step's gradient buffers are not counted. (The worker's Keras scope is set to
+    "cpu:0" around the call, as a GPU worker's default device is its GPU.) The same
+    meter on shard="gradients", which builds the replica on the device, sees more than
+    the bound there.
+    """
+    from kmgpu.engines.torch.optim import fsdp, sizes
+
+    ref, out = metered
+    model, held = out["weights"]
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+    weights = sum(v.value.numel() * 4 for v in model.trainable_weights)  # 66 560
+    whole = 3 * weights  # with Adam's two slots
+    piece = sizes.grad_bytes(model, 2, by_layer=True)[0]  # a rank's pieces of the weights
+    layer = max(-(-(64 * 65 * 4) // 512) * 512, 512)  # one layer's buffer, padded
+    small = 1024  # the device's counters, learning rate, metrics, random seeds
+    bound = 3 * piece + fsdp.KEEP * layer + small
+    assert len(held) == 2
+    for rank in held:
+        assert rank["weights"] == piece
+        peak = rank["device_peak"]
+        assert 3 * piece <= peak <= bound, (peak, whole)
+        assert peak < 0.75 * whole
+    for rank in out["gradients"][1]:  # the replica whole on the device
+        assert rank["device_peak"] > max(bound, weights), rank["device_peak"]
