@@ -1,8 +1,8 @@
-"""What real training scripts also do, on 4 devices as on one (plain Keras): gradient
+"""What real training scripts also do, on 2 devices as on one (plain Keras): gradient
 clipping, every Keras loss reduction, classes the script defines without registering
-them. Same initial weights, data and global batch, shuffle=False; a global batch of 6
-does not split evenly over 4 devices and the last batch (3 rows) leaves one replica
-without rows; batches of 8 split evenly but the last one (6 rows) does not.
+them. Same initial weights, data and global batch, shuffle=False; a global batch of 5
+does not split evenly over 2 devices and the last batch (1 row) leaves one replica
+without rows; batches of 8 split evenly but the last one (5 rows) does not.
 """
 
 import keras
@@ -13,8 +13,9 @@ import kmgpu
 from tests.helpers import rel_diff
 
 TOL = 1e-5
-ROWS, BATCH = 57, 6  # 10 steps per epoch, the last one 3 rows
-EVEN = dict(rows=78, batch=8)  # batches of 2 rows per device, the last one 6 (2, 2, 1, 1)
+DEVICES = 2
+ROWS, BATCH = 51, 5  # 11 steps per epoch: 3 + 2 rows each, the last one 1 row (1 + 0)
+EVEN = dict(rows=77, batch=8)  # batches of 4 rows per device, the last one 5 (3 + 2)
 
 
 def _data(rows=ROWS, seed=0):
@@ -41,7 +42,7 @@ def _run(target, model, compile_kwargs, x, y, sw, batch, evaluate=True):
 
 def _same_as_one_device(make, compile_kwargs, rows=ROWS, batch=BATCH, weighted=True,
                         evaluate=True, parallel_kwargs=None):
-    """fit (+ evaluate) on one device and through kmgpu on 4: the same weights, History
+    """fit (+ evaluate) on one device and through kmgpu on 2: the same weights, History
     and evaluate; returns the one-device History."""
     x, y, sw = _data(rows)
     sw = sw if weighted else None
@@ -49,7 +50,7 @@ def _same_as_one_device(make, compile_kwargs, rows=ROWS, batch=BATCH, weighted=T
     before = model.get_weights()
     reference = make()
     ref = _run(reference, reference, compile_kwargs(), x, y, sw, batch, evaluate)
-    got = _run(kmgpu.parallelize(model, gpus=4), model,
+    got = _run(kmgpu.parallelize(model, gpus=DEVICES), model,
                dict(compile_kwargs(), **(parallel_kwargs or {})), x, y, sw, batch, evaluate)
     assert rel_diff(before, got[0]) > 1e-3, "the user's model did not train"
     assert rel_diff(ref[0], got[0]) <= TOL
@@ -95,7 +96,7 @@ def test_loss_reduction_equals_one_device(reduction):
         with pytest.raises(Exception) as plain:
             reference.fit(x, y, sample_weight=sw, batch_size=BATCH, verbose=0)
         model = _mlp()
-        parallel = kmgpu.parallelize(model, gpus=4)
+        parallel = kmgpu.parallelize(model, gpus=DEVICES)
         parallel.compile(**compile_kwargs())
         with pytest.raises(type(plain.value)):
             parallel.fit(x, y, sample_weight=sw, batch_size=BATCH, verbose=0)
@@ -135,7 +136,7 @@ def test_two_outputs_summed_equal_one_device():
 
     reference = _two_outputs()
     ref = _run(reference, reference, compile_kwargs(), x, targets, sw, EVEN["batch"])
-    got = _run(kmgpu.parallelize(model, gpus=4), model, compile_kwargs(), x, targets, sw,
+    got = _run(kmgpu.parallelize(model, gpus=DEVICES), model, compile_kwargs(), x, targets, sw,
                EVEN["batch"])
     assert rel_diff(before, got[0]) > 1e-3
     assert rel_diff(ref[0], got[0]) <= TOL
@@ -156,7 +157,7 @@ def test_outputs_with_mixed_reductions_equal_one_device_or_are_refused():
 
     model = _two_outputs()
     before = model.get_weights()
-    parallel = kmgpu.parallelize(model, gpus=4)
+    parallel = kmgpu.parallelize(model, gpus=DEVICES)
     if keras.backend.backend() == "jax":
         reference = _two_outputs()
         ref = _run(reference, reference, compile_kwargs(), x, targets, sw, BATCH, False)
