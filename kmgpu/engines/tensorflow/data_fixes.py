@@ -89,10 +89,8 @@ def repeating_datasets(kwargs, kept=None):
         shuffle = False
 
     def build(x, y, weights):
-        train = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=weights, batch_size=batch_size, shuffle=shuffle,
-            class_weight=class_weight)
-        return train.get_tf_dataset().repeat(), train.num_batches
+        return _repeating(x, y, weights, batch_size, shuffle=shuffle,
+                          class_weight=class_weight)
 
     made = None if kept is None else kept.dataset(
         (x, y, weights), shuffle,
@@ -104,11 +102,10 @@ def repeating_datasets(kwargs, kept=None):
     if validation is not None and kw.get("validation_steps") is None:
         vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation)
         if arrays(vx, vy, vw):
-            val = array_data_adapter.ArrayDataAdapter(
-                vx, vy, sample_weight=vw,
-                batch_size=kw.get("validation_batch_size") or batch_size)
-            kw.update(validation_data=val.get_tf_dataset().repeat(),
-                      validation_steps=val.num_batches, validation_batch_size=None)
+            repeated, steps = _repeating(vx, vy, vw,
+                                         kw.get("validation_batch_size") or batch_size)
+            kw.update(validation_data=repeated, validation_steps=steps,
+                      validation_batch_size=None)
     return kw
 
 
@@ -138,9 +135,7 @@ def one_pass_datasets(kwargs, method, kept):
     batch_size = kwargs.get("batch_size") or 32
 
     def build(x, y, weights):
-        adapter = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=weights, batch_size=batch_size, shuffle=False)
-        return adapter.get_tf_dataset().repeat(), adapter.num_batches
+        return _repeating(x, y, weights, batch_size, shuffle=False)
 
     made = kept.dataset((x, y, weights), False, (method, batch_size), build)
     if made is None:
@@ -148,6 +143,16 @@ def one_pass_datasets(kwargs, method, kept):
     kw = dict(kwargs, x=made[0], batch_size=None, steps=made[1])
     kw.update({key: None for key in ("y", "sample_weight") if key in kw})
     return kw
+
+
+def _repeating(x, y, weights, batch_size, **options):
+    """Keras's own pipeline of these arrays (``ArrayDataAdapter``: its batches, its
+    shuffling and class weights as ``options`` say), repeated, and its batches per pass."""
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    adapter = array_data_adapter.ArrayDataAdapter(x, y, sample_weight=weights,
+                                                  batch_size=batch_size, **options)
+    return adapter.get_tf_dataset().repeat(), adapter.num_batches
 
 
 def untuned_iterators():
