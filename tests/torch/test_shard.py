@@ -11,6 +11,8 @@ at float16 resolution; BatchNorm per replica there, its moving statistics averag
 step, else over the global batch). The fits are shared by the tests (module fixture).
 """
 
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -295,7 +297,7 @@ class _DeviceMeter:
     def __init__(self, worker):
         self.worker, self.on, self.peak = worker, True, 0
         self.on_device = {}  # storage id -> made on the device
-        self.params = __import__("weakref").WeakSet()  # every Parameter made since
+        self.params = weakref.WeakSet()  # every Parameter made since
 
     def dispatch(self, func, args, kwargs):
         out = func(*args, **kwargs)
