@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import kmgpu
 from kmgpu.engines.torch.engine import TorchEngine
@@ -219,11 +220,54 @@ def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _grads(model):
+def _grads(model, keep=False):
     x = keras.ops.convert_to_tensor(X[:8])
     loss = keras.ops.mean((model(x, training=True) - keras.ops.convert_to_tensor(Y[:8])) ** 2)
-    return [g.numpy() for g in torch.autograd.grad(loss, [v.value for v in
-                                                          model.trainable_weights])]
+    grads = torch.autograd.grad(loss, [v.value for v in model.trainable_weights])
+    return list(grads) if keep else [g.numpy() for g in grads]
+
+
+def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
+    """In one process (rank 0 of 2, stand-ins for the collectives: the other rank's
+    gradient taken to equal this one's): under shard="weights" each layer buffer's
+    gradient is reduce-scattered inside the backward pass, once, the last layer first,
+    from a buffer of that layer alone; the pieces equal the unsharded gradient's, and
+    autograd is left holding no gradient memory."""
+    from kmgpu.engines.torch.optim import zero
+
+    ref_grads = _grads(tiny())
+    model = tiny()
+    whole = [v.value.detach().clone() for v in model.trainable_weights]
+    shards = zero.Shards(O.Adam(0.01), model.trainable_weights, 0, 2, transient=True,
+                         weights=True)
+    layout, pieces = shards.flat.weights, shards.flat.pieces
+    full = [f.new_zeros(f.numel()) for f in layout.flats]
+    for view, w in zip(layout.like(full), whole):
+        view.copy_(w)
+    shards.gathering.gather = lambda out, piece: out.copy_(
+        full[next(k for k, p in enumerate(pieces) if p.params is piece)])
+    shards.grad_buffers(layout.flats)  # (the split step's gradient layout: the same)
+    sent = []
+
+    def scatter(piece, flat):
+        k = next(k for k, p in enumerate(shards.grad_pieces) if p is piece)
+        sent.append((k, flat.numel(), torch._C._current_graph_task_id() != -1))
+        piece.copy_(flat[:piece.numel()] * 2)  # rank 0's piece, summed over 2 equal ranks
+
+    assert shards.by_layer
+    with shards.scattered():
+        shards.scattering.scatter = scatter
+        with shards.active():
+            grads = _grads(model, keep=True)
+    assert [k for k, *_ in sent] == [3, 2, 1, 0]  # Dense(1), BatchNorm, Dense(5), Embedding
+    assert all(n == f.numel() and during for (_, n, during), f in zip(sent[::-1], layout.flats))
+    assert all(g.untyped_storage().nbytes() <= g.element_size() for g in grads)
+    ref = [f.new_zeros(f.numel()) for f in layout.flats]
+    for view, g in zip(layout.like(ref), ref_grads):
+        view.copy_(torch.from_numpy(g))
+    for k, (piece, r) in enumerate(zip(shards.grad_pieces, ref)):
+        np.testing.assert_allclose(piece.numpy(), 2 * r[:piece.numel()].numpy(), rtol=1e-6,
+                                   atol=1e-7)
 
 
 @pytest.mark.parametrize("make_opt, says", [
@@ -276,8 +320,9 @@ def test_forward_replayed_with_layers_gathered_inside_it(monkeypatch, capsys):
 # -- no whole copy on a rank's device (shard="weights") ---------------------------------
 #: the metered model: four Dense(64) layers of 4160 parameters (16.6 kB each), so that
 #: the 256-byte alignment padding is small beside a layer and one whole copy of the
-#: weights (66.6 kB) is more than the slack the bound leaves
-WIDE_X = np.random.default_rng(4).normal(size=(40, 64)).astype("float32")
+#: weights (66.6 kB) is more than the slack the bound leaves; 41 rows at batch 4 end in
+#: a batch of one row, so rank 1 runs its last step on a stand-in row
+WIDE_X = np.random.default_rng(4).normal(size=(41, 64)).astype("float32")
 WIDE_Y = WIDE_X[:, :1] * 0.5
 
 
@@ -295,9 +340,10 @@ class _DeviceMeter:
     DEVICE = torch.device("cpu:0")
 
     def __init__(self, worker):
-        self.worker, self.on, self.peak = worker, True, 0
+        self.worker, self.on, self.peak, self.grad_peak = worker, True, 0, 0
         self.on_device = {}  # storage id -> made on the device
         self.params = weakref.WeakSet()  # every Parameter made since
+        self.backward = {}  # storage id -> (a weak reference to it, its bytes): backward's
 
     def dispatch(self, func, args, kwargs):
         out = func(*args, **kwargs)
@@ -309,9 +355,13 @@ class _DeviceMeter:
         device = kwargs.get("device")
         made_here = (torch.device(device) == self.DEVICE if device is not None
                      else any(self.on_device.get(c, False) for c in ins))
+        in_backward = torch._C._current_graph_task_id() != -1
         for t in leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:
-                self.on_device[t.untyped_storage()._cdata] = made_here
+                st = t.untyped_storage()
+                self.on_device[st._cdata] = made_here
+                if in_backward:
+                    self.backward[st._cdata] = (StorageWeakRef(st), st.nbytes())
         self.sample()
         return out
 
@@ -329,6 +379,20 @@ class _DeviceMeter:
                 seen.add(st._cdata)
                 total += st.nbytes()
         self.peak = max(self.peak, total)
+        self.grad_peak = max(self.grad_peak, self.grad_bytes(step))
+
+    def grad_bytes(self, step):
+        """Gradient bytes held now: every storage the backward pass made that is still
+        alive (autograd's gradients, a layer's flat gradient buffer, the activations'
+        gradients), the step's whole flat gradient buffers and this rank's pieces."""
+        for key in [c for c, (ref, _) in self.backward.items() if ref.expired()]:
+            del self.backward[key]
+        held = {c: n for c, (_, n) in self.backward.items()}
+        if step is not None and step.zero is not None:
+            flats = list(step.current.flats) if step.current is not None else []
+            for t in flats + list(step.zero.grad_pieces or ()):
+                held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return sum(held.values())
 
 
 def _install_meter(mp):
@@ -380,14 +444,15 @@ def _install_meter(mp):
     mp.setattr(split_step.SplitStep, "finish", finish_)
     mp.setattr(torch.nn.Parameter, "__new__", staticmethod(param_))
     mp.setattr(DDPStrategy, "held_bytes", lambda self: {
-        **(held(self) or {}), "device_peak": meters[-1].peak if meters else None})
+        **(held(self) or {}), "device_peak": meters[-1].peak if meters else None,
+        "grad_peak": meters[-1].grad_peak if meters else None})
 
 
 @pytest.fixture(scope="module")
 def metered():
     """shard="weights" and, to show the meter sees a whole copy, shard="gradients", on
     2 ranks with Adam: the wide model's weights after one epoch, one device's, and
-    each rank's peak."""
+    each rank's peaks (weights and optimizer state on the device, gradient)."""
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         _install_meter(mp)
@@ -446,3 +511,39 @@ def test_no_rank_device_holds_a_whole_copy(metered):
         assert peak < 0.75 * whole
     for rank in out["gradients"][1]:  # the replica whole on the device
         assert rank["device_peak"] > max(bound, weights), rank["device_peak"]
+
+
+def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
+    """shard="weights": within a step a rank holds its gradient pieces and one layer's
+    gradient at a time, never the whole model's: each layer's gradient is
+    reduce-scattered within the backward pass as soon as it is complete, from a buffer
+    of that layer alone, and freed at once with autograd's gradients.
+
+    The same meter as ``test_no_rank_device_holds_a_whole_copy`` adds up, at every
+    operation of the first step, the bytes of every storage the backward pass made that
+    is still alive (autograd's gradients, a layer's flat gradient buffer, the
+    activations' gradients), of the step's whole flat gradient buffers and of this
+    rank's gradient pieces. Measured per rank (2 ranks, pieces 33,792 bytes, the
+    weights 66,560): shard="weights" 67,876 (it was 168,448 when the step made the
+    whole buffers and reduce-scattered them after the backward pass: the pieces, the
+    whole buffers and autograd's whole gradient); shard="gradients", which still does
+    that, 166,912.
+    """
+    from kmgpu.engines.torch.optim import sizes
+
+    _, out = metered
+    model, held = out["weights"]
+    weights = sum(v.value.numel() * 4 for v in model.trainable_weights)  # 66 560
+    piece = sizes.grad_bytes(model, 2, by_layer=True)[0]  # a rank's gradient pieces
+    layer = max(-(-(64 * 65 * 4) // 512) * 512, 512)  # one layer's buffer, padded
+    small = 1024  # the activations' gradients (rows x 64 floats), stand-ins of no memory
+    for rank in held:
+        peak = rank["grad_peak"]
+        # the pieces, one layer's buffer and, for the moment of its copy, autograd's
+        # gradient of that layer
+        assert piece + layer <= peak <= piece + 2 * layer + small, peak
+        assert peak - piece < weights, peak  # never a whole gradient beside the pieces
+    gradients_model, gradients_held = out["gradients"]
+    whole = sizes.grad_bytes(gradients_model, 2)[0] * 2  # the whole buffer, padded
+    for rank in gradients_held:  # the whole buffers and autograd's whole gradient
+        assert rank["grad_peak"] >= whole + weights, rank["grad_peak"]

@@ -102,14 +102,19 @@ class Buffers:
             self.tails.append(flat[n:])
             self.members.append(members)
 
-    def fresh(self):
+    def fresh(self, heads=True):
         """(new zeroed flat buffers laid out as these, one view per tensor of them, their
         heads, their tails): the same layout in other memory (``generation`` unchanged:
-        a step that makes its gradient buffers anew each time, ``split_step``)."""
-        flats = [torch.zeros(f.numel(), dtype=f.dtype, device=f.device) for f in self.flats]
-        heads = [f[:h.numel()] for f, h in zip(flats, self.heads)]
+        a step that makes its gradient buffers anew each time, ``split_step``).
+        ``heads`` False: only the buffers with a tail get memory (the statistics); the
+        others stay as they are (after ``drop``: none), their tensors' views None."""
+        kept = [heads or t.numel() > 0 for t in self.tails]
+        flats = [torch.zeros(f.numel(), dtype=f.dtype, device=f.device) if keep else f
+                 for f, keep in zip(self.flats, kept)]
+        head = [f[:h.numel()] for f, h in zip(flats, self.heads)]
         tails = [f[h.numel():] for f, h in zip(flats, self.heads)]
-        return flats, self.like(flats), heads, tails
+        return flats, self.like([f if keep else None for f, keep in zip(flats, kept)]), \
+            head, tails
 
     def drop(self):
         """Free the buffers' memory, keeping the layout (``fresh`` makes more): each flat
@@ -137,9 +142,12 @@ class Buffers:
                 for i in self.members[k]]
 
     def like(self, flats):
-        """Views of ``flats``, buffers laid out as these: one per tensor, in their order."""
+        """Views of ``flats``, buffers laid out as these: one per tensor, in their order
+        (None for the tensors of a buffer given as None)."""
         out = [None] * len(self.views)
         for k, flat in enumerate(flats):
+            if flat is None:
+                continue
             for i, view in zip(self.members[k], self.split(k, flat)):
                 out[i] = view
         return out

@@ -21,24 +21,42 @@ torch's module hooks do not fire):
 - at most ``KEEP`` buffers are whole at a time: gathering one more frees the least
   recently used (a layer used again is gathered again), and the step's end frees all.
 
+``Scattering`` hands each layer's gradient on as soon as the backward pass has made it
+(``zero.Shards.scattered``): a hook on each variable's torch Parameter keeps its
+gradient until its layer buffer's are all there, then a flat buffer for that layer
+alone is made, the gradients copied into it, and it is reduce-scattered into this
+rank's gradient piece (``zero.Shards.grad_pieces``, what the update reads); the buffer
+and the gradients are let go at once (the hook hands autograd a stand-in of no memory).
+Buffers with a variable that got no gradient go at the backward pass's end, in buffer
+order, zeros for it (the update then refuses the step). Where the gradient is all-reduced
+whole (clipnorm / global_clipnorm / a LossScaleOptimizer: the norms and the finite check
+need every element) the step's whole gradient buffers are made and all-reduced after the
+backward pass instead, as with shard="gradients".
+
 Every rank runs the same layers in the same order, so every rank gathers the same buffer
-at the same point: the all-gathers match. A rank with only a stand-in row runs the
-same forward. Memory: 1/N of the weights, gradient pieces and optimizer state between
-steps; within a step the ``KEEP`` gathered buffers, the activations and (as with
-shard="gradients") the step's whole gradient buffers, freed once reduce-scattered.
+at the same point: the all-gathers match; autograd runs the same graph's nodes in the
+same order on every rank, so the reduce-scatters match too. A rank with only a stand-in
+row runs the same forward and backward (its loss times 0). Memory: 1/N of the weights,
+gradient pieces and optimizer state between steps; within a step the ``KEEP`` gathered
+buffers, the activations and one layer's gradient (for the moment of its copy twice:
+autograd's and its flat buffer), never the whole model's.
 
 The replica is built in host memory (``placement``): the flat buffers are made on the
 device one at a time and freed at once (``flat_layout.Buffers.move_freed``), so a
 device only ever holds this rank's pieces and the gathered layers.
 
 On CUDA the train step is captured as it is unsharded: the forward and backward, with
-their gathers, are graph A, so the all-gathers (NCCL) and the buffers' memory (grown from
-the graph's pool during the capture, at the addresses each replay uses) are recorded in
-it; the reduce-scatter stays outside, between A and the update (graph B).
+their gathers and the layers' reduce-scatters, are graph A, so the all-gathers and
+reduce-scatters (NCCL) and the buffers' memory (weights grown and layer gradient buffers
+made from the graph's pool during the capture, at the addresses each replay uses) are
+recorded in it; the pieces it writes are made once, before, where the update (graph B)
+reads them. Between A and B only the BatchNorm statistics' all-reduce stays (and the
+whole gradient's, where it is all-reduced whole).
 """
 
 import collections
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -56,6 +74,13 @@ def _all_gather(out, piece):
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, piece)
+
+
+def _reduce_scatter(out, flat):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, flat)
 
 
 def storage_key(t):
@@ -79,6 +104,39 @@ def grow(flat):
 
 def is_free(flat):
     return flat.untyped_storage().nbytes() == 0
+
+
+def to_host(own, numel, rank, world):
+    """Every rank's piece ``own`` into a host tensor of ``numel`` elements on rank 0
+    (None elsewhere), one piece at a time (point to point: NCCL and gloo both)."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.send(own, dst=0)
+        return None
+    whole = torch.empty(numel, dtype=own.dtype, device=HOST)
+    n = own.numel()
+    whole[:n].copy_(own)
+    staging = torch.empty_like(own) if world > 1 else None
+    for src in range(1, world):
+        dist.recv(staging, src=src)
+        whole[src * n:(src + 1) * n].copy_(staging)
+    return whole
+
+
+def from_rank0(own, whole, rank, world):
+    """Rank 0's host buffer ``whole``, piece by piece: piece r into rank r's ``own``."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.recv(own, src=0)
+        return
+    n = own.numel()
+    own.copy_(whole[:n])
+    staging = torch.empty_like(own) if world > 1 else None
+    for dst in range(1, world):
+        staging.copy_(whole[dst * n:(dst + 1) * n])
+        dist.send(staging, dst=dst)
 
 
 class Gathering:
@@ -151,6 +209,78 @@ class Gathering:
             self.ensure(k)
             return t
         return packed
+
+
+class Scattering:
+    """This rank's gradient pieces, reduce-scattered one layer at a time as the backward
+    pass produces each layer's gradients (see the module).
+
+    A hook on each variable's torch Parameter (a leaf: its hook runs when its gradient
+    is complete, before ``torch.autograd.grad`` takes it) keeps the gradient until
+    every variable of its layer buffer has one; then the layer's flat gradient buffer
+    is made (zeros: the padding), the gradients copied into it and let go, the buffer
+    reduce-scattered into this rank's piece and let go. Each hook returns a stand-in
+    that holds no memory (a zero expanded to the gradient's shape), so autograd keeps
+    none of the gradients either.
+
+    Args:
+        layout: the flat weights' ``flat_layout.Buffers`` (one buffer per layer and
+            dtype); its ``views`` are the variables' torch Parameters.
+        out: this rank's gradient piece of each buffer (written, in place).
+        scatter: ``scatter(piece, flat)`` reduce-scatters ``flat`` into ``piece`` (None:
+            the collective; tests pass their own).
+    """
+
+    def __init__(self, layout, out, scatter=None):
+        self.layout, self.out = layout, list(out)
+        self.scatter = scatter or _reduce_scatter
+        self.group = {i: k for k, members in enumerate(layout.members) for i in members}
+        self.pending = None  # within ``active``: per buffer, {variable index: gradient}
+        self.sent = None  # within ``active``: per buffer, reduce-scattered yet
+        self.scatters = 0  # how many reduce-scatters ran (for tests)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block a backward pass reduce-scatters each layer's gradient as soon
+        as it is complete; at the block's end (no error) the buffers with a variable
+        that got no gradient are reduce-scattered too (zeros for it), in buffer order:
+        every rank runs the same graph, so every rank sends the same buffers in the same
+        order."""
+        self.pending = [{} for _ in self.layout.members]
+        self.sent = [False] * len(self.layout.members)
+        handles = [p.register_hook(functools.partial(self._arrived, i))
+                   for i, p in enumerate(self.layout.views)]
+        try:
+            yield
+            for k, sent in enumerate(self.sent):
+                if not sent:
+                    self._send(k)
+        finally:
+            for h in handles:
+                h.remove()
+            self.pending = self.sent = None
+
+    def _arrived(self, i, grad):
+        k = self.group[i]
+        self.pending[k][i] = grad
+        if len(self.pending[k]) == len(self.layout.members[k]):
+            self._send(k)
+        return grad.new_zeros(()).expand(grad.shape)  # what autograd keeps: no memory
+
+    @torch.no_grad()
+    def _send(self, k):
+        """Buffer ``k``'s gradients into a flat buffer of its own, reduce-scattered into
+        this rank's piece; the gradients and the buffer let go."""
+        got, piece = self.pending[k], self.out[k]
+        flat = piece.new_zeros(self.layout.flats[k].numel())  # on the piece's device
+        for i, view in zip(self.layout.members[k], self.layout.split(k, flat)):
+            grad = got.pop(i, None)
+            if grad is not None:
+                view.copy_(grad)
+            del grad
+        self.scatter(piece, flat)
+        self.sent[k] = True
+        self.scatters += 1
 
 
 class _Mode(TorchFunctionMode):

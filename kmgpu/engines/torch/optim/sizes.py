@@ -43,8 +43,10 @@ def state_bytes(template, world, by_layer=False):
 
 def grad_bytes(template, world, by_layer=False):
     """(gradient bytes each rank keeps between steps with shard="gradients" / "weights":
-    its pieces, whole bytes, 0); within a step the whole buffers exist (with clipnorm /
-    global_clipnorm / mixed_float16, all-reduced whole, no piece is kept at all)."""
+    its pieces, whole bytes, 0); within a step shard="gradients" makes the whole buffers,
+    shard="weights" one layer's at a time, reduce-scattered as the backward pass makes
+    it (with clipnorm / global_clipnorm / mixed_float16 both make the whole buffers,
+    all-reduced whole, and no piece is kept at all)."""
     trainable = template.trainable_weights
     if not trainable:
         return None
@@ -66,7 +68,9 @@ def weight_bytes(template, world):
 STAGES = {"optimizer": "ZeRO-1",
           "gradients": "ZeRO-2: the whole gradient freed once reduce-scattered",
           "weights": "ZeRO-3: each layer's weights gathered where forward and backward use "
-                     "them, freed after; the whole gradient freed once reduce-scattered"}
+                     "them, freed after; each layer's gradient reduce-scattered as "
+                     "backward makes it (all-reduced whole where clipping or a loss scale "
+                     "needs it)"}
 
 
 def describe(text, world, template, shard="optimizer"):

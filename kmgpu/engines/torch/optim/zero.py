@@ -17,7 +17,8 @@ as the weights; rank r owns the contiguous piece r of each. Per step:
      then Keras's variable constraints on the whole weights.
 
 The exchange and the gather stay outside the CUDA graphs (as the unsharded all-reduce);
-B's update is captured. The Keras optimizer's own slot variables hold no memory while a
+B's update is captured (shard="weights": the layers' reduce-scatters are inside graph A,
+below). The Keras optimizer's own slot variables hold no memory while a
 fit trains (an empty tensor); ``materialize`` gathers the state into them on rank 0 (a
 collective at the same moment on every rank: at fit's validation, every epoch end, the
 end of training, after ``train_on_batch`` and when a fit stops early; the other ranks
@@ -42,8 +43,15 @@ optimizer state: 4 + (4 + 8)/N bytes per parameter with Adam in float32.
 shard="weights" (``weights``, ``fsdp``): one flat buffer per layer and dtype, each cut
 into N pieces; a rank keeps its pieces of the weights as tensors of their own, the whole
 buffers are freed and gathered layer by layer where the forward and the backward read
-them (``active``); no all-gather after the update. About 16/N bytes per parameter, plus
-the two gathered layers, the step's whole gradient and the activations within a step.
+them (``active``); no all-gather after the update. The step makes no whole gradient
+buffer: each layer's gradient is reduce-scattered into this rank's piece within the
+backward pass as soon as it is complete, from a buffer of that layer alone, freed at
+once with autograd's gradients (``by_layer``, ``scattered``, ``fsdp.Scattering``);
+``exchange`` then has only the statistics to all-reduce. With clipnorm /
+global_clipnorm / mixed_float16 the whole gradient is all-reduced after the backward
+pass instead (as above). About 16/N bytes per parameter, plus within a step the two
+gathered layers, one layer's gradient (whole gradient buffers where it is all-reduced
+whole) and the activations.
 Variable constraints and ``use_ema`` are refused (``check``): both need every weight
 whole after each update. The replica's variables may be in host memory when the
 ``Shards`` are made (``device``; ``placement``): only the pieces are copied to the
@@ -52,7 +60,7 @@ its pieces of them (``take``; under torchrun rank 0's, sent piece by piece), so 
 rank's device holds the whole weights or optimizer state at any point.
 
 With every value, ``materialize`` puts rank 0's whole copy for the user's model in host
-memory (``_to_host``; shard="weights" under torchrun every rank's, one layer at a time
+memory (``fsdp.to_host``; shard="weights" under torchrun every rank's, one layer at a time
 through the device), and a pool worker lets go of it once written out
 (``DDPStrategy.let_go``): no rank keeps a whole copy on its device.
 
@@ -124,7 +132,9 @@ class Shards:
             ``split_step``): ``grad_buffers`` comes at every step, ``drop_grads`` after.
         weights: the weights sharded too (ZeRO-3, ``fsdp``): one flat buffer per layer
             and dtype, this rank's pieces of them its own tensors, the whole buffers
-            freed except where ``gathering`` makes them whole.
+            freed except where ``gathering`` makes them whole; the gradient
+            reduce-scattered layer by layer within the backward pass (``scattered``)
+            unless it is all-reduced whole.
         device: the rank's device (None: the variables'). With ``weights`` the
             variables may still be in host memory (the replica built there): only the
             pieces are copied to ``device``, and the variables become views of buffers
@@ -166,6 +176,10 @@ class Shards:
         # the whole gradient on every rank (all-reduce): the clipping norms, and the
         # loss scale's finite check, need every element
         self.whole = bool(opt.clipnorm or opt.global_clipnorm or self.flat.scaler)
+        #: shard="weights", the gradient not all-reduced whole: each layer's gradient is
+        #: reduce-scattered within the backward pass (``scattered``), not by ``exchange``
+        self.by_layer = weights and not self.whole
+        self.scattering = None  # the ``fsdp.Scattering`` (made at the first backward)
         self.materialized = True  # the Keras slot variables hold the state now
         # of the Keras slot variables, only the moving averages' are whole (``materialize``
         # off rank 0 with ``use_ema``)
@@ -193,8 +207,26 @@ class Shards:
             self.grad_pieces = None
 
     # -- one step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scattered(self):
+        """``by_layer``: within the block a backward pass reduce-scatters each layer's
+        gradient into this rank's piece as soon as it is complete, the layer's buffer
+        and autograd's gradients freed at once (``fsdp.Scattering``; the pieces are
+        made once, so a captured update reads them at the same address). Otherwise
+        nothing: ``exchange`` reduces the step's whole buffers."""
+        if not self.by_layer:
+            yield
+            return
+        if self.scattering is None:
+            self.scattering = fsdp.Scattering(self.flat.weights, self.grad_pieces)
+        with self.scattering.active():
+            yield
+
     def exchange(self):
-        """The summed gradient of this rank's piece (eager: outside any graph)."""
+        """The summed gradient of this rank's piece (eager: outside any graph; with
+        ``by_layer`` the backward pass did it already)."""
+        if self.by_layer:
+            return
         for flat, piece in zip(self.grad_flats, self.grad_pieces):
             if self.whole:
                 dist.all_reduce(flat)
@@ -247,7 +279,7 @@ class Shards:
         has its own user model, torchrun). ``use_ema``'s moving averages go to every rank
         (all-gather): fit's ``finalize_variable_values`` reads them whole on every rank.
         Rank 0's whole state is put in host memory (one piece at a time through the
-        device: ``_to_host``), so no rank holds a whole copy of it on its device. No-op
+        device: ``fsdp.to_host``), so no rank holds a whole copy of it on its device. No-op
         where they hold it already."""
         mine = everywhere or self.rank == 0
         host = not everywhere
@@ -258,8 +290,8 @@ class Shards:
                     _all_gather(flat, piece.params)
                     whole = flat.to(fsdp.HOST, copy=True)
                     fsdp.free(flat)
-                else:
-                    whole = self._to_host(piece.params, flat.numel())  # rank 0: host memory
+                else:  # rank 0: host memory
+                    whole = fsdp.to_host(piece.params, flat.numel(), self.rank, self.world)
                 if whole is not None:  # the variables, views of it until ``free_weights``
                     self._host_views(k, whole)
             self.weights_whole = True
@@ -270,7 +302,7 @@ class Shards:
             for name, own in piece.slots.items():
                 here = mine or name == EMA
                 if host and name != EMA:
-                    whole = self._to_host(own, flat.numel())
+                    whole = fsdp.to_host(own, flat.numel(), self.rank, self.world)
                 elif everywhere or name == EMA:
                     whole = own.new_empty(flat.numel())
                     _all_gather(whole, own)
@@ -283,21 +315,6 @@ class Shards:
                     self._keras_views(k, name, whole)
         self.materialized = mine
         self.ema_held = not mine and EMA in self.flat.keras_slots
-
-    def _to_host(self, own, numel):
-        """Every rank's piece ``own`` into a host tensor of ``numel`` elements on rank 0
-        (None elsewhere), one piece at a time (point to point: NCCL and gloo both)."""
-        if self.rank != 0:
-            dist.send(own, dst=0)
-            return None
-        whole = torch.empty(numel, dtype=own.dtype, device="cpu")
-        n = own.numel()
-        whole[:n].copy_(own)
-        staging = torch.empty_like(own) if self.world > 1 else None
-        for src in range(1, self.world):
-            dist.recv(staging, src=src)
-            whole[src * n:(src + 1) * n].copy_(staging)
-        return whole
 
     def _host_views(self, k, whole):
         """Weights buffer ``k``'s variables become views of ``whole``, a host buffer laid
@@ -352,7 +369,7 @@ class Shards:
                 pairs.append((own, whole))
             for own, whole in pairs:
                 if scatter:
-                    self._from_rank0(own, whole)
+                    fsdp.from_rank0(own, whole, self.rank, self.world)
                 else:
                     own.copy_(whole[piece.lo:piece.hi])
         self._host = None
@@ -361,18 +378,6 @@ class Shards:
             for var in variables:
                 var.value.data = var.value.new_empty(0)
         self.materialized = False
-
-    def _from_rank0(self, own, whole):
-        """Rank 0's host buffer ``whole``, piece by piece: piece r into rank r's ``own``."""
-        if self.rank != 0:
-            dist.recv(own, src=0)
-            return
-        n = own.numel()
-        own.copy_(whole[:n])
-        staging = torch.empty_like(own) if self.world > 1 else None
-        for dst in range(1, self.world):
-            staging.copy_(whole[dst * n:(dst + 1) * n])
-            dist.send(staging, dst=dst)
 
     def free_weights(self):
         """shard="weights": the whole weights freed (the pieces are current): the

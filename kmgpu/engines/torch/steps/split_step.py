@@ -5,7 +5,10 @@ as CUDA graphs by ``graphs.CapturedStep``.
 The gradients and the BatchNorm statistics to average share one ``flat_layout.Buffers``
 per step: in each dtype's buffer the gradients come first, laid out as the flat
 optimizer's weights (its gradient is that head, no copy), the statistics after them, so
-unsharded one all-reduce per dtype sums both."""
+unsharded one all-reduce per dtype sums both. shard="weights" (unless the gradient is
+all-reduced whole) makes no whole gradient buffer: each layer's gradient is
+reduce-scattered within the backward pass as soon as it is complete
+(``zero.Shards.scattered``), and the step's buffers hold only the statistics."""
 
 import contextlib
 
@@ -49,8 +52,9 @@ class SplitStep:
             between steps a rank holds only its piece of the gradient (``transient``);
             "weights" (ZeRO-3, ``fsdp``): that, and each rank keeps only its piece of
             the weights, one flat buffer per layer gathered where the forward and the
-            backward use it (``zero.Shards.active``); None / False: all-reduced and
-            updated whole on every rank.
+            backward use it (``zero.Shards.active``), and each layer's gradient
+            reduce-scattered within the backward pass as soon as it is complete
+            (``by_layer``); None / False: all-reduced and updated whole on every rank.
     """
 
     def __init__(self, model, *, world=1, reduce=None, averaged=(), rows=None, forward=None,
@@ -58,7 +62,8 @@ class SplitStep:
         self.model, self.world, self.reduce = model, world, reduce
         shard = "optimizer" if shard is True else (shard or None)
         self.rank, self.shard, self.zero = rank, shard, None
-        #: the whole gradient buffers exist only within a step (ZeRO-2)
+        #: the gradient buffers are made for each step and let go after it (ZeRO-2;
+        #: ``by_layer``: only the statistics' buffers)
         self.transient = shard in ("gradients", "weights")
         self.averaged = list(averaged)
         self.rows = rows or (lambda x: (_num_rows(x),) * 2)
@@ -127,11 +132,19 @@ class SplitStep:
 
     def begin(self):
         """Before stage A: with ``transient``, this step's whole gradient buffers, new
-        (inside a CUDA graph capture they come from the graph's memory pool, at the
-        address each replay writes; ``use`` puts a graph's back before its exchange)."""
-        if self.transient:
-            self.use(GradBuffers.fresh(self.buffers))
+        (``by_layer``: the statistics' only; inside a CUDA graph capture they come from
+        the graph's memory pool, at the address each replay writes; ``use`` puts a
+        graph's back before its exchange)."""
+        if self.transient:  # by layer: only the statistics' buffers (the gradient's
+            # come one layer at a time within the backward pass)
+            self.use(GradBuffers.fresh(self.buffers, grads=not self.by_layer))
         return self.current
+
+    @property
+    def by_layer(self):
+        """shard="weights" with the gradient not all-reduced whole: each layer's gradient
+        is reduce-scattered within the backward pass (``zero.Shards.scattered``)."""
+        return self.zero is not None and self.zero.by_layer
 
     def use(self, buffers):
         """Make ``buffers`` (a ``GradBuffers``) the ones the exchange and stage B read."""
@@ -143,8 +156,12 @@ class SplitStep:
         """Stage A: returns (loss, y_pred), both detached; the gradients are in ``flats``."""
         self.begin()
         model = self.model
-        # shard="weights": each layer's weights gathered where used, freed after
-        with self.zero.active() if self.zero is not None else contextlib.nullcontext():
+        zero = self.zero
+        # shard="weights": each layer's weights gathered where used, freed after, and
+        # (``by_layer``) each layer's gradient reduce-scattered as soon as it is complete
+        # (the hooks are set outside the gathering, which would gather on them)
+        with zero.scattered() if zero is not None else contextlib.nullcontext(), \
+                zero.active() if zero is not None else contextlib.nullcontext():
             with self.forward(n_real):
                 y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss, part = self._loss(x, y, y_pred, sw, n_real, n_global)
@@ -157,11 +174,13 @@ class SplitStep:
         n = len(self.trainable)
         views = self.current.views
         with torch.no_grad():
-            _copy([views[i] for i in range(n) if grads[i] is not None],
-                  [g for g in grads if g is not None])
-            for i in range(n):
-                if grads[i] is None:
-                    views[i].zero_()
+            if not self.by_layer:  # (by layer: ``grads`` are stand-ins, the pieces written)
+                _copy([views[i] for i in range(n) if grads[i] is not None],
+                      [g for g in grads if g is not None])
+                for i in range(n):
+                    if grads[i] is None:
+                        views[i].zero_()
+            del grads
             for view, v in zip(views[n:], self.averaged):
                 torch.mul(v.value, share, out=view)
         return loss.detach(), _map(lambda t: t.detach(), y_pred)
@@ -243,7 +262,8 @@ class SplitStep:
 
     def exchange(self):
         """Between A and B (eager): the all-reduce, or with ``shard`` the
-        reduce-scatter of the gradient and the all-reduce of the statistics."""
+        reduce-scatter of the gradient (``by_layer``: none, A did it) and the
+        all-reduce of the statistics."""
         if self.zero is not None:
             self.zero.exchange()
             if self.reduce is not None and self.stats:
@@ -253,8 +273,8 @@ class SplitStep:
 
     def finish(self):
         """After B (eager): with ``shard``, the all-gather of the updated weights; with
-        ``transient``, this step's whole gradient buffers let go (a captured graph's
-        stay in its memory pool, as its activations do)."""
+        ``transient``, this step's buffers let go (a captured graph's stay in its memory
+        pool, as its activations do)."""
         if self.zero is not None:
             self.zero.gather()
         if self.transient:
@@ -321,9 +341,10 @@ class GradBuffers:
         return cls(buffers.flats, buffers.views, buffers.heads, buffers.tails)
 
     @classmethod
-    def fresh(cls, buffers):
-        """New zeroed memory laid out as ``buffers``."""
-        return cls(*buffers.fresh())
+    def fresh(cls, buffers, grads=True):
+        """New zeroed memory laid out as ``buffers`` (``grads`` False: only for the
+        statistics; the gradient heads hold no memory, their views None)."""
+        return cls(*buffers.fresh(heads=grads))
 
 
 #: which update stage B runs for a model, in words (for ``describe()``)
