@@ -231,7 +231,7 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     """In one process (rank 0 of 2, stand-ins for the collectives: the other rank's
     gradient taken to equal this one's): under shard="weights" each layer buffer's
     gradient is reduce-scattered inside the backward pass, once, the last layer first,
-    from a buffer of that layer alone; the pieces equal the unsharded gradient's, and
+    from a buffer as long as that layer's; the pieces equal the unsharded gradient's, and
     autograd is left holding no gradient memory."""
     from kmgpu.engines.torch.optim import zero
 
@@ -517,14 +517,15 @@ def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
     """shard="weights": within a step a rank holds its gradient pieces and one layer's
     gradient at a time, never the whole model's: each layer's gradient is
     reduce-scattered within the backward pass as soon as it is complete, from a buffer
-    of that layer alone, and freed at once with autograd's gradients.
+    as long as that layer's (reused by the next), and autograd's gradients are freed at
+    once.
 
     The same meter as ``test_no_rank_device_holds_a_whole_copy`` adds up, at every
     operation of the first step, the bytes of every storage the backward pass made that
     is still alive (autograd's gradients, a layer's flat gradient buffer, the
     activations' gradients), of the step's whole flat gradient buffers and of this
     rank's gradient pieces. Measured per rank (2 ranks, pieces 33,792 bytes, the
-    weights 66,560): shard="weights" 67,876 (it was 168,448 when the step made the
+    weights 66,560): shard="weights" 68,388 (it was 168,448 when the step made the
     whole buffers and reduce-scattered them after the backward pass: the pieces, the
     whole buffers and autograd's whole gradient); shard="gradients", which still does
     that, 166,912.
@@ -536,7 +537,7 @@ def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
     weights = sum(v.value.numel() * 4 for v in model.trainable_weights)  # 66 560
     piece = sizes.grad_bytes(model, 2, by_layer=True)[0]  # a rank's gradient pieces
     layer = max(-(-(64 * 65 * 4) // 512) * 512, 512)  # one layer's buffer, padded
-    small = 1024  # the activations' gradients (rows x 64 floats), stand-ins of no memory
+    small = 2048  # the activations' gradients (a few of rows x 64 floats), the stand-ins
     for rank in held:
         peak = rank["grad_peak"]
         # the pieces, one layer's buffer and, for the moment of its copy, autograd's

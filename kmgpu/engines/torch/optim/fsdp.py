@@ -23,10 +23,11 @@ torch's module hooks do not fire):
 
 ``Scattering`` hands each layer's gradient on as soon as the backward pass has made it
 (``zero.Shards.scattered``): a hook on each variable's torch Parameter keeps its
-gradient until its layer buffer's are all there, then a flat buffer for that layer
-alone is made, the gradients copied into it, and it is reduce-scattered into this
-rank's gradient piece (``zero.Shards.grad_pieces``, what the update reads); the buffer
-and the gradients are let go at once (the hook hands autograd a stand-in of no memory).
+gradient until its layer buffer's are all there, then they are copied into a flat
+buffer as long as that layer's, which is reduce-scattered into this rank's gradient
+piece (``zero.Shards.grad_pieces``, what the update reads); the gradients are let go at
+once (the hook hands autograd a stand-in of no memory), and the next layer reuses the
+buffer's memory (one scratch buffer per dtype, let go at the backward pass's end).
 Buffers with a variable that got no gradient go at the backward pass's end, in buffer
 order, zeros for it (the update then refuses the step). Where the gradient is all-reduced
 whole (clipnorm / global_clipnorm / a LossScaleOptimizer: the norms and the finite check
@@ -218,10 +219,16 @@ class Scattering:
     A hook on each variable's torch Parameter (a leaf: its hook runs when its gradient
     is complete, before ``torch.autograd.grad`` takes it) keeps the gradient until
     every variable of its layer buffer has one; then the layer's flat gradient buffer
-    is made (zeros: the padding), the gradients copied into it and let go, the buffer
-    reduce-scattered into this rank's piece and let go. Each hook returns a stand-in
-    that holds no memory (a zero expanded to the gradient's shape), so autograd keeps
-    none of the gradients either.
+    is made (zeros: the padding), the gradients copied into it and let go, and it is
+    reduce-scattered into this rank's piece. Each hook returns a stand-in that holds no
+    memory (a zero expanded to the gradient's shape), so autograd keeps none of the
+    gradients either. The layer buffers are the front of one scratch buffer per dtype,
+    as long as the largest layer's, made at the first layer that needs it and let go at
+    the backward pass's end: within a CUDA graph capture the caching allocator does not
+    reuse memory a collective's stream used until the capture ends, so a new buffer per
+    layer would leave every layer's in the graph's pool; the next layer's copy waits for
+    the reduce-scatter on the stream (a collective without ``async_op`` makes the
+    current stream wait for it).
 
     Args:
         layout: the flat weights' ``flat_layout.Buffers`` (one buffer per layer and
@@ -237,6 +244,7 @@ class Scattering:
         self.group = {i: k for k, members in enumerate(layout.members) for i in members}
         self.pending = None  # within ``active``: per buffer, {variable index: gradient}
         self.sent = None  # within ``active``: per buffer, reduce-scattered yet
+        self.scratch = None  # within ``active``: {dtype: the layer buffers' memory}
         self.scatters = 0  # how many reduce-scatters ran (for tests)
 
     @contextlib.contextmanager
@@ -248,6 +256,7 @@ class Scattering:
         order."""
         self.pending = [{} for _ in self.layout.members]
         self.sent = [False] * len(self.layout.members)
+        self.scratch = {}
         handles = [p.register_hook(functools.partial(self._arrived, i))
                    for i, p in enumerate(self.layout.views)]
         try:
@@ -258,7 +267,7 @@ class Scattering:
         finally:
             for h in handles:
                 h.remove()
-            self.pending = self.sent = None
+            self.pending = self.sent = self.scratch = None
 
     def _arrived(self, i, grad):
         k = self.group[i]
@@ -269,10 +278,10 @@ class Scattering:
 
     @torch.no_grad()
     def _send(self, k):
-        """Buffer ``k``'s gradients into a flat buffer of its own, reduce-scattered into
-        this rank's piece; the gradients and the buffer let go."""
+        """Buffer ``k``'s gradients into a flat buffer as long as it (``_buffer``),
+        reduce-scattered into this rank's piece; the gradients let go."""
         got, piece = self.pending[k], self.out[k]
-        flat = piece.new_zeros(self.layout.flats[k].numel())  # on the piece's device
+        flat = self._buffer(piece, self.layout.flats[k].numel())
         for i, view in zip(self.layout.members[k], self.layout.split(k, flat)):
             grad = got.pop(i, None)
             if grad is not None:
@@ -281,6 +290,19 @@ class Scattering:
         self.scatter(piece, flat)
         self.sent[k] = True
         self.scatters += 1
+
+    def _buffer(self, piece, numel):
+        """A zeroed buffer of ``numel`` elements of ``piece``'s dtype, on its device: the
+        front of the scratch buffer (made anew, the old one let go first, when it is
+        shorter)."""
+        scratch = self.scratch.get(piece.dtype)
+        if scratch is None or scratch.numel() < numel:
+            self.scratch.pop(piece.dtype, None)
+            del scratch
+            scratch = self.scratch[piece.dtype] = piece.new_empty(numel)
+        flat = scratch[:numel]
+        flat.zero_()
+        return flat
 
 
 class _Mode(TorchFunctionMode):

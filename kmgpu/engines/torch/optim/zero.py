@@ -45,8 +45,9 @@ into N pieces; a rank keeps its pieces of the weights as tensors of their own, t
 buffers are freed and gathered layer by layer where the forward and the backward read
 them (``active``); no all-gather after the update. The step makes no whole gradient
 buffer: each layer's gradient is reduce-scattered into this rank's piece within the
-backward pass as soon as it is complete, from a buffer of that layer alone, freed at
-once with autograd's gradients (``by_layer``, ``scattered``, ``fsdp.Scattering``);
+backward pass as soon as it is complete, from a buffer as long as that layer's (reused
+by the next), autograd's gradients freed at once (``by_layer``, ``scattered``,
+``fsdp.Scattering``);
 ``exchange`` then has only the statistics to all-reduce. With clipnorm /
 global_clipnorm / mixed_float16 the whole gradient is all-reduced after the backward
 pass instead (as above). About 16/N bytes per parameter, plus within a step the two
@@ -210,8 +211,8 @@ class Shards:
     @contextlib.contextmanager
     def scattered(self):
         """``by_layer``: within the block a backward pass reduce-scatters each layer's
-        gradient into this rank's piece as soon as it is complete, the layer's buffer
-        and autograd's gradients freed at once (``fsdp.Scattering``; the pieces are
+        gradient into this rank's piece as soon as it is complete, autograd's gradients
+        freed at once, one layer's buffer at a time (``fsdp.Scattering``; the pieces are
         made once, so a captured update reads them at the same address). Otherwise
         nothing: ``exchange`` reduces the step's whole buffers."""
         if not self.by_layer:
