@@ -284,6 +284,32 @@ def test_what_cannot_be_sharded_is_refused_before_any_work(make_opt, says):
     assert rel_diff(before, model.get_weights()) == 0.0 and not model.optimizer.built
 
 
+class _Unused(keras.layers.Layer):
+    """A kernel, and a weight its call never reads (it gets no gradient)."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 1))
+        self.unused = self.add_weight(shape=(3,))
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.kernel)
+
+
+def test_a_variable_without_gradient_is_refused():
+    """shard="weights" with a trainable variable that gets no gradient: every rank
+    reduce-scatters its layer at the backward pass's end (zeros for it), so the ranks
+    stay in step, and the update refuses the step, saying what to do."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                              _Unused()])
+    parallel = kmgpu.parallelize(model, gpus=2, shard="weights")
+    parallel.compile(optimizer=O.Adam(0.01), loss="mse")
+    try:
+        with pytest.raises(ValueError, match="some trainable variables get no gradient"):
+            parallel.fit(X.astype("float32"), Y, batch_size=BATCH, epochs=1, verbose=0)
+    finally:
+        parallel.close()
+
+
 def test_forward_replayed_with_layers_gathered_inside_it(monkeypatch, capsys):
     """shard="weights" on 2 ranks with graph A 'replayed' (a fake capture, inherited by
     the forked workers; graph B's capture failing, so the update runs eagerly after it):

@@ -232,7 +232,7 @@ class Scattering:
 
     Args:
         layout: the flat weights' ``flat_layout.Buffers`` (one buffer per layer and
-            dtype); its ``views`` are the variables' torch Parameters.
+            dtype).
         out: this rank's gradient piece of each buffer (written, in place).
         scatter: ``scatter(piece, flat)`` reduce-scatters ``flat`` into ``piece`` (None:
             the collective; tests pass their own).
@@ -248,9 +248,10 @@ class Scattering:
         self.scatters = 0  # how many reduce-scatters ran (for tests)
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self, params):
         """Within the block a backward pass reduce-scatters each layer's gradient as soon
-        as it is complete; at the block's end (no error) the buffers with a variable
+        as it is complete (``params``: the variables' torch Parameters, the layout's
+        order, the tensors the backward pass differentiates for); at the block's end (no error) the buffers with a variable
         that got no gradient are reduce-scattered too (zeros for it), in buffer order:
         every rank runs the same graph, so every rank sends the same buffers in the same
         order."""
@@ -258,7 +259,7 @@ class Scattering:
         self.sent = [False] * len(self.layout.members)
         self.scratch = {}
         handles = [p.register_hook(functools.partial(self._arrived, i))
-                   for i, p in enumerate(self.layout.views)]
+                   for i, p in enumerate(params)]
         try:
             yield
             for k, sent in enumerate(self.sent):

@@ -220,7 +220,7 @@ class Shards:
             return
         if self.scattering is None:
             self.scattering = fsdp.Scattering(self.flat.weights, self.grad_pieces)
-        with self.scattering.active():
+        with self.scattering.active([v.value for v in self.flat.variables]):
             yield
 
     def exchange(self):
