@@ -18,8 +18,8 @@ as the weights; rank r owns the contiguous piece r of each. Per step:
 
 The exchange and the gather stay outside the CUDA graphs (as the unsharded all-reduce);
 B's update is captured (shard="weights": the layers' reduce-scatters are inside graph A,
-below). The Keras optimizer's own slot variables hold no memory while a
-fit trains (an empty tensor); ``materialize`` gathers the state into them on rank 0 (a
+below). The Keras optimizer's own slot variables hold no memory while a fit trains (an
+empty tensor); ``materialize`` gathers the state into them on rank 0 (a
 collective at the same moment on every rank: at fit's validation, every epoch end, the
 end of training, after ``train_on_batch`` and when a fit stops early; the other ranks
 keep 1/N; under torchrun every process's own model gets it: all-gather), so the user's
@@ -47,13 +47,11 @@ them (``active``); no all-gather after the update. The step makes no whole gradi
 buffer: each layer's gradient is reduce-scattered into this rank's piece within the
 backward pass as soon as it is complete, from a buffer as long as that layer's (reused
 by the next), autograd's gradients freed at once (``by_layer``, ``scattered``,
-``fsdp.Scattering``);
-``exchange`` then has only the statistics to all-reduce. With clipnorm /
-global_clipnorm / mixed_float16 the whole gradient is all-reduced after the backward
-pass instead (as above). About 16/N bytes per parameter, plus within a step the two
-gathered layers, one layer's gradient (whole gradient buffers where it is all-reduced
-whole) and the activations.
-Variable constraints and ``use_ema`` are refused (``check``): both need every weight
+``fsdp.Scattering``); ``exchange`` then has only the statistics to all-reduce. With
+clipnorm / global_clipnorm / mixed_float16 the whole gradient is all-reduced after the
+backward pass instead (as above). About 16/N bytes per parameter, plus within a step
+the two gathered layers, one layer's gradient (the whole gradient buffers where it is
+all-reduced whole) and the activations. Variable constraints and ``use_ema`` are refused (``check``): both need every weight
 whole after each update. The replica's variables may be in host memory when the
 ``Shards`` are made (``device``; ``placement``): only the pieces are copied to the
 device. A call's state is loaded into host buffers (``receivable``) and each rank keeps
