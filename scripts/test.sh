@@ -43,6 +43,17 @@ single_thread() {
   esac
 }
 export -f single_thread
+# JAX sessions compile with LLVM's lowest optimisation level: the tests' programs are tiny
+# and distinct, so compiling them is most of JAX's time; XLA's own passes still run, and
+# the one-device references compile with the same flags as kmgpu's runs (A/B, test_stateful
+# and test_parity: 50-58 s -> 40 s). Set it yourself to override.
+fast_compile() {
+  case " ${XLA_FLAGS:-} " in
+    *xla_backend_optimization_level*) ;;
+    *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0" ;;
+  esac
+}
+export -f fast_compile
 export KMGPU_TEST_LANES_ON=$lanes
 # the quick bench: once, for every backend of this run, in the last backend's sessions
 export KMGPU_BENCH_SMOKE_ALL=$(IFS=,; echo "${backends[*]}") KMGPU_BENCH_SMOKE_IN=${backends[-1]}
@@ -59,6 +70,7 @@ job() {  # "backend part seconds file ...": one pytest session, its lines prefix
   eval "set -- \"\$@\" $KMGPU_TEST_ARGS"
   [ "$b" = "$KMGPU_BENCH_SMOKE_IN" ] && smoke=$KMGPU_BENCH_SMOKE_ALL
   [ "$KMGPU_TEST_LANES_ON" -gt 1 ] && [ "$b" != tensorflow ] && single_thread
+  [ "$b" = jax ] && fast_compile
   echo "[$b.$part] started: ${files} files (about $est s)"
   # a pipeline, not a process substitution: that would be a child of pytest itself,
   # which the tests that count their child processes would see

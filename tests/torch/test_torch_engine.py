@@ -1,4 +1,4 @@
-"""What only the torch engine has: worker processes, faults, torchrun, Jupyter.
+"""What only the torch engine has: worker processes, faults, Jupyter (torchrun: test_launch).
 
 Parity (MLP, Conv+BN, LSTM x SGD/Adam x 2/4 devices, 97 samples / batch 20 / 3
 devices) and the sine scenario run from tests/common on every backend.
@@ -6,8 +6,6 @@ devices) and the sine scenario run from tests/common on every backend.
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -313,34 +311,7 @@ def test_spawned_workers(monkeypatch):
     parallel.close()
 
 
-# -- other process models ------------------------------------------------------------
-def test_torchrun_in_process_parity(tmp_path):
-    """Two processes started by torchrun, each one gloo rank: DDP in-process."""
-    import json
-
-    env = dict(os.environ, KERAS_BACKEND="torch", GLOO_SOCKET_IFNAME="lo",
-               KMGPU_TEST_KIND="conv_bn", PYTHONPATH=ROOT, KMGPU_TEST_OUT=str(tmp_path))
-    env.pop("KMGPU_SIMULATE_DEVICES", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr",
-         "127.0.0.1", "--nproc-per-node", "2",
-         os.path.join(ROOT, "tests", "torch", "torchrun_parity.py")],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
-    lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for result in lines:
-        assert result["replicas"] == 2 and "in-process" in result["engine"]
-        assert result["rel_diff"] <= TOL
-        assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-5)
-        assert result["pred_rows"] == 97 and result["pred_err"] < 1e-5
-        for key, value in result["ref_eval"].items():
-            assert result["eval"][key] == pytest.approx(value, rel=1e-5)
-    assert sorted(r["callback_epochs"] for r in lines) == [[], [0, 1]]  # once, on rank 0
-    assert all(max(r["stateful"]) <= 1e-5 for r in lines), lines  # state rows per rank
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-
-
+# -- other process models (torchrun in-process: tests/torch/test_launch.py) ----------
 def test_progress_bar_shows_in_a_jupyter_cell(tmp_path):
     import nbclient
     import nbformat

@@ -1,11 +1,13 @@
-"""kmgpu's in-process mode, run by tests/torch/test_torch_engine.py:
-
-    torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 tests/torch/torchrun_parity.py
+"""kmgpu's in-process mode under torchrun, what tests/torch/test_launch.py starts with
+``kmgpu launch`` on 2 "hosts" x 2 processes (torchrun on each):
 
 Every process runs this same script with the same data (the multi-process contract):
-kmgpu sees torchrun's environment, makes this process one gloo rank, and trains
-with DDP in-process. Rank 1 starts from other weights: kmgpu broadcasts rank 0's.
-Each rank writes its results to ``$KMGPU_TEST_OUT/rank<r>.json``.
+kmgpu sees torchrun's environment, makes this process one gloo rank, and trains a
+conv + BatchNorm model (sync_batchnorm) with DDP in-process. Every rank but 0 starts
+from other weights: kmgpu broadcasts rank 0's. Each rank writes its results to
+``$KMGPU_TEST_OUT/torchrun<r>.json``, then runs tests/launch/train.py (the parity and
+kill test every backend's launch runs) in the same process group, so one launch serves
+both tests.
 """
 
 import json
@@ -26,7 +28,7 @@ def main():
     import keras
     import torch.distributed as dist
 
-    kind = os.environ.get("KMGPU_TEST_KIND", "mlp")
+    kind = "conv_bn"
     x, y = data(kind, 97)
     ref = MODELS[kind]()
     ref.compile(optimizer="adam", loss="mse", metrics=["mae"])
@@ -59,9 +61,8 @@ def main():
         "callback_epochs": seen,
         "stateful": _stateful_carry(),
     }
-    with open(os.path.join(os.environ["KMGPU_TEST_OUT"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(os.environ["KMGPU_TEST_OUT"], f"torchrun{rank}.json"), "w") as f:
         json.dump(result, f)
-    parallel.close()  # barrier + destroy_process_group: no gloo abort at exit
 
 
 def _stateful_carry():
@@ -87,3 +88,6 @@ def _stateful_carry():
 
 if __name__ == "__main__":
     main()
+    from tests.launch import train
+
+    train.main()
