@@ -9,37 +9,18 @@ after 2 epochs
 (mixed_float16: the unsharded run on as many ranks, float16 sums of 4 and 8 rows differ
 at float16 resolution; BatchNorm per replica there, its moving statistics averaged by the
 step, else over the global batch). The fits are shared by the tests (module fixture).
+What a rank holds (the meter) and each layer's gradient reduce-scattered within the
+backward pass: test_shard_memory.py.
 """
-
-import weakref
 
 import keras
 import numpy as np
 import pytest
-import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import kmgpu
 from kmgpu.engines.torch.engine import TorchEngine
 from tests.helpers import rel_diff
-
-TOL = 1e-5
-O = keras.optimizers
-ROWS, BATCH = 90, 8
-_rng = np.random.default_rng(3)
-X = _rng.integers(0, 9, size=(ROWS, 4)).astype("int32")
-Y = (X.sum(axis=1, keepdims=True) / 9.0 + 0.1 * _rng.normal(size=(ROWS, 1))).astype("float32")
-
-
-def tiny(dtype=None):
-    """Embedding(9, 3) 27 + Dense(5) 60 (no bias: BatchNorm follows) + BatchNormalization
-    10 + Dense(1) 6 = 103 trainable parameters."""
-    keras.utils.set_random_seed(2)
-    return keras.Sequential([
-        keras.Input((4,), dtype="int32"), keras.layers.Embedding(9, 3, dtype=dtype),
-        keras.layers.Flatten(dtype=dtype), keras.layers.Dense(5, use_bias=False, dtype=dtype),
-        keras.layers.BatchNormalization(dtype=dtype),
-        keras.layers.Activation("relu", dtype=dtype), keras.layers.Dense(1, dtype=dtype)])
+from tests.torch.shard_cases import BATCH, O, TOL, X, Y, batch_grads, opt_state, tiny
 
 
 def _adamw():
@@ -83,10 +64,6 @@ def _fit(make_opt, dtype, gpus=None, shard=None, evaluated=True):
     return model, history.history, runner, scores, predicted
 
 
-def _state(model):
-    return [v.numpy() for v in model.optimizer.variables]
-
-
 HELD = {}  # name: each rank's bytes held after the fit, evaluate and predict
 
 
@@ -113,7 +90,7 @@ def test_sharded_equals_one_device(fits, name):
     skipped, as Keras does.)"""
     (ref, ref_history, _, ref_eval, ref_pred), (model, history, parallel, ev, pred) = fits[name]
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    assert rel_diff(_state(ref), _state(model)) <= TOL  # the whole state, gathered back
+    assert rel_diff(opt_state(ref), opt_state(model)) <= TOL  # the whole state, gathered back
     assert int(model.optimizer.iterations.numpy()) == int(ref.optimizer.iterations.numpy())
     for key in ref_history:
         np.testing.assert_allclose(ref_history[key], history[key], rtol=TOL, err_msg=key)
@@ -137,13 +114,13 @@ def test_second_fit_save_and_load_continue(fits, tmp_path):
     ref.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     parallel.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    assert rel_diff(_state(ref), _state(model)) <= TOL
+    assert rel_diff(opt_state(ref), opt_state(model)) <= TOL
     loaded = keras.saving.load_model(tmp_path / "sharded.keras")
     again = kmgpu.parallelize(loaded, gpus=n, shard=shard, sync_batchnorm=dtype is None)
     again.fit(X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     again.close()
     assert rel_diff(ref.get_weights(), loaded.get_weights()) <= TOL
-    assert rel_diff(_state(ref), _state(loaded)) <= TOL
+    assert rel_diff(opt_state(ref), opt_state(loaded)) <= TOL
 
 
 @pytest.mark.parametrize("name", RUN)
@@ -193,7 +170,7 @@ def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
     from kmgpu.engines.torch.optim import fsdp, zero
 
     ref = tiny()
-    grads_ref = _grads(ref)
+    grads_ref = batch_grads(ref)
     model = tiny()
     whole = [v.value.detach().clone() for v in model.trainable_weights]
     shards = zero.Shards(O.Adam(0.01), model.trainable_weights, 0, 2, transient=True,
@@ -213,61 +190,11 @@ def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
 
     shards.gathering.gather = gather
     with shards.active():
-        grads = _grads(model)
+        grads = batch_grads(model)
     assert max(most) <= fsdp.KEEP and len(most) >= 2 * len(flats) - fsdp.KEEP
     assert all(fsdp.is_free(f) for f in flats)
     for a, b in zip(grads_ref, grads):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-def _grads(model, keep=False):
-    x = keras.ops.convert_to_tensor(X[:8])
-    loss = keras.ops.mean((model(x, training=True) - keras.ops.convert_to_tensor(Y[:8])) ** 2)
-    grads = torch.autograd.grad(loss, [v.value for v in model.trainable_weights])
-    return list(grads) if keep else [g.numpy() for g in grads]
-
-
-def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
-    """In one process (rank 0 of 2, stand-ins for the collectives: the other rank's
-    gradient taken to equal this one's): under shard="weights" each layer buffer's
-    gradient is reduce-scattered inside the backward pass, once, the last layer first,
-    from a buffer as long as that layer's; the pieces equal the unsharded gradient's, and
-    autograd is left holding no gradient memory."""
-    from kmgpu.engines.torch.optim import zero
-
-    ref_grads = _grads(tiny())
-    model = tiny()
-    whole = [v.value.detach().clone() for v in model.trainable_weights]
-    shards = zero.Shards(O.Adam(0.01), model.trainable_weights, 0, 2, transient=True,
-                         weights=True)
-    layout, pieces = shards.flat.weights, shards.flat.pieces
-    full = [f.new_zeros(f.numel()) for f in layout.flats]
-    for view, w in zip(layout.like(full), whole):
-        view.copy_(w)
-    shards.gathering.gather = lambda out, piece: out.copy_(
-        full[next(k for k, p in enumerate(pieces) if p.params is piece)])
-    shards.grad_buffers(layout.flats)  # (the split step's gradient layout: the same)
-    sent = []
-
-    def scatter(piece, flat):
-        k = next(k for k, p in enumerate(shards.grad_pieces) if p is piece)
-        sent.append((k, flat.numel(), torch._C._current_graph_task_id() != -1))
-        piece.copy_(flat[:piece.numel()] * 2)  # rank 0's piece, summed over 2 equal ranks
-
-    assert shards.by_layer
-    with shards.scattered():
-        shards.scattering.scatter = scatter
-        with shards.active():
-            grads = _grads(model, keep=True)
-    assert [k for k, *_ in sent] == [3, 2, 1, 0]  # Dense(1), BatchNorm, Dense(5), Embedding
-    assert all(n == f.numel() and during for (_, n, during), f in zip(sent[::-1], layout.flats))
-    assert all(g.untyped_storage().nbytes() <= g.element_size() for g in grads)
-    ref = [f.new_zeros(f.numel()) for f in layout.flats]
-    for view, g in zip(layout.like(ref), ref_grads):
-        view.copy_(torch.from_numpy(g))
-    for k, (piece, r) in enumerate(zip(shards.grad_pieces, ref)):
-        np.testing.assert_allclose(piece.numpy(), 2 * r[:piece.numel()].numpy(), rtol=1e-6,
-                                   atol=1e-7)
 
 
 @pytest.mark.parametrize("make_opt, says", [
@@ -334,243 +261,10 @@ def test_forward_replayed_with_layers_gathered_inside_it(monkeypatch, capsys):
         parallel.close()
         assert "run eagerly after the captured" in capsys.readouterr().out
         assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-        assert rel_diff(_state(ref), _state(model)) <= TOL
+        assert rel_diff(opt_state(ref), opt_state(model)) <= TOL
         np.testing.assert_allclose(ref_history.history["loss"], history.history["loss"],
                                    rtol=TOL)
         piece = sizes.grad_bytes(model, 2, by_layer=True)[0]
         assert held[0] == held[1] and held[0]["weights"] == held[0]["gradients"] == piece
     finally:
         launchers.close_pools()  # no worker keeps the fake capture
-
-
-# -- no whole copy on a rank's device (shard="weights") ---------------------------------
-#: the metered model: four Dense(64) layers of 4160 parameters (16.6 kB each), so that
-#: the 256-byte alignment padding is small beside a layer and one whole copy of the
-#: weights (66.6 kB) is more than the slack the bound leaves; 41 rows at batch 4 end in
-#: a batch of one row, so rank 1 runs its last step on a stand-in row
-WIDE_X = np.random.default_rng(4).normal(size=(41, 64)).astype("float32")
-WIDE_Y = WIDE_X[:, :1] * 0.5
-
-
-def wide():
-    keras.utils.set_random_seed(6)
-    return keras.Sequential([keras.Input((64,))] +
-                            [keras.layers.Dense(64, activation="tanh") for _ in range(3)] +
-                            [keras.layers.Dense(64)])
-
-
-class _DeviceMeter:
-    """Peak bytes of weights and optimizer state a rank's device holds (see
-    ``test_no_rank_device_holds_a_whole_copy``); made in a worker, one per replica."""
-
-    DEVICE = torch.device("cpu:0")
-
-    def __init__(self, worker):
-        self.worker, self.on, self.peak, self.grad_peak = worker, True, 0, 0
-        self.on_device = {}  # storage id -> made on the device
-        self.params = weakref.WeakSet()  # every Parameter made since
-        self.backward = {}  # storage id -> (a weak reference to it, its bytes): backward's
-
-    def dispatch(self, func, args, kwargs):
-        out = func(*args, **kwargs)
-        if not self.on:
-            return out
-        leaves = torch.utils._pytree.tree_leaves
-        ins = {t.untyped_storage()._cdata for t in leaves((args, kwargs))
-               if isinstance(t, torch.Tensor)}
-        device = kwargs.get("device")
-        made_here = (torch.device(device) == self.DEVICE if device is not None
-                     else any(self.on_device.get(c, False) for c in ins))
-        in_backward = torch._C._current_graph_task_id() != -1
-        for t in leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:
-                st = t.untyped_storage()
-                self.on_device[st._cdata] = made_here
-                if in_backward:
-                    self.backward[st._cdata] = (StorageWeakRef(st), st.nbytes())
-        self.sample()
-        return out
-
-    def sample(self):
-        held = list(self.params)
-        strategy = self.worker.strategy
-        step = strategy.sharded_step if strategy is not None else None
-        if step is not None and step.zero is not None:
-            held += list(step.zero.flat.params)
-            held += [t for p in step.zero.flat.pieces for t in [p.params, *p.slots.values()]]
-        seen, total = set(), 0
-        for t in held:
-            st = t.untyped_storage()
-            if st._cdata not in seen and self.on_device.get(st._cdata, False):
-                seen.add(st._cdata)
-                total += st.nbytes()
-        self.peak = max(self.peak, total)
-        self.grad_peak = max(self.grad_peak, self.grad_bytes(step))
-
-    def grad_bytes(self, step):
-        """Gradient bytes held now: every storage the backward pass made that is still
-        alive (autograd's gradients, a layer's flat gradient buffer, the activations'
-        gradients), the step's whole flat gradient buffers and this rank's pieces."""
-        for key in [c for c, (ref, _) in self.backward.items() if ref.expired()]:
-            del self.backward[key]
-        held = {c: n for c, (_, n) in self.backward.items()}
-        if step is not None and step.zero is not None:
-            flats = list(step.current.flats) if step.current is not None else []
-            for t in flats + list(step.zero.grad_pieces or ()):
-                held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return sum(held.values())
-
-
-def _install_meter(mp):
-    """The workers forked after this (a pool of its own: its devices are named "cpu:0")
-    meter each new replica's build, state load and first train step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kmgpu.engines.torch.launch import launchers, worker
-    from kmgpu.engines.torch.launch.messages import Call
-    from kmgpu.engines.torch.steps import split_step
-    from kmgpu.engines.torch.strategy import DDPStrategy
-
-    meters = []  # this process's (a worker's) current meter
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return meters[-1].dispatch(func, args, kwargs or {})
-
-    init, handle, finish = launchers.PoolLauncher.__init__, worker.Worker.handle, \
-        split_step.SplitStep.finish
-    held, new_param = DDPStrategy.held_bytes, torch.nn.Parameter.__new__
-
-    def init_(self, config):
-        init(self, config)
-        self.torch_devices = ["cpu:0" if d == "cpu" else d for d in self.torch_devices]
-
-    def handle_(self, msg):
-        if not (isinstance(msg, Call) and msg.key != self.key):
-            return handle(self, msg)
-        meters[:] = [_DeviceMeter(self)]
-        # Keras's default is plain "cpu" again by now; on a GPU its default is the
-        # worker's device: put "cpu:0" back as the worker's scope meant it
-        with keras.device(self.device), Mode():
-            return handle(self, msg)
-
-    def finish_(self):
-        finish(self)
-        if meters:
-            meters[-1].on = False  # the first step is over
-
-    def param_(cls, data=None, requires_grad=True):
-        p = new_param(cls, data, requires_grad)
-        if meters and meters[-1].on:
-            meters[-1].params.add(p)
-        return p
-
-    mp.setattr(launchers.PoolLauncher, "__init__", init_)
-    mp.setattr(worker.Worker, "handle", handle_)
-    mp.setattr(split_step.SplitStep, "finish", finish_)
-    mp.setattr(torch.nn.Parameter, "__new__", staticmethod(param_))
-    mp.setattr(DDPStrategy, "held_bytes", lambda self: {
-        **(held(self) or {}), "device_peak": meters[-1].peak if meters else None,
-        "grad_peak": meters[-1].grad_peak if meters else None})
-
-
-@pytest.fixture(scope="module")
-def metered():
-    """shard="weights" and, to show the meter sees a whole copy, shard="gradients", on
-    2 ranks with Adam: the wide model's weights after one epoch, one device's, and
-    each rank's peaks (weights and optimizer state on the device, gradient)."""
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        _install_meter(mp)
-        ref = wide()
-        ref.compile(optimizer=O.Adam(0.01), loss="mse")
-        ref.fit(WIDE_X, WIDE_Y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-        for shard in ("weights", "gradients"):
-            model = wide()
-            parallel = kmgpu.parallelize(model, gpus=2, shard=shard)
-            parallel.compile(optimizer=O.Adam(0.01), loss="mse")
-            parallel.fit(WIDE_X, WIDE_Y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-            out[shard] = (model, parallel._engine.rank_held_bytes())
-            parallel.close()
-    return ref, out
-
-
-def test_no_rank_device_holds_a_whole_copy(metered):
-    """shard="weights": no rank's device holds the whole weights or optimizer state
-    while its replica is built, the call's state is loaded and the first step runs:
-    only its pieces and at most ``fsdp.KEEP`` gathered layers; the fit still equals
-    one device.
-
-    What is measured: on a CPU the host and the "device" are one memory, so no
-    allocator can tell them apart. The ranks run on a device named "cpu:0" (the same
-    memory; torch passes that name to every operation asked to allocate there, Keras's
-    variables made in the worker's device scope included, while the engine's host
-    memory is plain "cpu"). A TorchDispatchMode in each worker marks every storage an
-    operation makes as the device's when the operation was asked for "cpu:0", or,
-    asked for no device, read a device storage (a piece's new slot, a computed
-    tensor); at every operation it adds up the bytes (now: a freed or regrown layer
-    buffer counts as it is) of the device storages behind every torch Parameter made
-    since the call began (every Keras variable: weights, optimizer slots, counters,
-    metrics) and behind the engine's flat buffers and pieces. Activations and the
-    step's gradient buffers are not counted. (The worker's Keras scope is set to
-    "cpu:0" around the call, as a GPU worker's default device is its GPU.) The same
-    meter on shard="gradients", which builds the replica on the device, sees more than
-    the bound there.
-    """
-    from kmgpu.engines.torch.optim import fsdp, sizes
-
-    ref, out = metered
-    model, held = out["weights"]
-    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
-    assert rel_diff(_state(ref), _state(model)) <= TOL
-    weights = sum(v.value.numel() * 4 for v in model.trainable_weights)  # 66 560
-    whole = 3 * weights  # with Adam's two slots
-    piece = sizes.grad_bytes(model, 2, by_layer=True)[0]  # a rank's pieces of the weights
-    layer = max(-(-(64 * 65 * 4) // 512) * 512, 512)  # one layer's buffer, padded
-    small = 1024  # the device's counters, learning rate, metrics, random seeds
-    bound = 3 * piece + fsdp.KEEP * layer + small
-    assert len(held) == 2
-    for rank in held:
-        assert rank["weights"] == piece
-        peak = rank["device_peak"]
-        assert 3 * piece <= peak <= bound, (peak, whole)
-        assert peak < 0.75 * whole
-    for rank in out["gradients"][1]:  # the replica whole on the device
-        assert rank["device_peak"] > max(bound, weights), rank["device_peak"]
-
-
-def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
-    """shard="weights": within a step a rank holds its gradient pieces and one layer's
-    gradient at a time, never the whole model's: each layer's gradient is
-    reduce-scattered within the backward pass as soon as it is complete, from a buffer
-    as long as that layer's (reused by the next), and autograd's gradients are freed at
-    once.
-
-    The same meter as ``test_no_rank_device_holds_a_whole_copy`` adds up, at every
-    operation of the first step, the bytes of every storage the backward pass made that
-    is still alive (autograd's gradients, a layer's flat gradient buffer, the
-    activations' gradients), of the step's whole flat gradient buffers and of this
-    rank's gradient pieces. Measured per rank (2 ranks, pieces 33,792 bytes, the
-    weights 66,560): shard="weights" 68,388 (it was 168,448 when the step made the
-    whole buffers and reduce-scattered them after the backward pass: the pieces, the
-    whole buffers and autograd's whole gradient); shard="gradients", which still does
-    that, 166,912.
-    """
-    from kmgpu.engines.torch.optim import sizes
-
-    _, out = metered
-    model, held = out["weights"]
-    weights = sum(v.value.numel() * 4 for v in model.trainable_weights)  # 66 560
-    piece = sizes.grad_bytes(model, 2, by_layer=True)[0]  # a rank's gradient pieces
-    layer = max(-(-(64 * 65 * 4) // 512) * 512, 512)  # one layer's buffer, padded
-    small = 2048  # the activations' gradients (a few of rows x 64 floats), the stand-ins
-    for rank in held:
-        peak = rank["grad_peak"]
-        # the pieces, one layer's buffer and, for the moment of its copy, autograd's
-        # gradient of that layer
-        assert piece + layer <= peak <= piece + 2 * layer + small, peak
-        assert peak - piece < weights, peak  # never a whole gradient beside the pieces
-    gradients_model, gradients_held = out["gradients"]
-    whole = sizes.grad_bytes(gradients_model, 2)[0] * 2  # the whole buffer, padded
-    for rank in gradients_held:  # the whole buffers and autograd's whole gradient
-        assert rank["grad_peak"] >= whole + weights, rank["grad_peak"]
