@@ -9,8 +9,9 @@ after 2 epochs
 (mixed_float16: the unsharded run on as many ranks, float16 sums of 4 and 8 rows differ
 at float16 resolution; BatchNorm per replica there, its moving statistics averaged by the
 step, else over the global batch). The fits are shared by the tests (module fixture).
-What a rank holds (the meter) and each layer's gradient reduce-scattered within the
-backward pass: test_shard_memory.py.
+What a rank holds (the meter), each layer's gradient reduce-scattered within the
+backward pass, and the layers' gathers however a layer reads its weights:
+test_shard_memory.py.
 """
 
 import keras

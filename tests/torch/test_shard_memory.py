@@ -1,4 +1,5 @@
-"""shard="weights" on torch: what a rank holds.
+"""shard="weights" on torch: what a rank holds, and that a layer's weights are gathered
+however its call reads them.
 
 Memory: on a CPU the host and the "device" are one memory, so the ranks run on a device
 named "cpu:0" and a TorchDispatchMode in each worker (``_DeviceMeter``) marks every
@@ -12,6 +13,11 @@ bounds of its 1/N pieces plus the layers gathered or one layer's gradient, and a
 shard="gradients" as a rank with whole copies. In one process, with stand-ins for the
 collectives, each layer's gradient is reduce-scattered inside the backward pass from a
 buffer as long as that layer's, autograd left holding none.
+
+Gathering: a layer reads its variables through ``keras.ops``, the variables' own
+operators (``x @ self.w``, ``x + self.b``: torch hands the mode the Keras variable
+itself), ``self.w.value``, ``ops.convert_to_tensor`` and indexing; a model of layers,
+each reading its weights first in one of those ways, trains on 2 ranks as on one device.
 """
 
 import weakref
@@ -301,3 +307,70 @@ def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
     whole = sizes.grad_bytes(gradients_model, 2)[0] * 2  # the whole buffer, padded
     for rank in gradients_held:  # the whole buffers and autograd's whole gradient
         assert rank["grad_peak"] >= whole + weights, rank["grad_peak"]
+
+
+# -- every way a layer reads its variables gathers them (shard="weights") ---------------
+class _Reads(keras.layers.Layer):
+    """A kernel (4, 4) and a vector (4,) whose first read is ``form`` (each layer its
+    own buffer, so each form is the first to read one), the rest through other forms."""
+
+    def __init__(self, form, **kwargs):
+        super().__init__(**kwargs)
+        self.form = form
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 4), initializer="glorot_uniform")
+        self.b = self.add_weight(shape=(4,), initializer="random_normal")
+
+    def call(self, x):
+        ops, w, b = keras.ops, self.w, self.b
+        if self.form == "matmul":  # torch's Tensor.__matmul__, then Tensor.__add__
+            y = x @ w + b
+        elif self.form == "rmatmul":  # the variable's __matmul__, then Tensor.__sub__
+            y = ops.transpose(w @ ops.transpose(x)) - b
+        elif self.form == "add":
+            y = ops.matmul(x + b, w)
+        elif self.form == "mul":
+            y = ops.matmul(x * b, w)
+        elif self.form == "sub":  # the variable's __sub__
+            y = ops.matmul(b - x, w)
+        elif self.form == "value":
+            y = ops.matmul(x, w.value) + b.value
+        elif self.form == "convert":
+            y = ops.matmul(x, ops.convert_to_tensor(w)) * ops.convert_to_tensor(b)
+        else:  # "index"
+            y = x * b[0] + ops.matmul(x, w[:, :]) + b[1:2]
+        return ops.tanh(y)
+
+    def get_config(self):
+        return {**super().get_config(), "form": self.form}
+
+
+READS = ("matmul", "rmatmul", "add", "mul", "sub", "value", "convert", "index")
+
+
+def reads():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((4,))] + [_Reads(f) for f in READS] +
+                            [keras.layers.Dense(1)])
+
+
+def test_every_way_a_layer_reads_its_variables_gathers_them():
+    """shard="weights" on 2 ranks with Adam: layers that read their variables through
+    the variables' own operators (``x @ self.w``: a torch tensor's operator, which hands
+    torch the Keras variable itself), ``self.w.value``, ``ops.convert_to_tensor`` and
+    indexing train as one device does: weights and optimizer variables to 1e-5."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = np.tanh(x.sum(axis=1, keepdims=True))
+    ref, model = reads(), reads()
+    parallel = kmgpu.parallelize(model, gpus=2, shard="weights")
+    try:
+        for runner in (ref, parallel):
+            runner.compile(optimizer=O.Adam(0.01), loss="mse")
+            runner.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    finally:
+        parallel.close()
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert rel_diff(opt_state(ref), opt_state(model)) <= TOL
+    assert rel_diff(reads().get_weights(), model.get_weights()) > 1e-2  # it trained

@@ -14,7 +14,13 @@ torch's module hooks do not fire):
 
 - forward: a ``TorchFunctionMode`` looks at the tensors every torch function gets; one
   whose storage is a freed layer buffer has that buffer all-gathered first (its memory
-  grown back, the N pieces gathered into it, in place);
+  grown back, the N pieces gathered into it, in place). A Keras variable can reach a
+  torch function as itself, not as a tensor: ``x @ self.w``, ``x + self.b`` (a tensor's
+  operator with the variable on its right) and ``torch.matmul(x, self.w)`` hand the mode
+  the variable, since it has a ``__torch_function__`` of its own, which replaces it by
+  its value only after the mode let the call through; so the mode knows each variable's
+  buffer too (``Gathering``'s ``variables``), without reading its value (under a mixed
+  precision autocast scope that value is a cast, an operation on the freed memory);
 - backward: ``saved_tensors_hooks``: autograd keeps the weight tensor it saved (a view of
   the buffer, holding no memory once freed), and unpacking it for backward gathers that
   buffer again first;
@@ -149,12 +155,21 @@ class Gathering:
         pieces: this rank's piece of each (tensors of their own).
         gather: ``gather(flat, piece)`` all-gathers the pieces into ``flat`` (None: the
             collective; tests pass their own).
+        variables: the Keras variables whose values are views of ``flats`` (read here,
+            outside any scope: the torch Parameters themselves); a torch function handed
+            one of them as it is gathers its buffer as for its value.
     """
 
-    def __init__(self, flats, pieces, gather=None):
+    def __init__(self, flats, pieces, gather=None, variables=()):
         self.flats, self.pieces = list(flats), list(pieces)
         self.gather = gather or _all_gather
         self.index = {storage_key(f): k for k, f in enumerate(self.flats)}
+        self.variables = list(variables)  # held: ``owner`` is keyed by their ids
+        self.owner = {}  # id(Keras variable): its buffer
+        for v in self.variables:
+            k = self.index.get(storage_key(v.value))
+            if k is not None:
+                self.owner[id(v)] = k
         self.whole = collections.OrderedDict()  # gathered buffers, least recent first
         self.gathers = 0  # how many all-gathers ran (for tests)
 
@@ -181,13 +196,16 @@ class Gathering:
         for k in list(self.whole):
             self.release(k)
 
-    def touch(self, tensors):
-        """Gather the buffers of any of ``tensors`` that are views of one."""
-        for t in tensors:
+    def touch(self, objects):
+        """Gather the buffers of any of ``objects`` that are views of one, or Keras
+        variables whose values are."""
+        for t in objects:
             if isinstance(t, torch.Tensor):
                 k = self.index.get(storage_key(t))
-                if k is not None:
-                    self.ensure(k)
+            else:
+                k = self.owner.get(id(t))
+            if k is not None:
+                self.ensure(k)
 
     @contextlib.contextmanager
     def active(self):
@@ -307,7 +325,9 @@ class Scattering:
 
 
 class _Mode(TorchFunctionMode):
-    """Gathers a freed layer buffer before a torch function reads a view of it."""
+    """Gathers a freed layer buffer before a torch function reads a view of it, or a
+    Keras variable whose value is one (the variable's own ``__torch_function__`` reads
+    that value after this mode's)."""
 
     def __init__(self, gathering):
         super().__init__()

@@ -170,7 +170,8 @@ class Shards:
             # host copy (a view of a freed buffer cannot be made, only kept)
             self._device_views = [p.data for p in self.flat.weights.views]
             self.gathering = fsdp.Gathering(self.flat.params,
-                                            [p.params for p in self.flat.pieces])
+                                            [p.params for p in self.flat.pieces],
+                                            variables=self.flat.variables)
         opt = self.flat.optimizer
         # the whole gradient on every rank (all-reduce): the clipping norms, and the
         # loss scale's finite check, need every element
