@@ -13,7 +13,7 @@ eagerly. The train step has three stages (``split_step.SplitStep``):
      batch) written into one flat buffer per dtype, with the BatchNorm moving
      statistics to average beside them;
      one all-reduce (sum) of those buffers, eager: NCCL/gloo and kmgpu's fault
-     handling stay outside any graph;
+     handling stay outside any graph (sharded: ``TrainGraphs``);
   B  the optimizer update, the averaged statistics put back, the loss tracker and
      the compiled metrics.
 
@@ -321,8 +321,16 @@ def pool_bytes(pools):
 
 # -- the train step ---------------------------------------------------------------------
 class TrainGraphs(Replay):
-    """One batch signature's train step: graph A (``graph``), then the all-reduce, then
-    graph B (None: B runs eagerly)."""
+    """One batch signature's train step: graph A (``graph``), then the exchange, eager,
+    then graph B (None: B runs eagerly).
+
+    The exchange (``split_step.SplitStep.exchange``) is the gradient's all-reduce, the
+    BatchNorm statistics beside it; with shard="optimizer" or "gradients" the
+    gradient's reduce-scatter and the statistics' all-reduce; with shard="weights" only
+    the statistics' all-reduce (none without BatchNorm): each layer's gradient was
+    reduce-scattered inside graph A, in the backward pass. Where a sharded gradient is
+    all-reduced whole (clipnorm, global_clipnorm, a loss scale), that all-reduce is here
+    for every shard value."""
 
     def __init__(self, split, static, graph_a, loss, y_pred, n_real, n_global):
         super().__init__(graph_a, static, (loss, y_pred))
@@ -335,13 +343,13 @@ class TrainGraphs(Replay):
 
     def run(self, batch, say=None):
         """One step; ``ReplayFailed`` when graph A's replay raises (nothing ran: the
-        caller runs the eager step, which meets the other ranks in the same all-reduce).
+        caller runs the eager step, which meets the other ranks in the same collectives).
         If graph B's replay raises, B runs eagerly from here on."""
         self.replay(batch)
         split = self.split
         if self.buffers is not None:
             split.use(self.buffers)
-        split.exchange()  # the all-reduce (sharded: reduce-scatter), eager
+        split.exchange()  # eager: the collectives left between A and B (see the class)
         if self.graph_b is not None:
             try:
                 self.graph_b.replay()
@@ -353,7 +361,7 @@ class TrainGraphs(Replay):
         if self.graph_b is None:
             logs = split.update(*self.static, self.loss, self.y_pred, self.n_real,
                                 self.n_global)
-            split.finish()  # sharded: the all-gather of the weights, eager
+            split.finish()  # eager: shard="optimizer"/"gradients" all-gathers the weights
             return logs
         split.finish()
         return _copied(self.logs)
