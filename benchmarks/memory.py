@@ -47,7 +47,7 @@ devices (torch: one gloo rank per device).
    median epoch time of each.
 
 Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` and
-``tests/torch/test_shard.py`` assert the bytes per device on tiny models).
+``tests/torch/test_shard_memory.py`` assert the bytes per device on tiny models).
 """
 
 import argparse
