@@ -54,9 +54,15 @@ PATCHES = [
      "exactly as Keras's torch fit takes it (steps_per_epoch continues one iterator; "
      "a DataLoader's iterator is made at each epoch end too, which draws from its "
      "generator)"),
-    ("keras.src.trainers.trainer", "Trainer._symbolic_build", "data_fixes.epoch_iterator",
-     "run on the user's model with that iterator, as Keras's fit and evaluate do first: "
-     "it builds the compile metrics and, the first time, starts (and drops) one pass"),
+    ("keras.src.trainers.trainer", "Trainer._symbolic_build", "step_fixes.build_within",
+     "wrapped on each replica (shard='weights') to run within the layers' gathering: "
+     "Keras's torch fit, evaluate and *_on_batch start with it, and until the compiled "
+     "metrics and loss are built it calls the model on placeholder inputs "
+     "(compute_output_spec), reading every weight; under mixed_float16 Variable.value "
+     "casts it, an operation on the data of a freed layer buffer ('data is not allocated "
+     "yet'). Also run by data_fixes.epoch_iterator on the user's model with that "
+     "iterator, as Keras's fit and evaluate do first: it builds the compile metrics and, "
+     "the first time, starts (and drops) one pass"),
     ("keras.src.trainers.epoch_iterator", "EpochIterator._enumerate_iterator",
      "data_fixes.validation_draws",
      "enumerated alone (batches are fetched in __next__) over the arrays validating a "

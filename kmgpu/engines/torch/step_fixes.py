@@ -6,6 +6,8 @@ kmgpu's rank step works through the documented ``train_step`` / ``test_step`` ex
 points and these few internals. Rows of ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
+import functools
+
 from kmgpu.engines import keras_fixes
 
 
@@ -60,6 +62,28 @@ def read_logs_within(model, context):
     keras_fixes.install(model, "_get_metrics_result_or_logs",
                         lambda current: get_metrics_result_or_logs)
     _read_metrics_once(model)
+
+
+def build_within(model, context):
+    """Make Keras's symbolic build of ``model`` run within ``context()`` (a context
+    manager), wrapped on the instance.
+
+    Keras's torch ``fit``, ``evaluate``, ``train_on_batch`` and ``test_on_batch`` start
+    with ``_symbolic_build``, which, until the compiled metrics and loss are built,
+    calls the model on placeholder inputs (``compute_output_spec``: a "meta" device
+    first, eager tensors if that fails) and so reads every weight's value: under a
+    mixed precision policy ``Variable.value`` is a cast of the weight, an operation on
+    its data even on the meta device, and a regularizer in the loss reads it too. On a
+    replica with shard="weights" those weights are freed between steps; ``context``
+    gathers them where read (``zero.Shards.active``).
+    """
+    keras_fixes.install(model, "_symbolic_build",
+                        lambda build: functools.partial(_build_within, build, context))
+
+
+def _build_within(build, context, *args, **kwargs):
+    with context():
+        return build(*args, **kwargs)
 
 
 def _read_metrics_once(model):

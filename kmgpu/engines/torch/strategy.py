@@ -245,19 +245,22 @@ class DDPStrategy:
         return replica
 
     def _gather_weights_in(self, replica):
-        """shard="weights": the test and predict steps gather each layer's weights where
-        used (as the train step does), once the first train step sharded them."""
+        """shard="weights": the test and predict steps and Keras's symbolic build (it calls
+        the model: ``step_fixes.build_within``) gather the layers where used, as training does."""
         split = self.sharded_step
+
+        def gathered():  # (whole before the first train step shards them)
+            return split.zero.active() if split.zero is not None else contextlib.nullcontext()
+
         for name in ("test_step", "predict_step"):
             inner = getattr(replica, name)
 
             def step(batch, inner=inner):
-                if split.zero is None:  # not sharded yet: the weights are whole
-                    return inner(batch)
-                with split.zero.active():
+                with gathered():
                     return inner(batch)
 
             setattr(replica, name, step)
+        step_fixes.build_within(replica, gathered)
 
     def _offset_seeds(self, replica):
         """Per-rank random streams (dropout etc.): each rank's SeedGenerators start apart."""

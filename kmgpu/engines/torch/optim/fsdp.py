@@ -27,6 +27,11 @@ torch's module hooks do not fire):
 - at most ``KEEP`` buffers are whole at a time: gathering one more frees the least
   recently used (a layer used again is gathered again), and the step's end frees all.
 
+Besides the steps, Keras's symbolic build at the start of fit, evaluate and the
+``*_on_batch`` calls runs the model (until the compiled metrics are built): the replica
+runs it within ``Gathering`` too (``DDPStrategy``, ``step_fixes.build_within``), as a
+float16 cast of a weight under mixed_float16 reads its buffer even there.
+
 ``Scattering`` hands each layer's gradient on as soon as the backward pass has made it
 (``zero.Shards.scattered``): a hook on each variable's torch Parameter keeps its
 gradient until its layer buffer's are all there, then they are copied into a flat
