@@ -278,11 +278,15 @@ MIXED_NS = (2, 4)
 
 
 @pytest.fixture(scope="module")
-def mixed_fits():
+def mixed_fits(fits):
     """Under the global mixed_float16 policy (set here, the one before put back after the
     fits) with plain Adam (Keras's compile wraps it in a LossScaleOptimizer): one device,
     and on each of ``MIXED_NS`` ranks kmgpu unsharded and with shard="weights" (BatchNorm
-    over the global batch). The pools forked under the policy are closed after."""
+    over the global batch). The pools forked under the policy are closed after.
+
+    After ``fits``: its worker pools of 2 and 4 ranks were started under float32, so
+    these runs also show that a pool started under other global Keras settings is
+    replaced, not reused (its workers would compile without the LossScaleOptimizer)."""
     from kmgpu.engines.torch.launch import launchers
 
     before = keras.mixed_precision.global_policy()

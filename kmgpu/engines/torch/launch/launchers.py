@@ -162,14 +162,20 @@ class PoolLauncher(Launcher):
         return (tuple(self.torch_devices), self.backend)
 
     def _ensure_pool(self):
+        settings = _worker_settings(self.backend)
         pool = _SHARED_POOLS.pop(self._key, None)
+        if pool is not None and pool.settings.get("keras_config") != settings["keras_config"]:
+            # started under other global Keras settings (a dtype policy set since, e.g.
+            # mixed_float16 in a notebook after a first fit): its workers would build
+            # and compile the replica under those (no LossScaleOptimizer, other dtypes)
+            pool.close()
+            pool = None
         if pool is None or not pool.alive():
             if pool is not None:
                 pool.kill()
             while len(_SHARED_POOLS) >= MAX_POOLS:
                 _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
-            pool = WorkerPool(self.torch_devices, self.backend,
-                              _worker_settings(self.backend)).start()
+            pool = WorkerPool(self.torch_devices, self.backend, settings).start()
         _SHARED_POOLS[self._key] = pool  # most recently used last
         self.pool = pool
         return pool
