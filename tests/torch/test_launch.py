@@ -4,7 +4,9 @@ kmgpu's torch engine in-process on each rank.
 One launch serves every test (each starts four torch processes: seconds of imports):
 each process first trains a conv + BatchNorm model and checks it against one process
 (tests/torch/torchrun_parity.py), then runs tests/launch/train.py, which every backend's
-launch test runs, until one process is killed.
+launch test runs, until one process is killed. So each process holds two models when a
+peer dies: the second one's failed call must keep the first (which started the process
+group) from a barrier at exit, or the host would not stop in time.
 """
 
 import json

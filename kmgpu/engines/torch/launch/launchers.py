@@ -305,6 +305,11 @@ def _worker_settings(backend):
     return {"env": env, "keras_config": config}
 
 
+#: under torchrun: a call of any in-process model failed, so the process group may be
+#: broken (peers left inside a collective) and no model leaves it with a barrier at exit
+_GROUP = {"broken": False}
+
+
 class InProcessLauncher(Launcher):
     """This process is already one rank (torchrun, ``kmgpu launch``, or the user's own
     process group): nothing to start; the replica lives here.
@@ -320,7 +325,7 @@ class InProcessLauncher(Launcher):
 
         from kmgpu import environment
 
-        self._owns_group, self._group_broken = False, False
+        self._owns_group = False
         gpu = torch.cuda.is_available() and not environment.simulated_count()
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -424,8 +429,9 @@ class InProcessLauncher(Launcher):
                         else (self.replica, candidate))
         # A rank that failed may have left its peers inside a collective: a barrier
         # at exit would keep this process (and its sockets) alive, and they would
-        # wait on it. Ending without one lets them fail too.
-        self._group_broken |= failed
+        # wait on it. Ending without one lets them fail too. Process-wide: the launcher
+        # that owns the group may be another model's (the first made in this process).
+        _GROUP["broken"] |= failed
 
     def rank_weights(self):
         return collectives.all_gather_object(self.replica.get_weights())
@@ -442,7 +448,7 @@ class InProcessLauncher(Launcher):
             import torch.distributed as dist
 
             self._owns_group = False
-            if dist.is_initialized() and not self._group_broken:
+            if dist.is_initialized() and not _GROUP["broken"]:
                 try:  # bounded: after a peer died, a plain barrier can wait for 30 min
                     if dist.get_backend() == "gloo":
                         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
