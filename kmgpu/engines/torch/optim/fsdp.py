@@ -81,14 +81,16 @@ KEEP = 2
 HOST = torch.device("cpu")
 
 
-def _all_gather(out, piece):
+def all_gather(out, piece):
+    """Every rank's ``piece`` into ``out`` (in place), whichever name this torch has."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, piece)
 
 
-def _reduce_scatter(out, flat):
+def reduce_scatter(out, flat):
+    """The sum over ranks of this rank's piece of ``flat`` into ``out``."""
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -167,7 +169,7 @@ class Gathering:
 
     def __init__(self, flats, pieces, gather=None, variables=()):
         self.flats, self.pieces = list(flats), list(pieces)
-        self.gather = gather or _all_gather
+        self.gather = gather or all_gather
         self.index = {storage_key(f): k for k, f in enumerate(self.flats)}
         self.variables = list(variables)  # held: ``owner`` is keyed by their ids
         self.owner = {}  # id(Keras variable): its buffer
@@ -263,7 +265,7 @@ class Scattering:
 
     def __init__(self, layout, out, scatter=None):
         self.layout, self.out = layout, list(out)
-        self.scatter = scatter or _reduce_scatter
+        self.scatter = scatter or reduce_scatter
         self.group = {i: k for k, members in enumerate(layout.members) for i in members}
         self.pending = None  # within ``active``: per buffer, {variable index: gradient}
         self.sent = None  # within ``active``: per buffer, reduce-scattered yet

@@ -109,16 +109,6 @@ def check(optimizer, shard="optimizer", variables=()):
             f"(KERAS_BACKEND=jax), which shards any optimizer's state. ({name})")
 
 
-def _reduce_scatter(out, flat):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat)
-
-
-def _all_gather(out, piece):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, piece)
-
-
 class Shards:
     """This rank's piece of the optimizer (see the module): ``flat``, the flat optimizer
     on piece ``rank`` of ``world``, and the collectives around its update.
@@ -231,7 +221,7 @@ class Shards:
             if self.whole:
                 dist.all_reduce(flat)
             else:
-                _reduce_scatter(piece, flat)
+                fsdp.reduce_scatter(piece, flat)
 
     def update(self):
         """The flat optimizer's update of this rank's piece (capturable)."""
@@ -260,7 +250,7 @@ class Shards:
         if self.weights:
             return
         for flat, piece in zip(self.flat.params, self.flat.pieces):
-            _all_gather(flat, piece.params)
+            fsdp.all_gather(flat, piece.params)
         self.flat.constrain()
 
     # -- the Keras optimizer's variables ------------------------------------------------
@@ -287,7 +277,7 @@ class Shards:
             for k, (flat, piece) in enumerate(zip(self.flat.params, self.flat.pieces)):
                 if everywhere:  # one layer whole on the device at a time, then host
                     fsdp.grow(flat)
-                    _all_gather(flat, piece.params)
+                    fsdp.all_gather(flat, piece.params)
                     whole = flat.to(fsdp.HOST, copy=True)
                     fsdp.free(flat)
                 else:  # rank 0: host memory
@@ -305,7 +295,7 @@ class Shards:
                     whole = fsdp.to_host(own, flat.numel(), self.rank, self.world)
                 elif everywhere or name == EMA:
                     whole = own.new_empty(flat.numel())
-                    _all_gather(whole, own)
+                    fsdp.all_gather(whole, own)
                     if self.weights:  # host memory (shard="weights": no EMA)
                         whole = whole.to(fsdp.HOST, copy=True)
                 else:
