@@ -7,7 +7,6 @@ and compiles): each process first fits with ``shard_optimizer=True`` and with
 every backend's launch test runs, until one process is killed.
 """
 
-import json
 import os
 
 import pytest
@@ -20,12 +19,9 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("launch"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nodes, "SCRIPT", os.path.join(os.path.dirname(__file__),
-                                                    "zero_launch.py"))
-        found = nodes.parity_then_kill("jax", out)
-    found["zero"] = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))
-                     if f.startswith("zero") and f.endswith(".json")]
+    script = os.path.join(os.path.dirname(__file__), "zero_launch.py")
+    found = nodes.parity_then_kill("jax", out, script=script)
+    found["zero"] = nodes.results(out, "zero")
     return found
 
 

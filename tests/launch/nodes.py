@@ -37,8 +37,9 @@ def _free(port):
             return False
 
 
-def start(backend, out, nnodes=2, nproc=1, **env):
-    """One ``kmgpu launch`` per host, each in its own session; returns the Popens."""
+def start(backend, out, nnodes=2, nproc=1, script=SCRIPT, **env):
+    """One ``kmgpu launch`` of ``script`` per host, each in its own session; returns the
+    Popens."""
     port = free_port()
     e = dict(os.environ, KERAS_BACKEND=backend, KMGPU_TEST_OUT=str(out), PYTHONPATH=ROOT,
              GLOO_SOCKET_IFNAME="lo", **env)
@@ -50,7 +51,7 @@ def start(backend, out, nnodes=2, nproc=1, **env):
     for r in range(nnodes):
         cmd = [sys.executable, "-m", "kmgpu", "launch", "--nnodes", str(nnodes),
                "--node-rank", str(r), "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT]
+               "--master-addr", "127.0.0.1", "--master-port", str(port), script]
         log = open(os.path.join(out, f"node{r}.log"), "w")
         nodes.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -68,9 +69,10 @@ def wait(nodes, timeout):
     return [p.poll() for p in nodes]
 
 
-def results(out):
+def results(out, prefix="rank"):
+    """What each process wrote to ``<prefix><r>.json`` in ``out``, in file name order."""
     return [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))
-            if f.startswith("rank") and f.endswith(".json")]
+            if f.startswith(prefix) and f.endswith(".json")]
 
 
 def logs(out):
@@ -104,15 +106,17 @@ def cleanup(nodes, out):
             pass
 
 
-def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150):
+def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150, script=SCRIPT):
     """2 hosts x ``nproc`` processes train 2 epochs and compare with one process; then
     the last process is killed mid-run and every host must stop, non-zero, within 60 s.
+    ``script``: train.py, or a script that runs checks of its own first and then
+    train.py's ``main`` (its results: ``results(out, prefix)``).
 
     Returns:
         {"results": per-rank dicts, "seconds_to_fail": after the kill, "codes": exit codes}
     """
     world = 2 * nproc
-    nodes = start(backend, out, nproc=nproc, KMGPU_TEST_KILL="1")
+    nodes = start(backend, out, nproc=nproc, script=script, KMGPU_TEST_KILL="1")
     try:
         t0 = time.time()
         while len(pids(out)) < world:

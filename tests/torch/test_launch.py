@@ -9,7 +9,6 @@ peer dies: the second one's failed call must keep the first (which started the p
 group) from a barrier at exit, or the host would not stop in time.
 """
 
-import json
 import os
 
 import pytest
@@ -23,12 +22,9 @@ WORLD = 4
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("launch"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nodes, "SCRIPT", os.path.join(os.path.dirname(__file__),
-                                                    "torchrun_parity.py"))
-        found = nodes.parity_then_kill("torch", out, nproc=2)
-    found["torchrun"] = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))
-                         if f.startswith("torchrun") and f.endswith(".json")]
+    script = os.path.join(os.path.dirname(__file__), "torchrun_parity.py")
+    found = nodes.parity_then_kill("torch", out, nproc=2, script=script)
+    found["torchrun"] = nodes.results(out, "torchrun")
     return found
 
 
