@@ -46,9 +46,9 @@ export -f single_thread
 # JAX sessions compile with LLVM's optimisation level 1, not 2: the tests' programs are tiny
 # and distinct, so compiling them is most of JAX's time. Not level 0: there LLVM leaves
 # reductions in their written order, and a one-device reference's sum over the batch then
-# differs from the replicas' partial sums by more (tests/jax/test_copy_back: 1.7e-5 against
-# 3.7e-6 at levels 1 and 2, where the vectorised order is the same). Set it yourself to
-# override.
+# differs from the replicas' partial sums by more than at levels 1 and 2, where the
+# vectorised order is the same (tests/jax/test_copy_back's 1e-5 parity fails). Set it
+# yourself to override.
 fast_compile() {
   case " ${XLA_FLAGS:-} " in
     *xla_backend_optimization_level*) ;;

@@ -284,10 +284,9 @@ def test_no_rank_holds_the_whole_gradient_within_a_step(metered):
     is still alive (autograd's gradients, a layer's flat gradient buffer, the
     activations' gradients), of the step's whole flat gradient buffers and of this
     rank's gradient pieces. Measured per rank (2 ranks, pieces 33,792 bytes, the
-    weights 66,560): shard="weights" 68,388 (it was 168,448 when the step made the
-    whole buffers and reduce-scattered them after the backward pass: the pieces, the
-    whole buffers and autograd's whole gradient); shard="gradients", which still does
-    that, 166,912.
+    weights 66,560): shard="weights" 68,388; shard="gradients", which makes the whole
+    buffers and reduce-scatters them after the backward pass (the pieces, the whole
+    buffers and autograd's whole gradient), 166,912.
     """
     from kmgpu.engines.torch.optim import sizes
 
