@@ -164,12 +164,27 @@ def flat_layout_slots(model):
     return [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]
 
 
-def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
+class _Deferred:
+    """A stand-in all-gather's handle: the buffer holds NaN until ``wait``, which
+    copies the gathered values in (so a read before the wait shows)."""
+
+    def __init__(self, out, whole, log):
+        self.out, self.whole, self.log = out, whole, log
+        out.fill_(float("nan"))
+
+    def wait(self):
+        self.out.copy_(self.whole)
+        self.log.append("wait")
+
+
+def test_a_layer_is_gathered_where_used_and_freed_after():
     """In one process (rank 0 of 2, the other rank's piece copied in by a stand-in for
     the all-gather): under shard="weights" Keras's forward and backward read each
-    layer's weights only after its buffer was gathered, at most ``fsdp.KEEP`` layers are
-    whole at any time, every buffer is freed afterwards, and the gradients equal the
-    unsharded model's."""
+    layer's weights only after its buffer was gathered, at most ``fsdp.KEEP`` layers
+    in use and ``fsdp.PREFETCH`` gathered ahead are whole at any time, every buffer is
+    freed afterwards, and the gradients equal the unsharded model's. The second step
+    starts each gather ahead of its use in the first step's order (its stand-in fills
+    the buffer only at the wait), and gathers as often as the first."""
     from kmgpu.engines.torch.optim import fsdp, zero
 
     ref = tiny()
@@ -184,20 +199,37 @@ def test_a_layer_is_gathered_where_used_and_freed_after(monkeypatch):
     full = [f.new_zeros(f.numel()) for f in flats]
     for view, w in zip(shards.flat.weights.like(full), whole):
         view.copy_(w)
-    most = []
+    most, log = [], []
 
-    def gather(out, piece):
+    def gather(out, piece, async_op=False):
         k = next(i for i, p in enumerate(shards.flat.pieces) if p.params is piece)
-        out.copy_(full[k])
         most.append(sum(not fsdp.is_free(f) for f in flats))
+        log.append(("ahead" if async_op else "now", k))
+        if async_op:
+            return _Deferred(out, full[k], log)
+        out.copy_(full[k])
 
     shards.gathering.gather = gather
-    with shards.active():
-        grads = batch_grads(model)
-    assert max(most) <= fsdp.KEEP and len(most) >= 2 * len(flats) - fsdp.KEEP
-    assert all(fsdp.is_free(f) for f in flats)
-    for a, b in zip(grads_ref, grads):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    steps = []
+    for _ in range(2):
+        del log[:]
+        with shards.active():
+            grads = batch_grads(model)
+        steps.append((grads, list(log)))
+        assert all(fsdp.is_free(f) for f in flats)
+    (first, log1), (second, log2) = steps
+    assert max(most) <= fsdp.KEEP + fsdp.PREFETCH
+    gathered = [k for _, k in log1]
+    assert len(gathered) >= 2 * len(flats) - fsdp.KEEP and all(w == "now" for w, _ in log1)
+    # the second step: the same buffers in the same order, all but the first ahead,
+    # each waited for once
+    assert [k for _, k in (e for e in log2 if e != "wait")] == gathered
+    assert [e for e in log2 if e != "wait"][1:] == [("ahead", k) for k in gathered[1:]]
+    assert log2.count("wait") == len(gathered) - 1
+    assert shards.gathering.prefetches == len(gathered) - 1
+    for grads in (first, second):
+        for a, b in zip(grads_ref, grads):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("make_opt, says", [

@@ -249,18 +249,19 @@ class DDPStrategy:
         the model: ``step_fixes.build_within``) gather the layers where used, as training does."""
         split = self.sharded_step
 
-        def gathered():  # (whole before the first train step shards them)
-            return split.zero.active() if split.zero is not None else contextlib.nullcontext()
+        def gathered(key):  # (whole before the first train step shards them)
+            return (split.zero.active(key) if split.zero is not None
+                    else contextlib.nullcontext())
 
         for name in ("test_step", "predict_step"):
             inner = getattr(replica, name)
 
-            def step(batch, inner=inner):
-                with gathered():
+            def step(batch, inner=inner, name=name):
+                with gathered(name):
                     return inner(batch)
 
             setattr(replica, name, step)
-        step_fixes.build_within(replica, gathered)
+        step_fixes.build_within(replica, lambda: gathered("build"))
 
     def _offset_seeds(self, replica):
         """Per-rank random streams (dropout etc.): each rank's SeedGenerators start apart."""

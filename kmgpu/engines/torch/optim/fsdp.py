@@ -24,34 +24,29 @@ torch's module hooks do not fire):
 - backward: ``saved_tensors_hooks``: autograd keeps the weight tensor it saved (a view of
   the buffer, holding no memory once freed), and unpacking it for backward gathers that
   buffer again first;
-- at most ``KEEP`` buffers are whole at a time: gathering one more frees the least
-  recently used (a layer used again is gathered again), and the step's end frees all.
+- prefetch: from a block's second run on (a train step, a test or predict step, the
+  symbolic build: each ``key`` its own), gathering a buffer starts the all-gather of the
+  one the last run gathered next, without waiting (on NCCL it runs on the collectives'
+  stream beside the layer's compute), and the wait comes where that buffer is used;
+- at most ``KEEP`` buffers in use and ``PREFETCH`` started ahead are whole at a time:
+  using one more frees the least recently used (a layer used again is gathered again),
+  and the step's end frees all.
 
 Besides the steps, Keras's symbolic build at the start of fit, evaluate and the
 ``*_on_batch`` calls runs the model (until the compiled metrics are built): the replica
 runs it within ``Gathering`` too (``DDPStrategy``, ``step_fixes.build_within``), as a
 float16 cast of a weight under mixed_float16 reads its buffer even there.
 
-``Scattering`` hands each layer's gradient on as soon as the backward pass has made it
-(``zero.Shards.scattered``): a hook on each variable's torch Parameter keeps its
-gradient until its layer buffer's are all there, then they are copied into a flat
-buffer as long as that layer's, which is reduce-scattered into this rank's gradient
-piece (``zero.Shards.grad_pieces``, what the update reads); the gradients are let go at
-once (the hook hands autograd a stand-in of no memory), and the next layer reuses the
-buffer's memory (one scratch buffer per dtype, let go at the backward pass's end).
-Buffers with a variable that got no gradient go at the backward pass's end, in buffer
-order, zeros for it (the update then refuses the step). Where the gradient is all-reduced
-whole (clipnorm / global_clipnorm / a LossScaleOptimizer: the norms and the finite check
-need every element) the step's whole gradient buffers are made and all-reduced after the
-backward pass instead, as with shard="gradients".
+``scattering.Scattering`` reduce-scatters each layer's gradient as soon as the backward
+pass has made it, the reduce-scatter running while the backward pass goes on.
 
 Every rank runs the same layers in the same order, so every rank gathers the same buffer
-at the same point: the all-gathers match; autograd runs the same graph's nodes in the
-same order on every rank, so the reduce-scatters match too. A rank with only a stand-in
-row runs the same forward and backward (its loss times 0). Memory: 1/N of the weights,
-gradient pieces and optimizer state between steps; within a step the ``KEEP`` gathered
-buffers, the activations and one layer's gradient (for the moment of its copy twice:
-autograd's and its flat buffer), never the whole model's.
+at the same point, and prefetches the same ones: the all-gathers match. A rank with only
+a stand-in row runs the same forward and backward (its loss times 0). Memory: 1/N of the
+weights, gradient pieces and optimizer state between steps; within a step the
+``KEEP + PREFETCH`` whole buffers, the activations and, of the gradient, two layers'
+buffers (one being reduce-scattered while the next is filled) and autograd's gradient of
+the layer being copied; never the whole model's.
 
 The replica is built in host memory (``placement``): the flat buffers are made on the
 device one at a time and freed at once (``flat_layout.Buffers.move_freed``), so a
@@ -68,7 +63,6 @@ whole gradient's, where it is all-reduced whole).
 
 import collections
 import contextlib
-import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -76,25 +70,31 @@ from torch.overrides import TorchFunctionMode
 #: layer buffers whole at a time within a step (the one in use and the one before it)
 KEEP = 2
 
+#: layer buffers gathered ahead of their use besides (``Gathering``'s prefetch)
+PREFETCH = 1
+
 #: host memory: where a rank builds its replica and loads a call's state (``zero.Shards``
 #: ``receivable`` / ``take``), so that its device only ever holds pieces and gathered layers
 HOST = torch.device("cpu")
 
 
-def all_gather(out, piece):
-    """Every rank's ``piece`` into ``out`` (in place), whichever name this torch has."""
+def all_gather(out, piece, async_op=False):
+    """Every rank's ``piece`` into ``out`` (in place), whichever name this torch has;
+    with ``async_op``, returns the handle to ``wait()`` on before reading ``out``."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, piece)
+    return fn(out, piece, async_op=async_op)
 
 
-def reduce_scatter(out, flat):
-    """The sum over ranks of this rank's piece of ``flat`` into ``out``."""
+def reduce_scatter(out, flat, async_op=False):
+    """The sum over ranks of this rank's piece of ``flat`` into ``out``; with
+    ``async_op``, returns the handle to ``wait()`` on before reading ``out`` or writing
+    ``flat``."""
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, flat)
+    return fn(out, flat, async_op=async_op)
 
 
 def storage_key(t):
@@ -157,10 +157,21 @@ class Gathering:
     """This rank's whole layer buffers, gathered from the pieces when used (see the
     module).
 
+    Prefetch: a block (``active(key)``) records the order its buffers were gathered in,
+    per ``key`` (a train step's forward and backward, a test step, a predict step, the
+    symbolic build); the next block of that key, on gathering one, starts the
+    all-gather of the one that came next last time (``async_op``: on NCCL it runs on
+    the collectives' stream while the compute stream runs the layer in hand) and waits
+    for it only where that buffer is used. Every rank runs the same layers in the same
+    order, so every rank records the same order and starts the same gathers at the
+    same points; a guess that turns out wrong (a different path this time) only
+    gathers a buffer that is then freed unused.
+
     Args:
         flats: the whole flat weight buffers (one per layer and dtype), freed.
         pieces: this rank's piece of each (tensors of their own).
-        gather: ``gather(flat, piece)`` all-gathers the pieces into ``flat`` (None: the
+        gather: ``gather(flat, piece, async_op=False)`` all-gathers the pieces into
+            ``flat``, returning a handle to ``wait()`` on with ``async_op`` (None: the
             collective; tests pass their own).
         variables: the Keras variables whose values are views of ``flats`` (read here,
             outside any scope: the torch Parameters themselves); a torch function handed
@@ -177,26 +188,75 @@ class Gathering:
             k = self.index.get(storage_key(v.value))
             if k is not None:
                 self.owner[id(v)] = k
-        self.whole = collections.OrderedDict()  # gathered buffers, least recent first
+        # whole buffers, least recently used first: the handle of a prefetch not yet
+        # waited for, else None
+        self.whole = collections.OrderedDict()
+        self.ahead = set()  # the whole buffers prefetched and not used yet
+        self.orders = {}  # key: the order the last block of that key gathered in
+        self.order = self.trace = None  # within ``active``: that order, and this block's
         self.gathers = 0  # how many all-gathers ran (for tests)
+        self.prefetches = 0  # how many of them were started ahead of their use
 
     def ensure(self, k):
-        """Buffer ``k`` whole (gathered now unless it is already)."""
-        if k in self.whole:
+        """Buffer ``k`` whole (gathered now unless it is already, or waited for where
+        its prefetch is under way); then the next buffer's prefetch started."""
+        if k in self.whole and k not in self.ahead:
             self.whole.move_to_end(k)
             return
-        while len(self.whole) >= KEEP:
-            self.release(next(iter(self.whole)))
+        self._make_room()
+        if k in self.ahead:
+            self.ahead.discard(k)
+            self._wait(k)
+        else:
+            flat = self.flats[k]
+            grow(flat)
+            with torch.no_grad():
+                self.gather(flat, self.pieces[k])
+            self.gathers += 1
+        self.whole[k] = None
+        self.whole.move_to_end(k)
+        if self.trace is not None:
+            self.trace.append(k)
+            self._prefetch()
+
+    def _make_room(self):
+        """Free the least recently used of the buffers in use until one more fits
+        (``KEEP``). The buffers prefetched are apart: the buffers in use, and so the
+        gathers, are the same with and without a prefetch, and so is the order the next
+        block follows."""
+        while len(self.whole) - len(self.ahead) >= KEEP:
+            self.release(next(k for k in self.whole if k not in self.ahead))
+
+    def _prefetch(self):
+        """Start the all-gather of the buffer the last block of this key gathered next,
+        while the block follows that order (and that buffer is not whole)."""
+        n = len(self.trace)
+        if not self.order or n >= len(self.order) or self.order[n - 1] != self.trace[-1]:
+            return
+        k = self.order[n]
+        if k in self.whole:
+            return
+        while len(self.ahead) >= PREFETCH:  # a guess that was not used
+            self.release(next(k for k in self.whole if k in self.ahead))
         flat = self.flats[k]
         grow(flat)
         with torch.no_grad():
-            self.gather(flat, self.pieces[k])
-        self.whole[k] = True
+            self.whole[k] = self.gather(flat, self.pieces[k], async_op=True)
+        self.ahead.add(k)
         self.gathers += 1
+        self.prefetches += 1
+
+    def _wait(self, k):
+        handle, self.whole[k] = self.whole[k], None
+        if handle is not None:
+            handle.wait()
 
     def release(self, k):
-        """Free buffer ``k``."""
-        self.whole.pop(k, None)
+        """Free buffer ``k`` (its prefetch, where one is under way, finished first)."""
+        if k in self.whole:
+            self._wait(k)
+            del self.whole[k]
+        self.ahead.discard(k)
         free(self.flats[k])
 
     def release_all(self):
@@ -215,14 +275,18 @@ class Gathering:
                 self.ensure(k)
 
     @contextlib.contextmanager
-    def active(self):
-        """Within the block the weights are gathered where used (forward and backward);
-        at its end every gathered buffer is freed."""
+    def active(self, key="train"):
+        """Within the block the weights are gathered where used (forward and backward),
+        the next one ahead of its use in the order the last block of ``key`` gathered
+        them; at its end every gathered buffer is freed."""
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.order, self.trace = self.orders.get(key), []
         try:
             with _Mode(self), hooks:
                 yield
+            self.orders[key] = self.trace
         finally:
+            self.order = self.trace = None
             self.release_all()
 
     def _pack(self, t):
@@ -235,100 +299,6 @@ class Gathering:
             self.ensure(k)
             return t
         return packed
-
-
-class Scattering:
-    """This rank's gradient pieces, reduce-scattered one layer at a time as the backward
-    pass produces each layer's gradients (see the module).
-
-    A hook on each variable's torch Parameter (a leaf: its hook runs when its gradient
-    is complete, before ``torch.autograd.grad`` takes it) keeps the gradient until
-    every variable of its layer buffer has one; then the layer's flat gradient buffer
-    is made (zeros: the padding), the gradients copied into it and let go, and it is
-    reduce-scattered into this rank's piece. Each hook returns a stand-in that holds no
-    memory (a zero expanded to the gradient's shape), so autograd keeps none of the
-    gradients either. The layer buffers are the front of one scratch buffer per dtype,
-    as long as the largest layer's, made at the first layer that needs it and let go at
-    the backward pass's end: within a CUDA graph capture the caching allocator does not
-    reuse memory a collective's stream used until the capture ends, so a new buffer per
-    layer would leave every layer's in the graph's pool; the next layer's copy waits for
-    the reduce-scatter on the stream (a collective without ``async_op`` makes the
-    current stream wait for it).
-
-    Args:
-        layout: the flat weights' ``flat_layout.Buffers`` (one buffer per layer and
-            dtype).
-        out: this rank's gradient piece of each buffer (written, in place).
-        scatter: ``scatter(piece, flat)`` reduce-scatters ``flat`` into ``piece`` (None:
-            the collective; tests pass their own).
-    """
-
-    def __init__(self, layout, out, scatter=None):
-        self.layout, self.out = layout, list(out)
-        self.scatter = scatter or reduce_scatter
-        self.group = {i: k for k, members in enumerate(layout.members) for i in members}
-        self.pending = None  # within ``active``: per buffer, {variable index: gradient}
-        self.sent = None  # within ``active``: per buffer, reduce-scattered yet
-        self.scratch = None  # within ``active``: {dtype: the layer buffers' memory}
-        self.scatters = 0  # how many reduce-scatters ran (for tests)
-
-    @contextlib.contextmanager
-    def active(self, params):
-        """Within the block a backward pass reduce-scatters each layer's gradient as soon
-        as it is complete (``params``: the variables' torch Parameters, the layout's
-        order, the tensors the backward pass differentiates for); at the block's end (no error) the buffers with a variable
-        that got no gradient are reduce-scattered too (zeros for it), in buffer order:
-        every rank runs the same graph, so every rank sends the same buffers in the same
-        order."""
-        self.pending = [{} for _ in self.layout.members]
-        self.sent = [False] * len(self.layout.members)
-        self.scratch = {}
-        handles = [p.register_hook(functools.partial(self._arrived, i))
-                   for i, p in enumerate(params)]
-        try:
-            yield
-            for k, sent in enumerate(self.sent):
-                if not sent:
-                    self._send(k)
-        finally:
-            for h in handles:
-                h.remove()
-            self.pending = self.sent = self.scratch = None
-
-    def _arrived(self, i, grad):
-        k = self.group[i]
-        self.pending[k][i] = grad
-        if len(self.pending[k]) == len(self.layout.members[k]):
-            self._send(k)
-        return grad.new_zeros(()).expand(grad.shape)  # what autograd keeps: no memory
-
-    @torch.no_grad()
-    def _send(self, k):
-        """Buffer ``k``'s gradients into a flat buffer as long as it (``_buffer``),
-        reduce-scattered into this rank's piece; the gradients let go."""
-        got, piece = self.pending[k], self.out[k]
-        flat = self._buffer(piece, self.layout.flats[k].numel())
-        for i, view in zip(self.layout.members[k], self.layout.split(k, flat)):
-            grad = got.pop(i, None)
-            if grad is not None:
-                view.copy_(grad)
-            del grad
-        self.scatter(piece, flat)
-        self.sent[k] = True
-        self.scatters += 1
-
-    def _buffer(self, piece, numel):
-        """A zeroed buffer of ``numel`` elements of ``piece``'s dtype, on its device: the
-        front of the scratch buffer (made anew, the old one let go first, when it is
-        shorter)."""
-        scratch = self.scratch.get(piece.dtype)
-        if scratch is None or scratch.numel() < numel:
-            self.scratch.pop(piece.dtype, None)
-            del scratch
-            scratch = self.scratch[piece.dtype] = piece.new_empty(numel)
-        flat = scratch[:numel]
-        flat.zero_()
-        return flat
 
 
 class _Mode(TorchFunctionMode):

@@ -45,13 +45,14 @@ into N pieces; a rank keeps its pieces of the weights as tensors of their own, t
 buffers are freed and gathered layer by layer where the forward and the backward read
 them (``active``); no all-gather after the update. The step makes no whole gradient
 buffer: each layer's gradient is reduce-scattered into this rank's piece within the
-backward pass as soon as it is complete, from a buffer as long as that layer's (reused
-by the next), autograd's gradients freed at once (``by_layer``, ``scattered``,
-``fsdp.Scattering``); ``exchange`` then has only the statistics to all-reduce. With
+backward pass as soon as it is complete, from a buffer as long as that layer's (two
+taking turns), autograd's gradients freed at once (``by_layer``, ``scattered``,
+``scattering.Scattering``); ``exchange`` then has only the statistics to all-reduce. With
 clipnorm / global_clipnorm / mixed_float16 the whole gradient is all-reduced after the
 backward pass instead (as above). About 16/N bytes per parameter, plus within a step
-the two gathered layers, one layer's gradient (the whole gradient buffers where it is
-all-reduced whole) and the activations. Variable constraints and ``use_ema`` are refused (``check``): both need every weight
+the gathered layers (``fsdp.KEEP`` and ``fsdp.PREFETCH`` ahead), two layers' gradient
+buffers (the whole gradient buffers where it is all-reduced whole) and the activations.
+Variable constraints and ``use_ema`` are refused (``check``): both need every weight
 whole after each update. The replica's variables may be in host memory when the
 ``Shards`` are made (``device``; ``placement``): only the pieces are copied to the
 device. A call's state is loaded into host buffers (``receivable``) and each rank keeps
@@ -77,7 +78,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp
+from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, scattering
 
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
@@ -169,7 +170,7 @@ class Shards:
         #: shard="weights", the gradient not all-reduced whole: each layer's gradient is
         #: reduce-scattered within the backward pass (``scattered``), not by ``exchange``
         self.by_layer = weights and not self.whole
-        self.scattering = None  # the ``fsdp.Scattering`` (made at the first backward)
+        self.scattering = None  # the ``scattering.Scattering`` (made at the first backward)
         self.materialized = True  # the Keras slot variables hold the state now
         # of the Keras slot variables, only the moving averages' are whole (``materialize``
         # off rank 0 with ``use_ema``)
@@ -201,14 +202,14 @@ class Shards:
     def scattered(self):
         """``by_layer``: within the block a backward pass reduce-scatters each layer's
         gradient into this rank's piece as soon as it is complete, autograd's gradients
-        freed at once, one layer's buffer at a time (``fsdp.Scattering``; the pieces are
-        made once, so a captured update reads them at the same address). Otherwise
+        freed at once (``scattering.Scattering``; the pieces are made once, so a
+        captured update reads them at the same address). Otherwise
         nothing: ``exchange`` reduces the step's whole buffers."""
         if not self.by_layer:
             yield
             return
         if self.scattering is None:
-            self.scattering = fsdp.Scattering(self.flat.weights, self.grad_pieces)
+            self.scattering = scattering.Scattering(self.flat.weights, self.grad_pieces)
         with self.scattering.active([v.value for v in self.flat.variables]):
             yield
 
@@ -228,15 +229,16 @@ class Shards:
         self.flat.update(self.grad_pieces, self.grad_flats if self.whole else None)
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self, key="train"):
         """shard="weights": within the block the layers' weights are gathered where used
-        and freed after (``fsdp.Gathering``); afterwards none is whole (every rank)."""
+        and freed after (``fsdp.Gathering``, prefetching in the order the last block of
+        ``key`` used them); afterwards none is whole (every rank)."""
         if self.gathering is None:
             yield
             return
         self.free_weights()  # rank 0's host copy for the user's model: the device views back
         try:
-            with self.gathering.active():
+            with self.gathering.active(key):
                 yield
         finally:
             self.weights_whole = False
