@@ -92,7 +92,8 @@ SHARDS = (None, "optimizer", "gradients", "weights")
 def one_rank(build, make_opt, loss, x, y, shard, epochs, batch):
     """One fit of ``build()`` through the split step on the 1-rank group, captured as CUDA
     graphs on a GPU, TF32 off: (weights, optimizer variables, captured, optimizer path,
-    epoch seconds)."""
+    epoch seconds); with shard="weights" the path says how many of the layers' gathers
+    were started ahead of their use (prefetched) in all."""
     from kmgpu.engines.torch.capture import graphs
 
     device = "cuda:0" if cuda() else "cpu"
@@ -107,8 +108,13 @@ def one_rank(build, make_opt, loss, x, y, shard, epochs, batch):
     if split.zero is not None:
         split.zero.materialize()
     captured = bool(step.graphs) and all(e.graph_b is not None for e in step.graphs.values())
+    path = split.optimizer_path
+    gathering = split.zero.gathering if split.zero is not None else None
+    if gathering is not None:  # (a replayed graph runs its gathers without counting them)
+        path += (f"; eager and captured steps: {gathering.gathers} layer gathers, "
+                 f"{gathering.prefetches} of them started ahead of their use")
     out = (model.get_weights(), [v.numpy() for v in model.optimizer.variables], captured,
-           split.optimizer_path, timer.times)
+           path, timer.times)
     step.close()
     return out
 
