@@ -2,7 +2,13 @@
 
 ``KERAS_BACKEND=jax python benchmarks/memory.py [--speed] [--optimizers]`` and
 ``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]`` on CPU with 8 simulated
-devices (torch: one gloo rank per device).
+devices (torch: one gloo rank per device). With ``--gpus`` the machine's own GPUs instead,
+N up to their count (torch: one NCCL rank per GPU): the multi-GPU figures, e.g.
+``KERAS_BACKEND=torch python benchmarks/memory.py --gpus --speed --width 4096 --depth 8``,
+with each device's peak allocated memory beside the arrays' bytes (torch:
+``torch.cuda.max_memory_allocated`` of each rank; JAX: the device's
+``memory_stats()["peak_bytes_in_use"]``): weights, gradients, optimizer state and the
+step's temporaries and activations together.
 
 1. Memory. For N = 1, 2, 4, 8 devices and each ``shard`` value (None, "optimizer",
    "gradients", "weights"; a no-op on one device), a model of Dense layers whose sizes 8
@@ -42,7 +48,7 @@ devices (torch: one gloo rank per device).
    epochs, and how many optimizer variables are sharded.
 
 3. ``--speed``: the step time of each shard value against the unsharded fit on 4
-   simulated devices, order-balanced in one process (each round runs None and every
+   devices (``--gpus``: as many as there are, at most 8), order-balanced in one process (each round runs None and every
    shard value, the order reversed every other round, each after its own compile),
    median epoch time of each.
 
@@ -138,7 +144,12 @@ def _held_torch(n, shard, model, parallel):
         return sum(v.value.numel() * v.value.element_size() for v in vs)
 
     ranks = parallel._engine.rank_held_bytes() if n > 1 else [None]
-    if ranks[0] is None:
+    peaks = [(r or {}).get("device_peak") for r in ranks]
+    if n == 1 and torch_cuda():  # one device: this process
+        import torch
+
+        peaks = [torch.cuda.max_memory_allocated(0)]
+    if ranks[0] is None or "weights" not in ranks[0]:
         # one device (no ranks: the user's model itself), or shard=None: the unsharded step
         # keeps no split step to ask (``held_bytes`` is None), so each rank's replica
         # weights are read back (``rank_weights``) and the gradients and the optimizer
@@ -153,16 +164,45 @@ def _held_torch(n, shard, model, parallel):
     for v in list(model.weights) + list(model.optimizer.variables):
         if v.value.device.type != "cpu":
             off_host += v.value.numel() * v.value.element_size()
+    held["peak"] = peaks
     return held, off_host
 
 
-def memory(width, depth):
+def torch_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def counts(gpus):
+    """The device counts to measure: 1, 2, 4, 8, or (``gpus``) those the GPUs allow."""
+    if not gpus:
+        return (1, 2, 4, 8)
+    if _torch():
+        import torch
+
+        have = torch.cuda.device_count()
+    else:
+        import jax
+
+        have = len([d for d in jax.devices() if d.platform == "gpu"])
+    if not have:
+        raise SystemExit("--gpus: this machine has no GPU (run without --gpus: simulated "
+                         "CPU devices)")
+    return tuple(n for n in (1, 2, 4, 8) if n <= have)
+
+
+def memory(width, depth, gpus):
     import numpy as np
 
     x, y = _data(64)
     rows = []
-    for n in (1, 2, 4, 8):
+    for n in counts(gpus):
         for shard in SHARDS:
+            if gpus and _torch() and n == 1:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats(0)
             model, parallel = _parallel(n, shard, width, depth)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -171,23 +211,27 @@ def memory(width, depth):
             held, off_host = (_held_torch if _torch() else _held_jax)(n, shard, model, parallel)
             totals = [sum(held[k][d] for k in KINDS) / params for d in range(n)]
             other = max(totals[1:], default=None)  # the fullest device but device 0
+            peaks = [p for p in held.get("peak", ()) if p is not None]
             rows.append((n, shard, params, {k: held[k][0] / params for k in KINDS},
-                         totals[0], other, max(totals), off_host / params))
-            parallel.close()
+                         totals[0], other, max(totals), off_host / params,
+                         max(peaks) if peaks else None))
+            parallel.close()  # (torch: the ranks' processes end, so each run's peak is its own)
     backend = "torch, each rank's held tensors" if _torch() else (
         "JAX, the arrays' addressable shards on each device")
     print(f"Adam, float32; measured ({backend}) on a {depth} x Dense({width}) model "
-          f"({rows[0][2]:,} parameters), simulated CPU devices. B/param = bytes per "
+          f"({rows[0][2]:,} parameters), {'GPUs' if gpus else 'simulated CPU devices'}. "
+          "B/param = bytes per "
           "parameter; dev 0 = device 0; b(N) = the fullest device's (device 0 included); "
           "P_max = 141e9 B / b(N), activations not counted\n")
     print("| N | shard | weights dev 0 | gradients dev 0 | optimizer dev 0 | total dev 0 "
           "| total, fullest other device | b(N) | ideal b(N) | your model off the host "
-          "| P_max (billion params) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for n, shard, _, k, t0, other, b, off in rows:
+          "| P_max (billion params) | peak allocated, fullest device (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, shard, _, k, t0, other, b, off, peak in rows:
         print(f"| {n} | {shard} | {k['weights']:.3f} | {k['gradients']:.3f} | "
               f"{k['optimizer']:.3f} | {t0:.3f} | {'-' if other is None else f'{other:.3f}'} | "
-              f"{b:.3f} | {IDEAL[shard](n):.3f} | {off:.3f} | {H200 / b / 1e9:.2f} |")
+              f"{b:.3f} | {IDEAL[shard](n):.3f} | {off:.3f} | {H200 / b / 1e9:.2f} | "
+              f"{'-' if peak is None else f'{peak / 1e6:.1f}'} |")
     print("\nP_max, billion parameters (Adam, float32, activations not counted):\n")
     print("| shard | N=1 | N=2 | N=4 | N=8 |")
     print("|---|---|---|---|---|")
@@ -256,11 +300,12 @@ def optimizers():
           f"| {rel_diff(state(ref), state(model)):.1e} | |")
 
 
-def speed(width, depth, rounds, steps):
+def speed(width, depth, rounds, steps, gpus):
     import numpy as np
 
+    n = counts(gpus)[-1] if gpus else 4
     x, y = _data(64 * steps)
-    runs = {shard: _parallel(4, shard, width, depth)[1] for shard in SHARDS}
+    runs = {shard: _parallel(n, shard, width, depth)[1] for shard in SHARDS}
     times = {shard: [] for shard in SHARDS}
 
     def epoch(shard):
@@ -279,7 +324,8 @@ def speed(width, depth, rounds, steps):
     for run in runs.values():
         run.close()
     base = statistics.median(times[None])
-    print(f"\n4 simulated CPU devices, {depth} x Dense({width}) ({params:,} parameters), Adam, "
+    where = f"{n} GPUs" if gpus else f"{n} simulated CPU devices"
+    print(f"\n{where}, {depth} x Dense({width}) ({params:,} parameters), Adam, "
           f"batch 64, {steps} steps per fit, {rounds} rounds alternating the order\n")
     print("| shard | median ms/step | / shard=None | all ms/step |")
     print("|---|---|---|---|")
@@ -297,18 +343,21 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--optimizers", action="store_true",
                         help="also check every Keras optimizer against one device (JAX)")
+    parser.add_argument("--gpus", action="store_true",
+                        help="this machine's GPUs, not simulated CPU devices")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     import kmgpu
 
-    kmgpu.simulate_devices(8)
+    if not args.gpus:
+        kmgpu.simulate_devices(8)
     if not args.no_memory:
-        memory(args.width, args.depth)
+        memory(args.width, args.depth, args.gpus)
     if args.optimizers and not _torch():
         optimizers()
     if args.speed:
-        speed(args.width, args.depth, args.rounds, args.steps)
+        speed(args.width, args.depth, args.rounds, args.steps, args.gpus)
 
 
 if __name__ == "__main__":

@@ -121,10 +121,15 @@ class DDPStrategy:
             self.sharded_step.zero.take_weights()  # shard="weights": the pieces, whole freed
 
     def held_bytes(self):
-        """Bytes this rank's train step holds now by kind (``SplitStep.held_bytes``);
-        None without kmgpu's split step."""
+        """Bytes this rank's train step holds now by kind (``SplitStep.held_bytes``;
+        None without kmgpu's split step), and on a GPU "device_peak": the most memory
+        this rank's process has had allocated there (``torch.cuda.max_memory_allocated``:
+        weights, gradients, optimizer state, activations and temporaries together)."""
         step = self.sharded_step
-        return step.held_bytes() if step is not None else None
+        held = step.held_bytes() if step is not None else None
+        if self.device.type == "cuda":
+            held = dict(held or {}, device_peak=torch.cuda.max_memory_allocated(self.device))
+        return held
 
     def _gather_optimizer_state(self):
         """A sharded optimizer state whole in rank 0's Keras variables (with
