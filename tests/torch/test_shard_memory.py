@@ -39,7 +39,10 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     gradient taken to equal this one's): under shard="weights" each layer buffer's
     gradient is reduce-scattered inside the backward pass, once, the last layer first,
     from a buffer as long as that layer's; the pieces equal the unsharded gradient's, and
-    autograd is left holding no gradient memory."""
+    autograd is left holding no gradient memory. The stand-in reduce-scatter is
+    asynchronous and reads its buffer only at its handle's wait: the pieces are right
+    only if no layer's copy reuses a buffer before its reduce-scatter is waited for, and
+    every one is waited for by the block's end."""
     from kmgpu.engines.torch.optim import zero
 
     ref_grads = batch_grads(tiny())
@@ -51,6 +54,7 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     full = [f.new_zeros(f.numel()) for f in layout.flats]
     for view, w in zip(layout.like(full), whole):
         view.copy_(w)
+
     def gather(out, piece, async_op=False):  # (one step: no prefetch, no handle)
         out.copy_(full[next(k for k, p in enumerate(pieces) if p.params is piece)])
 
@@ -58,17 +62,32 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     shards.grad_buffers(layout.flats)  # (the split step's gradient layout: the same)
     sent = []
 
+    class Handle:
+        def __init__(self, piece, flat):
+            self.piece, self.flat = piece, flat
+            piece.fill_(float("nan"))
+
+        def wait(self):  # rank 0's piece, summed over 2 equal ranks
+            self.piece.copy_(self.flat[:self.piece.numel()] * 2)
+            waited.append(len(sent))
+
     def scatter(piece, flat, async_op=False):
         k = next(k for k, p in enumerate(shards.grad_pieces) if p is piece)
         sent.append((k, flat.numel(), torch._C._current_graph_task_id() != -1))
-        piece.copy_(flat[:piece.numel()] * 2)  # rank 0's piece, summed over 2 equal ranks
+        assert async_op
+        return Handle(piece, flat)
 
+    waited = []  # how many reduce-scatters had started at each wait
     assert shards.by_layer
     with shards.scattered():
         shards.scattering.scatter = scatter
         with shards.active():
             grads = batch_grads(model, keep=True)
     assert [k for k, *_ in sent] == [3, 2, 1, 0]  # Dense(1), BatchNorm, Dense(5), Embedding
+    # two buffers take turns: the third layer's copy waits for the first layer's
+    # reduce-scatter (two started by then), the fourth's for the second's; the last two
+    # are waited for at the block's end
+    assert waited == [2, 3, 4, 4]
     assert all(n == f.numel() and during for (_, n, during), f in zip(sent[::-1], layout.flats))
     assert all(g.untyped_storage().nbytes() <= g.element_size() for g in grads)
     ref = [f.new_zeros(f.numel()) for f in layout.flats]
