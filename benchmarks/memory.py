@@ -57,6 +57,7 @@ Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` 
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -202,7 +203,8 @@ def memory(width, depth, gpus):
             if gpus and _torch() and n == 1:
                 import torch
 
-                torch.cuda.reset_peak_memory_stats(0)
+                if torch.cuda.is_initialized():  # (before, there is no peak to reset)
+                    torch.cuda.reset_peak_memory_stats(0)
             model, parallel = _parallel(n, shard, width, depth)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -216,6 +218,8 @@ def memory(width, depth, gpus):
                          totals[0], other, max(totals), off_host / params,
                          max(peaks) if peaks else None))
             parallel.close()  # (torch: the ranks' processes end, so each run's peak is its own)
+            del model, parallel  # (one device: this process's peak, this run's model alone)
+            gc.collect()
     backend = "torch, each rank's held tensors" if _torch() else (
         "JAX, the arrays' addressable shards on each device")
     print(f"Adam, float32; measured ({backend}) on a {depth} x Dense({width}) model "
