@@ -14,7 +14,10 @@ How many parts: ``--parts N`` for every backend, or (the default) for each backe
 count that makes the ``--lanes`` end soonest, the lanes' run played out with each job's
 weight plus START_S, and of ends within NEAR of the soonest the plan whose heaviest job is
 lightest (a job that runs long then delays the end least). Three equal parts per backend on two lanes gave one lane five jobs and the other four: the
-measured lanes ended 742 and 830 s, a part's length apart.
+measured lanes ended 742 and 830 s, a part's length apart. One part each for JAX and torch
+(planned 2% sooner than two) left the lanes ending 596 and 689 s: a job's time beside
+another varies by 10-30% (TensorFlow's parts 170-284 s, planned 239), so a plan of a few
+long jobs cannot even out what it did not foresee.
 """
 
 import argparse
@@ -28,7 +31,7 @@ TIMES = os.path.join(ROOT, "scripts", "test_times.txt")
 DEFAULT_S = 30.0  # a file not measured yet
 START_S = 12.0  # a pytest process's own start and end (imports, collection, exit), per job
 MAX_PARTS = 4  # per backend, when the count is chosen
-NEAR = 0.02  # ends this close to the soonest count as equal
+NEAR = 0.03  # ends this close to the soonest count as equal
 #: files whose parity needs the compile users get, each backend's in a part of its own
 #: named "default" (scripts/test.sh compiles every other JAX part fast, at LLVM level 0,
 #: where XLA's CPU reductions keep their written order: a one-device reference's sum over
