@@ -188,10 +188,8 @@ class Gathering:
             k = self.index.get(storage_key(v.value))
             if k is not None:
                 self.owner[id(v)] = k
-        # whole buffers, least recently used first: the handle of a prefetch not yet
-        # waited for, else None
-        self.whole = collections.OrderedDict()
-        self.ahead = set()  # the whole buffers prefetched and not used yet
+        self.whole = collections.OrderedDict()  # whole buffers, least recently used first
+        self.ahead = {}  # of those, the ones prefetched and not used yet: their handles
         self.orders = {}  # key: the order the last block of that key gathered in
         self.order = self.trace = None  # within ``active``: that order, and this block's
         self.gathers = 0  # how many all-gathers ran (for tests)
@@ -205,7 +203,6 @@ class Gathering:
             return
         self._make_room()
         if k in self.ahead:
-            self.ahead.discard(k)
             self._wait(k)
         else:
             flat = self.flats[k]
@@ -237,26 +234,26 @@ class Gathering:
         if k in self.whole:
             return
         while len(self.ahead) >= PREFETCH:  # a guess that was not used
-            self.release(next(k for k in self.whole if k in self.ahead))
+            self.release(next(iter(self.ahead)))
         flat = self.flats[k]
         grow(flat)
         with torch.no_grad():
-            self.whole[k] = self.gather(flat, self.pieces[k], async_op=True)
-        self.ahead.add(k)
+            self.ahead[k] = self.gather(flat, self.pieces[k], async_op=True)
+        self.whole[k] = None
         self.gathers += 1
         self.prefetches += 1
 
     def _wait(self, k):
-        handle, self.whole[k] = self.whole[k], None
-        if handle is not None:
+        """Buffer ``k``'s prefetch finished; it is in use from here on."""
+        handle = self.ahead.pop(k)
+        if handle is not None:  # (a test's stand-in may gather at once)
             handle.wait()
 
     def release(self, k):
         """Free buffer ``k`` (its prefetch, where one is under way, finished first)."""
-        if k in self.whole:
+        if k in self.ahead:
             self._wait(k)
-            del self.whole[k]
-        self.ahead.discard(k)
+        self.whole.pop(k, None)
         free(self.flats[k])
 
     def release_all(self):
