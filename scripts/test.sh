@@ -44,8 +44,8 @@ single_thread() {
 }
 export -f single_thread
 # JAX sessions compile with LLVM's optimisation level 0, not 2: the tests' programs are tiny
-# and distinct, so compiling them is most of JAX's time (the JAX files' CPU time 22% less
-# than at level 1). At level 0 LLVM leaves XLA's CPU reductions in their written order,
+# and distinct, so compiling them is most of JAX's time, and level 0 compiles fastest. At
+# level 0 LLVM leaves XLA's CPU reductions in their written order,
 # and a parity check that needs the vectorised order users' programs get runs in a part of
 # its own, compiled as theirs are (scripts/test_plan.py, DEFAULT_COMPILE). Set it yourself
 # to override.

@@ -13,11 +13,10 @@ as they get free, so the longest go first and the short ones fill in.
 How many parts: ``--parts N`` for every backend, or (the default) for each backend the
 count that makes the ``--lanes`` end soonest, the lanes' run played out with each job's
 weight plus START_S, and of ends within NEAR of the soonest the plan whose heaviest job is
-lightest (a job that runs long then delays the end least). Three equal parts per backend on two lanes gave one lane five jobs and the other four: the
-measured lanes ended 742 and 830 s, a part's length apart. One part each for JAX and torch
-(planned 2% sooner than two) left the lanes ending 596 and 689 s: a job's time beside
-another varies by 10-30% (TensorFlow's parts 170-284 s, planned 239), so a plan of a few
-long jobs cannot even out what it did not foresee.
+lightest (a job that runs long then delays the end least): a job's time beside another
+varies by tens of percent from its measured weight, so a plan of a few long jobs cannot
+even out what it did not foresee, and an odd number of equal jobs leaves one lane a whole
+job later than the other.
 """
 
 import argparse
@@ -37,7 +36,7 @@ NEAR = 0.03  # ends this close to the soonest count as equal
 #: where XLA's CPU reductions keep their written order: a one-device reference's sum over
 #: the batch then differs from the replicas' partial sums by more than the vectorised
 #: sums of the default level do, and test_copy_back's Adam on a 4096-wide layer carries
-#: that past its 1e-5 parity: 1.7e-5 at level 0, 3.7e-6 at the default)
+#: that past its 1e-5 parity)
 DEFAULT_COMPILE = {"jax": ("tests/jax/test_copy_back.py",)}
 
 
