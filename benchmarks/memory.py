@@ -4,11 +4,12 @@
 ``KERAS_BACKEND=torch python benchmarks/memory.py [--speed]`` on CPU with 8 simulated
 devices (torch: one gloo rank per device). With ``--gpus`` the machine's own GPUs instead,
 N up to their count (torch: one NCCL rank per GPU): the multi-GPU figures, e.g.
-``KERAS_BACKEND=torch python benchmarks/memory.py --gpus --speed --width 4096 --depth 8``,
-with each device's peak allocated memory beside the arrays' bytes (torch:
-``torch.cuda.max_memory_allocated`` of each rank; JAX: the device's
-``memory_stats()["peak_bytes_in_use"]``): weights, gradients, optimizer state and the
-step's temporaries and activations together.
+``KERAS_BACKEND=torch python benchmarks/memory.py --gpus --speed --width 4096 --depth 8``.
+On torch each row then has the fullest GPU's peak allocated memory beside the arrays'
+bytes (``torch.cuda.max_memory_allocated`` of each rank, whose process ends with its
+row; on one GPU this process's, reset before the row): weights, gradients, optimizer
+state, the step's temporaries and activations together. JAX has no such column: its
+devices' peak cannot be reset between the rows of one process.
 
 1. Memory. For N = 1, 2, 4, 8 devices and each ``shard`` value (None, "optimizer",
    "gradients", "weights"; a no-op on one device), a model of Dense layers whose sizes 8
@@ -48,9 +49,9 @@ step's temporaries and activations together.
    epochs, and how many optimizer variables are sharded.
 
 3. ``--speed``: the step time of each shard value against the unsharded fit on 4
-   devices (``--gpus``: as many as there are, at most 8), order-balanced in one process (each round runs None and every
-   shard value, the order reversed every other round, each after its own compile),
-   median epoch time of each.
+   devices (``--gpus``: as many as there are, at most 8), order-balanced in one process
+   (each round runs None and every shard value, the order reversed every other round,
+   each after its own compile), median epoch time of each.
 
 Prints tables; no number here is asserted by a test (``tests/jax/test_zero.py`` and
 ``tests/torch/test_shard_memory.py`` assert the bytes per device on tiny models).
@@ -145,11 +146,6 @@ def _held_torch(n, shard, model, parallel):
         return sum(v.value.numel() * v.value.element_size() for v in vs)
 
     ranks = parallel._engine.rank_held_bytes() if n > 1 else [None]
-    peaks = [(r or {}).get("device_peak") for r in ranks]
-    if n == 1 and torch_cuda():  # one device: this process
-        import torch
-
-        peaks = [torch.cuda.max_memory_allocated(0)]
     if ranks[0] is None or "weights" not in ranks[0]:
         # one device (no ranks: the user's model itself), or shard=None: the unsharded step
         # keeps no split step to ask (``held_bytes`` is None), so each rank's replica
@@ -165,14 +161,8 @@ def _held_torch(n, shard, model, parallel):
     for v in list(model.weights) + list(model.optimizer.variables):
         if v.value.device.type != "cpu":
             off_host += v.value.numel() * v.value.element_size()
-    held["peak"] = peaks
+    held["peak"] = [(r or {}).get("device_peak") for r in ranks]  # (on a GPU)
     return held, off_host
-
-
-def torch_cuda():
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def counts(gpus):
@@ -200,7 +190,8 @@ def memory(width, depth, gpus):
     rows = []
     for n in counts(gpus):
         for shard in SHARDS:
-            if gpus and _torch() and n == 1:
+            one_gpu = gpus and _torch() and n == 1  # no ranks: this process's own peak
+            if one_gpu:
                 import torch
 
                 if torch.cuda.is_initialized():  # (before, there is no peak to reset)
@@ -214,6 +205,8 @@ def memory(width, depth, gpus):
             totals = [sum(held[k][d] for k in KINDS) / params for d in range(n)]
             other = max(totals[1:], default=None)  # the fullest device but device 0
             peaks = [p for p in held.get("peak", ()) if p is not None]
+            if one_gpu:
+                peaks = [torch.cuda.max_memory_allocated(0)]
             rows.append((n, shard, params, {k: held[k][0] / params for k in KINDS},
                          totals[0], other, max(totals), off_host / params,
                          max(peaks) if peaks else None))
