@@ -1,6 +1,6 @@
 """What tests/torch/test_shard.py and test_shard_memory.py share: the tiny model and its
-rows, one batch's gradients, the optimizer's variables and the tolerance the shard values
-are held to against one device."""
+rows, one batch's gradients, the optimizer's variables, the tolerance the shard values
+are held to against one device, and a stand-in collective's handle."""
 
 import keras
 import numpy as np
@@ -37,3 +37,17 @@ def batch_grads(model, keep=False):
     loss = keras.ops.mean((model(x, training=True) - keras.ops.convert_to_tensor(Y[:8])) ** 2)
     grads = torch.autograd.grad(loss, [v.value for v in model.trainable_weights])
     return list(grads) if keep else [g.numpy() for g in grads]
+
+
+class Deferred:
+    """A stand-in asynchronous collective's handle: ``out`` holds NaN until ``wait``,
+    which writes ``result()`` into it, computed then (so a read of ``out``, or a write
+    of the collective's input, before the wait shows), and calls ``on_wait``."""
+
+    def __init__(self, out, result, on_wait=lambda: None):
+        self.out, self.result, self.on_wait = out, result, on_wait
+        out.fill_(float("nan"))
+
+    def wait(self):
+        self.out.copy_(self.result())
+        self.on_wait()

@@ -23,7 +23,8 @@ import pytest
 import kmgpu
 from kmgpu.engines.torch.engine import TorchEngine
 from tests.helpers import rel_diff
-from tests.torch.shard_cases import BATCH, O, TOL, X, Y, batch_grads, opt_state, tiny
+from tests.torch.shard_cases import (BATCH, O, TOL, X, Y, Deferred, batch_grads, opt_state,
+                                     tiny)
 
 
 def _adamw():
@@ -164,19 +165,6 @@ def flat_layout_slots(model):
     return [s for s in flat_optim.SLOTS[flat_optim.kind(inner)] if s[2] is None or s[2](inner)]
 
 
-class _Deferred:
-    """A stand-in all-gather's handle: the buffer holds NaN until ``wait``, which
-    copies the gathered values in (so a read before the wait shows)."""
-
-    def __init__(self, out, whole, log):
-        self.out, self.whole, self.log = out, whole, log
-        out.fill_(float("nan"))
-
-    def wait(self):
-        self.out.copy_(self.whole)
-        self.log.append("wait")
-
-
 def test_a_layer_is_gathered_where_used_and_freed_after():
     """In one process (rank 0 of 2, the other rank's piece copied in by a stand-in for
     the all-gather): under shard="weights" Keras's forward and backward read each
@@ -206,7 +194,7 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
         most.append(sum(not fsdp.is_free(f) for f in flats))
         log.append(("ahead" if async_op else "now", k))
         if async_op:
-            return _Deferred(out, full[k], log)
+            return Deferred(out, lambda: full[k], lambda: log.append("wait"))
         out.copy_(full[k])
 
     shards.gathering.gather = gather

@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import kmgpu
 from tests.helpers import rel_diff
-from tests.torch.shard_cases import O, TOL, batch_grads, opt_state, tiny
+from tests.torch.shard_cases import O, TOL, Deferred, batch_grads, opt_state, tiny
 
 
 def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
@@ -62,20 +62,13 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     shards.grad_buffers(layout.flats)  # (the split step's gradient layout: the same)
     sent = []
 
-    class Handle:
-        def __init__(self, piece, flat):
-            self.piece, self.flat = piece, flat
-            piece.fill_(float("nan"))
-
-        def wait(self):  # rank 0's piece, summed over 2 equal ranks
-            self.piece.copy_(self.flat[:self.piece.numel()] * 2)
-            waited.append(len(sent))
-
     def scatter(piece, flat, async_op=False):
         k = next(k for k, p in enumerate(shards.grad_pieces) if p is piece)
         sent.append((k, flat.numel(), torch._C._current_graph_task_id() != -1))
         assert async_op
-        return Handle(piece, flat)
+        # rank 0's piece, summed over 2 equal ranks, read from ``flat`` at the wait
+        return Deferred(piece, lambda: flat[:piece.numel()] * 2,
+                        lambda: waited.append(len(sent)))
 
     waited = []  # how many reduce-scatters had started at each wait
     assert shards.by_layer
