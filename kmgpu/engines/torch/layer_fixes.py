@@ -6,23 +6,35 @@
 from kmgpu.engines import keras_fixes
 
 
-def global_batch_moments(layer, sum_over_ranks, real_rows):
+def global_batch_moments(layer, sum_over_ranks, real_rows, rank, world):
     """Replace a BatchNormalization layer's ``_moments`` by moments over the global batch.
+
+    Each rank computes its count, mean and sum of squared differences from that mean
+    over its real rows; one all-reduce gathers every rank's three, and each rank combines
+    them (Chan et al.'s parallel variance, as torch's ``SyncBatchNorm``). The variance
+    keeps float32's digits where E[x^2] - E[x]^2 from summed powers would cancel: when a
+    channel's mean is large against its spread the two terms agree in most of their
+    digits.
 
     Args:
         layer: a ``keras.layers.BatchNormalization`` of a replica.
         sum_over_ranks: a differentiable all-reduce (sum) of one tensor.
         real_rows: ``real_rows()`` is the number of real rows of this rank's batch
             inside a train step, None outside one (then the layer's own moments).
+        rank: this rank's index in the group.
+        world: the number of ranks.
     """
     keras_fixes.install(layer, "_moments", lambda local: _global_moments(
-        layer, local, sum_over_ranks, real_rows))
+        layer, local, sum_over_ranks, real_rows, rank, world))
 
 
-def _global_moments(layer, local, sum_over_ranks, real_rows):
+def _global_moments(layer, local, sum_over_ranks, real_rows, rank, world):
     """``global_batch_moments``' moments for ``layer`` (``local``: the layer's own)."""
     import numpy as np
     import torch
+
+    def nonzero(n):  # a divisor: a rank (or channel) with no real rows divides 0 by 1
+        return torch.where(n > 0, n, torch.ones_like(n))
 
     def moments(inputs, mask):
         n_real = real_rows()
@@ -31,20 +43,29 @@ def _global_moments(layer, local, sum_over_ranks, real_rows):
         axes = list(layer._reduction_axes)
         x = inputs[:n_real]
         if mask is None:
-            count = float(np.prod([x.shape[a] for a in axes]))
-            s1 = torch.sum(x, dim=axes)
-            s2 = torch.sum(x * x, dim=axes)
-            n = torch.full_like(s1, count)
+            w = None
+            sums = torch.sum(x, dim=axes, keepdim=True)
+            n = torch.full_like(sums.reshape(-1),
+                               float(np.prod([x.shape[a] for a in axes])))
         else:
             w = mask[:n_real].to(x.dtype)
             w = torch.broadcast_to(w.unsqueeze(-1), x.shape)
-            s1 = torch.sum(x * w, dim=axes)
-            s2 = torch.sum(x * x * w, dim=axes)
+            sums = torch.sum(x * w, dim=axes, keepdim=True)
             n = torch.sum(w, dim=axes)
-        total = sum_over_ranks(torch.stack([s1, s2, n]))
-        mean = total[0] / total[2]
-        variance = total[1] / total[2] - mean * mean
-        return mean, variance
+        mean = sums / nonzero(n).reshape(sums.shape)
+        squares = torch.square(x - mean)
+        m2 = torch.sum(squares if w is None else squares * w, dim=axes)
+        mine = torch.stack([n, mean.reshape(-1), m2])  # (3, C)
+        # every rank's row: zeros but this rank's, summed over ranks (an all-gather
+        # through the differentiable sum)
+        zeros = mine.new_zeros((1,) + tuple(mine.shape))
+        rows = sum_over_ranks(torch.cat([zeros] * rank + [mine[None]]
+                                        + [zeros] * (world - 1 - rank)))
+        counts, means, m2s = rows.unbind(1)  # each (world, C)
+        n_all = nonzero(torch.sum(counts, dim=0))
+        global_mean = torch.sum(counts * means, dim=0) / n_all
+        spread = torch.sum(counts * torch.square(means - global_mean), dim=0)
+        return global_mean, (torch.sum(m2s, dim=0) + spread) / n_all
 
     return moments
 

@@ -197,7 +197,8 @@ class DDPStrategy:
         if self.config.sync_batchnorm:
             for layer in bn_layers:
                 layer_fixes.global_batch_moments(
-                    layer, collectives.SumOverRanks.apply, self.steps.train_rows)
+                    layer, collectives.SumOverRanks.apply, self.steps.train_rows,
+                    self.rank, self.world)
         else:
             averaged = [v for layer in bn_layers for v in layer.non_trainable_weights
                         if "float" in str(v.dtype)]
