@@ -3,7 +3,7 @@
 Keras's ``synchronized=True`` took over 400 s to trace MobileNetV2 (alpha 0.35, 32x32)
 on 4 replicas: tracing each all-reduce walked every replica's graph (quadratic in
 depth). Its variance E[x^2] - E[x]^2 also loses float32 digits that one device's
-two-pass moments keep.
+two-pass moments keep (tests/common/test_sync_moments.py).
 """
 
 import contextlib
@@ -79,43 +79,3 @@ def test_sync_batchnorm_equals_one_device():
     from one device's."""
     one, parallel = _fit(gpus=4)
     assert rel_diff(one, parallel) <= 1e-5
-
-
-def test_synced_moments_keep_float32_digits_as_one_device_does():
-    """Features of mean 100 and standard deviation 3, 126 rows on 4 replicas (32, 32, 31,
-    31 rows): with momentum 0 a step leaves the global batch's moments in the moving
-    statistics. kmgpu's two passes ([sum, count], then the squared differences from the
-    global mean) keep the variance to float32's resolution, as one device's tf.nn.moments
-    does; Keras's synchronized E[x^2] - E[x]^2 subtracts two numbers near 10,009 and
-    loses about four of float32's seven digits of a variance of 9 (the patch's reason,
-    kmgpu/engines/tensorflow/keras_fixes.py).
-
-    The moments themselves, not weights after training: Adam turns rounding in near-zero
-    gradients into full steps, so how far trained weights land from float64 depends on
-    the CPU's kernels, not on how the moments are computed."""
-    import keras
-
-    rng = np.random.default_rng(0)
-    x = (rng.normal(size=(126, 8, 8, 3)) * 3 + 100).astype("float32")
-    y = rng.normal(size=(126, 1)).astype("float32")
-    exact_mean = x.astype("float64").mean(axis=(0, 1, 2))
-    exact_var = x.astype("float64").var(axis=(0, 1, 2))
-    errors = {}
-    for devices in (None, 4):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((8, 8, 3))
-        norm = keras.layers.BatchNormalization(momentum=0.0)
-        h = keras.layers.GlobalAveragePooling2D()(norm(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(1)(h))
-        target = model if devices is None else kmgpu.parallelize(
-            model, gpus=devices, sync_batchnorm=True)
-        target.compile(optimizer="sgd", loss="mse")
-        with few_steps() if devices else contextlib.nullcontext():
-            target.fit(x, y, batch_size=126, epochs=1, verbose=0)
-        mean, var = (np.asarray(v, "float64") for v in (norm.moving_mean, norm.moving_variance))
-        errors[devices] = (np.max(np.abs(mean - exact_mean) / exact_mean),
-                           np.max(np.abs(var - exact_var) / exact_var))
-    # relative errors against float64: mean and variance, one device and kmgpu, each
-    # within 1e-5; Keras's synchronized moments miss the variance by about 1e-3
-    for devices, (mean_error, var_error) in errors.items():
-        assert mean_error <= 1e-5 and var_error <= 1e-5, (devices, errors)

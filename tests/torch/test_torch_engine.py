@@ -4,7 +4,6 @@ Parity (MLP, Conv+BN, LSTM x SGD/Adam x 2/4 devices, 97 samples / batch 20 / 3
 devices) and the sine scenario run from tests/common on every backend.
 """
 
-import contextlib
 import os
 import signal
 import threading
@@ -85,44 +84,6 @@ def test_batchnorm_statistics_identical_on_every_rank(sync):
         ref = _reference("conv_bn", x, y, 20)
         assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     assert "global batch" in parallel.describe() if sync else "averaged" in parallel.describe()
-
-
-def test_synced_moments_keep_float32_digits():
-    """Features of mean 100 and standard deviation 3, 126 rows on 4 ranks (32, 32, 31, 31
-    rows): with momentum 0 a step leaves the global batch's moments in the moving
-    statistics. Each rank's mean and sum of squared differences from it, combined over
-    ranks (one all-reduce), keep the variance to float32's resolution; one all-reduce of
-    [sum x, sum x^2] and E[x^2] - E[x]^2 subtracts two numbers near 10,009 and loses
-    about three of float32's seven digits of a variance of 9.
-
-    One device is Keras's own BatchNormalization on torch, whose ``ops.moments`` is also
-    E[x^2] - E[x]^2 over the whole batch: in the failure message, not held to float64.
-    The moments themselves, not weights after training (tests/tensorflow/
-    test_sync_batchnorm.py says why)."""
-    import keras
-
-    rng = np.random.default_rng(0)
-    x = (rng.normal(size=(126, 8, 8, 3)) * 3 + 100).astype("float32")
-    y = rng.normal(size=(126, 1)).astype("float32")
-    exact_mean = x.astype("float64").mean(axis=(0, 1, 2))
-    exact_var = x.astype("float64").var(axis=(0, 1, 2))
-    errors = {}
-    for devices in (None, 4):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((8, 8, 3))
-        norm = keras.layers.BatchNormalization(momentum=0.0)
-        h = keras.layers.GlobalAveragePooling2D()(norm(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(1)(h))
-        target = model if devices is None else kmgpu.parallelize(
-            model, gpus=devices, sync_batchnorm=True)
-        target.compile(optimizer="sgd", loss="mse")
-        with few_steps() if devices else contextlib.nullcontext():
-            target.fit(x, y, batch_size=126, epochs=1, verbose=0)
-        mean, var = (np.asarray(v, "float64") for v in (norm.moving_mean, norm.moving_variance))
-        errors[devices] = (np.max(np.abs(mean - exact_mean) / exact_mean),
-                           np.max(np.abs(var - exact_var) / exact_var))
-    mean_error, var_error = errors[4]
-    assert mean_error <= 1e-5 and var_error <= 1e-5, errors
 
 
 def test_pydataset_input():
