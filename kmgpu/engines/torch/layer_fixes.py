@@ -53,7 +53,9 @@ def _global_moments(layer, local, sum_over_ranks, real_rows, rank, world):
             sums = torch.sum(x * w, dim=axes, keepdim=True)
             n = torch.sum(w, dim=axes)
         mean = sums / nonzero(n).reshape(sums.shape)
-        squares = torch.square(x - mean)
+        # the local mean held constant: the squared differences' gradient through it is
+        # their sum's derivative at its minimum, zero (as tf.nn.moments does)
+        squares = torch.square(x - mean.detach())
         m2 = torch.sum(squares if w is None else squares * w, dim=axes)
         mine = torch.stack([n, mean.reshape(-1), m2])  # (3, C)
         # every rank's row: zeros but this rank's, summed over ranks (an all-gather
