@@ -88,6 +88,24 @@ def keras_reference(model):
     return model
 
 
+def one_device_input(data):
+    """``data`` for a test's plain-Keras, one-device side: a ``tf.data`` dataset without
+    tf.data's autotuning (the same elements; anything else as it is). Plain Keras keeps
+    its iterator in the model's reference cycles, so the garbage collector destroys it
+    later, in whichever test is running then, and TensorFlow waits there for the
+    iterator's tuning thread to wake from its sleep, which doubles up to 60 s: such a
+    collection stalled later tests by tens of seconds. kmgpu's own iterators are untuned
+    (``engines/tensorflow/data_fixes.untuned_iterators``)."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(data, tf.data.Dataset):
+        return data
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return data.with_options(options)
+
+
 def few_steps():
     """``pytest.warns`` for the warning kmgpu gives on purpose when a fit has fewer than 10
     steps per epoch (the first fit of a ParallelModel; tests train tiny data)."""

@@ -21,7 +21,7 @@ import pytest
 
 import kmgpu
 from tests.common.test_dataset_sample_weights import _model as _weights_model
-from tests.helpers import keras_reference, listed_batches, rel_diff
+from tests.helpers import keras_reference, listed_batches, one_device_input, rel_diff
 
 ROWS = 78  # batches of 7: 11 of them and one row; of 8: 9 and 6 rows (10 steps: no warning)
 REFUSES = keras.backend.backend() != "jax"
@@ -72,11 +72,13 @@ def _refused_at(build, kind, batches, k, match):
     reference, model = build(), build()
     parallel = kmgpu.parallelize(model, gpus=FEW)
     if not REFUSES:
-        reference.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
+        reference.fit(one_device_input(_data(kind, batches)), epochs=1, shuffle=False,
+                      verbose=0)
         parallel.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
         assert rel_diff(reference.get_weights(), model.get_weights()) < 1e-5
         return
-    reference.fit(_data(kind, batches[:k]), epochs=1, shuffle=False, verbose=0)
+    reference.fit(one_device_input(_data(kind, batches[:k])), epochs=1, shuffle=False,
+                  verbose=0)
     with pytest.raises(NotImplementedError, match=match):
         parallel.fit(_data(kind, batches), epochs=1, shuffle=False, verbose=0)
     # Keras's TensorFlow trainer counts the step whose data failed (plain Keras too)

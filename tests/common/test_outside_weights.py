@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import one_device_input, rel_diff
 
 TOL = 1e-5
 ROWS, BATCH = 78, 8  # 10 steps; the last batch of 6 rows splits 2, 2, 1, 1 (3, 3 on 2)
@@ -76,6 +76,10 @@ def _feed(x, y=None):
     return dict(x=tf.data.Dataset.from_tensor_slices(data).batch(BATCH))
 
 
+def _one_device_feed(x, y=None):
+    return {k: one_device_input(v) for k, v in _feed(x, y).items()}
+
+
 @pytest.fixture(scope="module")
 def runs():
     x, y = _data()
@@ -84,11 +88,12 @@ def runs():
         model = _model(x)
         before = model.get_weights()
         target = model if name == "one" else kmgpu.parallelize(model, gpus=GPUS)
-        out[name, "predict"] = target.predict(**_feed(x), batch_size=None if TF else BATCH,
+        feed = _feed if name == "kmgpu" else _one_device_feed
+        out[name, "predict"] = target.predict(**feed(x), batch_size=None if TF else BATCH,
                                               verbose=0)
         target.compile(optimizer=_optimizer(model), loss="mse")
         kwargs = {} if TF else dict(batch_size=BATCH)
-        history = target.fit(**_feed(x, y), epochs=2, shuffle=False, verbose=0, **kwargs)
+        history = target.fit(**feed(x, y), epochs=2, shuffle=False, verbose=0, **kwargs)
         out[name, "before"], out[name, "after"] = before, model.get_weights()
         out[name, "loss"] = history.history["loss"]
     return out

@@ -8,7 +8,7 @@ PyDataset parity test lives with the JAX and torch engines.
 import numpy as np
 
 import kmgpu
-from tests.helpers import data, few_steps, mlp, rel_diff
+from tests.helpers import data, few_steps, mlp, one_device_input, rel_diff
 
 TOL = 1e-5
 
@@ -20,7 +20,7 @@ def test_tf_data_input():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(12)
     ref = mlp()
     ref.compile(optimizer="adam", loss="mse")
-    ref.fit(ds, epochs=2, verbose=0)
+    ref.fit(one_device_input(ds), epochs=2, verbose=0)
     model = mlp()
     parallel = kmgpu.parallelize(model, gpus=4)
     parallel.compile(optimizer="adam", loss="mse")
@@ -28,4 +28,4 @@ def test_tf_data_input():
         parallel.fit(ds, epochs=2, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     pred = parallel.predict(ds, verbose=0)
-    np.testing.assert_allclose(pred, ref.predict(ds, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pred, ref.predict(one_device_input(ds), verbose=0), rtol=1e-5, atol=1e-6)
