@@ -98,7 +98,7 @@ def one_device_input(data):
     (``engines/tensorflow/data_fixes.untuned_iterators``)."""
     import sys
 
-    tf = sys.modules.get("tensorflow")
+    tf = sys.modules.get("tensorflow")  # a dataset means it is imported; no import else
     if tf is None or not isinstance(data, tf.data.Dataset):
         return data
     options = tf.data.Options()

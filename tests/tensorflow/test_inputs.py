@@ -28,4 +28,5 @@ def test_tf_data_input():
         parallel.fit(ds, epochs=2, verbose=0)
     assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
     pred = parallel.predict(ds, verbose=0)
-    np.testing.assert_allclose(pred, ref.predict(one_device_input(ds), verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pred, ref.predict(one_device_input(ds), verbose=0), rtol=1e-5,
+                               atol=1e-6)
