@@ -43,7 +43,10 @@ py=$venv/bin/python
 start=$SECONDS
 
 # -- the environment ---------------------------------------------------------------------
-if ! "$py" -c "import kmgpu, tensorflow, jax, torch, cloudpickle, pytest" 2>/dev/null; then
+# packages found and versions read, not imported: importing Keras imports its backend
+found='import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, sys.argv[1:])))'
+version='import importlib.metadata as m; print(m.version("keras"))'
+if ! "$py" -c "$found" kmgpu tensorflow jax torch cloudpickle pytest 2>/dev/null; then
   echo "kmgpu: making $venv (.venv's TensorFlow, JAX and torch; a few minutes) ..."
   .venv/bin/python -m venv "$venv" || exit 1  # .venv's Python
   torch=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
@@ -61,11 +64,11 @@ if [ -n "$source" ]; then
   # its own dependencies (absl, rich, namex, ...), at .venv's versions where .venv has them
   "$py" -m pip install -q -c "$venv/constraints.txt" absl-py numpy rich namex h5py optree \
     ml-dtypes packaging || exit 1
-elif [ "$("$py" -c 'import keras; print(keras.__version__)' 2>/dev/null)" != "$which" ]; then
+elif [ "$("$py" -c "$version" 2>/dev/null)" != "$which" ]; then
   echo "kmgpu: installing keras==$which ..."
   "$py" -m pip install -q -c "$venv/constraints.txt" "keras==$which" || exit 1
 fi
-keras=$("$py" -c 'import keras; print(keras.__version__)' 2>/dev/null) || exit 1
+keras=$("$py" -c "$version" 2>/dev/null) || exit 1
 echo "kmgpu: Keras $keras in $venv ($((SECONDS - start)) s); pyproject.toml declares keras$range"
 
 # -- the set -----------------------------------------------------------------------------
