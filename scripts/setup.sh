@@ -5,9 +5,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv || exit 1
 fi
 . .venv/bin/activate
-# each package found, not imported: importing the three backends cost seconds of CPU
-# before every run
-if ! python -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, sys.argv[1:])))" \
+if ! python scripts/installed.py \
     kmgpu keras tensorflow jax torch cloudpickle pytest nbclient matplotlib pynvml hypothesis \
     sybil mkdocs material mkdocstrings mkdocstrings_handlers.python 2>/dev/null; then
   echo "kmgpu: installing torch==2.13.0 (CPU build) ..."

@@ -43,10 +43,9 @@ py=$venv/bin/python
 start=$SECONDS
 
 # -- the environment ---------------------------------------------------------------------
-# packages found and versions read, not imported: importing Keras imports its backend
-found='import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, sys.argv[1:])))'
+# Keras's version read, not imported: importing Keras imports its backend
 version='import importlib.metadata as m; print(m.version("keras"))'
-if ! "$py" -c "$found" kmgpu tensorflow jax torch cloudpickle pytest 2>/dev/null; then
+if ! "$py" scripts/installed.py kmgpu tensorflow jax torch cloudpickle pytest 2>/dev/null; then
   echo "kmgpu: making $venv (.venv's TensorFlow, JAX and torch; a few minutes) ..."
   .venv/bin/python -m venv "$venv" || exit 1  # .venv's Python
   torch=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
