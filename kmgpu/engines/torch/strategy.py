@@ -84,12 +84,14 @@ class DDPStrategy:
         return zero if zero is not None and zero.weights else None
 
     def receivable(self):
-        """Before a state is loaded into the replica's variables (``receive_state``
-        with ``load`` None): with sharded weights, host buffers for it (local: no
-        collective); nothing otherwise."""
-        zero = self._weight_shards()
-        if zero is not None:
-            zero.receivable()
+        """Before a state is loaded into the replica's variables (``receive_state``, or
+        the launcher's copy under torchrun): a sharded optimizer state's Keras slot
+        variables whole again (between calls they hold nothing, ``let_go``), with
+        sharded weights host buffers for the weights too (local: no collective);
+        nothing when the state is not sharded."""
+        step = self.sharded_step
+        if step is not None and step.zero is not None:
+            step.zero.receivable()
 
     def receive_state(self, replica, load=None, shared=True):
         """Rank 0's state in every rank's replica.
@@ -111,14 +113,11 @@ class DDPStrategy:
         opt = getattr(replica, "optimizer", None)
         if opt is not None and not opt.built:
             opt.build(replica.trainable_variables)
-        if self.sharded_step is not None and self.sharded_step.zero is not None:
-            self.sharded_step.zero.receivable()  # whole Keras slot variables to receive into
+        self.receivable()  # a sharded state: whole Keras slot variables to receive into
         variables = list(replica.weights)
         if opt is not None and opt.built:
             variables += list(opt.variables)
         collectives.broadcast_tensors([v.value for v in variables], self.device)
-        if self.sharded_step is not None and self.sharded_step.zero is not None:
-            self.sharded_step.zero.take_weights()  # shard="weights": the pieces, whole freed
 
     def held_bytes(self):
         """Bytes this rank's train step holds now by kind (``SplitStep.held_bytes``;

@@ -54,13 +54,13 @@ def onto_device(strategy, replica):
 
 def receive(strategy, replica, load, shared):
     """``DDPStrategy.receive_state`` (its docstring says what)."""
+    strategy.receivable()  # a sharded state's variables whole again, before ``load``
     zero = strategy._weight_shards()
     if zero is None:
         if load is not None and (not shared or strategy.rank == 0):
             load(replica)
         strategy.broadcast_state(replica)
         return
-    zero.receivable()
     if load is not None:
         load(replica)
     zero.take(scatter=not shared)
