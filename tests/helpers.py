@@ -26,6 +26,16 @@ def batch_logs():
     return BatchLogs()
 
 
+def shard_values():
+    """Every ``shard`` value the session's backend takes (TensorFlow: None only): the
+    tests of what users pass to ``fit`` run under each, ``shard`` being a mode."""
+    from kmgpu import hardware
+
+    if hardware.backend_name() == "tensorflow":
+        return [None]
+    return [None, "optimizer", "gradients", "weights"]
+
+
 def rel_diff(a_weights, b_weights):
     """Largest relative difference between two weight lists: per tensor max|a-b| / max|a|.
 

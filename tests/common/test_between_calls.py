@@ -17,17 +17,9 @@ import numpy as np
 import pytest
 
 import kmgpu
-from kmgpu import hardware
-from tests.helpers import data, mlp, rel_diff
+from tests.helpers import data, mlp, rel_diff, shard_values
 
 TOL = 1e-5
-
-
-def shard_values():
-    """Every ``shard`` value the backend takes (TensorFlow: None only)."""
-    if hardware.backend_name() == "tensorflow":
-        return [None]
-    return [None, "optimizer", "gradients", "weights"]
 
 
 def state(model):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import rel_diff, shard_values
 
 
 TOL = 1e-5
@@ -61,20 +61,28 @@ def _model():
     return keras.Model({"tokens": tokens, "series": series}, [words, steps])
 
 
-@pytest.fixture(scope="module")
-def runs():
+def _run(shard=False):
+    """(initial weights, trained weights, History, evaluate's scores): one device with
+    ``shard`` False, else kmgpu on 2 devices with that ``shard`` value."""
     x, y = _data()
-    out = {}
-    for name in ("one", "kmgpu"):
-        model = _model()
-        before = model.get_weights()
-        target = model if name == "one" else kmgpu.parallelize(model, gpus=2)
-        target.compile(optimizer=keras.optimizers.Adam(0.05), loss=["mse", "mae"],
-                       metrics=[["mae"], ["mse"]])
-        history = target.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        scores = target.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
-        out[name] = before, model.get_weights(), history.history, scores
-    return out
+    model = _model()
+    before = model.get_weights()
+    target = model if shard is False else kmgpu.parallelize(model, gpus=2, shard=shard)
+    target.compile(optimizer=keras.optimizers.Adam(0.05), loss=["mse", "mae"],
+                   metrics=[["mae"], ["mse"]])
+    history = target.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    scores = target.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return before, model.get_weights(), history.history, scores
+
+
+@pytest.fixture(scope="module")
+def one():
+    return _run()
+
+
+@pytest.fixture(scope="module", params=shard_values(), ids=lambda s: f"shard={s}")
+def runs(request, one):
+    return {"one": one, "kmgpu": _run(request.param)}
 
 
 def test_masked_sequence_losses_train_as_on_one_device(runs):

@@ -378,3 +378,22 @@ def test_a_replica_reads_its_metrics_as_the_base_trainer_does():
     assert {k: float(v) for k, v in got.items()} == want
     if TorchTrainer.get_metrics_result is not Trainer.get_metrics_result:  # Keras master
         assert model.get_metrics_result.__func__ is Trainer.get_metrics_result
+
+
+@relies_on(("keras.src.backend.common.masking", "get_keras_mask"),
+           ("keras.src.backend.common.masking", "set_keras_mask"))
+def test_a_masked_output_carries_its_mask_and_detached_keeps_it():
+    """A masked metric reads the mask on the output tensor: without it the padded
+    timesteps count (the metric moves), with ``detached``'s copy it is as before."""
+    inputs = keras.Input((3, 1))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Masking(0.0)(inputs)))
+    x = np.array([[[1.0], [2.0], [0.0]]], "float32")
+    y = model(x)
+    metric = keras.metrics.MeanAbsoluteError()
+    metric.update_state(np.zeros((1, 3, 1), "float32"), step_fixes.detached(y))
+    masked = float(metric.result())
+    metric.reset_state()
+    metric.update_state(np.zeros((1, 3, 1), "float32"), y.detach())  # no mask on it
+    assert masked != float(metric.result())
+    expected = float(np.abs(keras.ops.convert_to_numpy(y)[0, :2]).mean())
+    np.testing.assert_allclose(masked, expected, rtol=1e-6)

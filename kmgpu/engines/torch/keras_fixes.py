@@ -41,6 +41,11 @@ PATCHES = [
      "wrapped on each replica so fit's validation and evaluate know their rank slices"),
     ("keras.src.trainers.trainer", "Trainer._compute_loss", "step_fixes.compute_loss",
      "kmgpu's steps compute the loss as Keras's own torch steps do"),
+    ("keras.src.backend.common.masking", "get_keras_mask", "step_fixes.detached",
+     "a layer's output mask is an attribute of the output tensor, where a masked loss "
+     "and metric read it; the split step's detached outputs carry it over"),
+    ("keras.src.backend.common.masking", "set_keras_mask", "step_fixes.detached",
+     "sets that attribute on the detached output"),
     ("keras.src.utils.python_utils", "pythonify_logs", "step_fixes.pythonify_logs",
      "logs as plain Python numbers, to relay them to the driver's callbacks"),
     ("keras.src.utils", "is_default", "step_fixes.is_default",

@@ -104,6 +104,20 @@ def _read_metrics_once(model):
                             lambda current: Trainer.get_metrics_result.__get__(model))
 
 
+def detached(tensor):
+    """``tensor.detach()`` that keeps the Keras mask on it: Keras's torch layers carry a
+    mask on the output tensor itself (``set_keras_mask``), and a loss or metric of a
+    masked output reads it there; a plain ``detach()`` is a new tensor without it, so
+    metrics computed on it would count the padded steps too."""
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    out = tensor.detach()
+    mask = get_keras_mask(tensor)
+    if mask is not None:
+        set_keras_mask(out, mask.detach())
+    return out
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """The loss as Keras's torch steps compute it (``Trainer._compute_loss``)."""
     return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,

@@ -183,7 +183,7 @@ class SplitStep:
             del grads
             for view, v in zip(views[n:], self.averaged):
                 torch.mul(v.value, share, out=view)
-        return loss.detach(), _map(lambda t: t.detach(), y_pred)
+        return loss.detach(), _map(step_fixes.detached, y_pred)  # masks kept: metrics read them
 
     def _loss(self, x, y, y_pred, sw, n_real, n_global):
         """(what the loss tracker gets, with weight n_real; this replica's part of the
