@@ -177,29 +177,88 @@ def _expand_one(item):
 def for_this_process(call):
     """A fit/evaluate/predict call as this process runs it in a multi-process job.
 
-    Process 0 keeps everything. The others print nothing (verbose=0), run no
-    ``ModelCheckpoint``, ``CSVLogger`` or ``TensorBoard``, and run
-    ``BackupAndRestore`` for restoring only (process 0 writes the backup).
-    Callbacks that steer training (EarlyStopping, LR schedules) run everywhere:
-    their metrics are global, so every process takes the same decision.
+    Process 0 keeps everything. The others print nothing (verbose=0), write nothing
+    (``ModelCheckpoint``, ``CSVLogger``, ``TensorBoard``) and run ``BackupAndRestore``
+    for restoring only (process 0 writes the backup). Callbacks that steer training
+    (EarlyStopping, LR schedules) run everywhere: their metrics are global, so every
+    process takes the same decision.
+
+    The writers stay in every process's list, each in a ``process_zero_writer`` wrapper
+    (on process 0 it runs them, elsewhere only a backup's restore): every process sees
+    the same callbacks, so an engine whose state is spread over the processes can
+    gather it for them in every process at the same step (``writers``).
     """
-    if process_index() == 0:
+    j = job()
+    if j is None or j.world == 1:
         return call
+    if j.rank != 0:
+        call = dict(call, verbose=0)
+    if call.get("callbacks"):
+        call["callbacks"] = [_process_zero_writer(cb) if _is_writer(cb) else cb
+                             for cb in call["callbacks"]]
+    return call
+
+
+def writers(callbacks):
+    """The callbacks ``for_this_process`` wrapped as writers, in order (each wrapper's
+    ``writer`` is the user's callback, its ``writes_from`` the model its writes read, or
+    None: the one Keras's fit sets)."""
+    return [cb for cb in callbacks or () if hasattr(cb, "writer")]
+
+
+def _is_writer(cb):
     import keras
 
-    writers = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
-               keras.callbacks.TensorBoard)
-    call = dict(call, verbose=0)
-    if call.get("callbacks"):
-        kept = []
-        for cb in call["callbacks"]:
-            if isinstance(cb, writers):
-                continue
-            if isinstance(cb, keras.callbacks.BackupAndRestore):
-                cb = _restore_only(cb)
-            kept.append(cb)
-        call["callbacks"] = kept
-    return call
+    return isinstance(cb, (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
+                           keras.callbacks.TensorBoard, keras.callbacks.BackupAndRestore))
+
+
+def _process_zero_writer(writer):
+    """``writer`` as process 0 runs it (every hook), and as the others do: nothing, or
+    for a ``BackupAndRestore`` the restore at the start of training only. The user's
+    callback is left as it is; ``writes_from`` (set by an engine) is the model its
+    hooks see after the start of training."""
+    import keras
+
+    restore = isinstance(writer, keras.callbacks.BackupAndRestore)
+    here = process_index() == 0
+
+    class ProcessZeroWriter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.writer, self.writes_from = writer, None
+
+        def set_model(self, model):
+            super().set_model(model)
+            writer.set_model(model)
+
+        def set_params(self, params):
+            super().set_params(params)
+            writer.set_params(params)
+
+        def on_train_begin(self, logs=None):
+            if here or restore:  # a backup is restored into the model fit trains
+                writer.set_model(self.model)
+                writer.on_train_begin(logs)
+            if self.writes_from is not None:
+                writer.set_model(self.writes_from)
+
+    def relay(name):
+        def hook(self, *args, **kwargs):
+            if here:
+                getattr(writer, name)(*args, **kwargs)
+        hook.__name__ = name
+        return hook
+
+    # only the hooks the writer has: Keras's fit skips a batch hook nobody implements
+    base = keras.callbacks.Callback
+    for name in ("on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+                 "on_train_batch_end", "on_test_begin", "on_test_end", "on_test_batch_begin",
+                 "on_test_batch_end", "on_predict_begin", "on_predict_end",
+                 "on_predict_batch_begin", "on_predict_batch_end"):
+        if getattr(type(writer), name) is not getattr(base, name):
+            setattr(ProcessZeroWriter, name, relay(name))
+    return ProcessZeroWriter()
 
 
 def tf_config(hosts, per_node, rank, master_port):
@@ -208,20 +267,3 @@ def tf_config(hosts, per_node, rank, master_port):
                for r, h in enumerate(hosts) for i in range(per_node)]
     return json.dumps({"cluster": {"worker": workers},
                        "task": {"type": "worker", "index": rank}})
-
-
-def _restore_only(backup):
-    """``backup`` (a ``BackupAndRestore``) as a callback that restores at the start of
-    training and never writes or deletes: process 0 keeps the backup. The user's callback
-    is left as it is."""
-    import keras
-
-    class RestoreOnly(keras.callbacks.Callback):
-        def set_model(self, model):
-            super().set_model(model)
-            backup.set_model(model)
-
-        def on_train_begin(self, logs=None):
-            backup.on_train_begin(logs)
-
-    return RestoreOnly()

@@ -75,7 +75,7 @@ def test_job_from_torchrun_and_slurm_variables():
                                                              "c10x"]
 
 
-def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
+def test_other_processes_keep_writers_silent_and_restoring(monkeypatch, tmp_path):
     import keras
 
     ckpt = keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))
@@ -88,7 +88,9 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
                        "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     mine = environment.for_this_process(call)
-    assert mine["verbose"] == 0 and len(mine["callbacks"]) == 2 and mine["callbacks"][1] is stop
+    # every process keeps the same list, the writers wrapped: here they write nothing
+    assert mine["verbose"] == 0 and len(mine["callbacks"]) == 3 and mine["callbacks"][2] is stop
+    assert [w.writer for w in environment.writers(mine["callbacks"])] == [ckpt, backup]
     # process 0 wrote a backup (a plain fit, 2 epochs); here it is restored, never written
     keras.utils.set_random_seed(0)
     trained = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -99,7 +101,7 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
     files = {p: p.stat().st_mtime_ns for p in (tmp_path / "backup").iterdir()}
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     fresh.compile(optimizer="sgd", loss="mse")
-    restore = mine["callbacks"][0]
+    restore = mine["callbacks"][1]
     restore.set_model(fresh)
     restore.on_train_begin()
     for a, b in zip(fresh.get_weights(), trained.get_weights()):
@@ -107,7 +109,20 @@ def test_other_processes_drop_writers_and_keep_restoring(monkeypatch, tmp_path):
     for hook in (restore.on_epoch_end, restore.on_train_batch_end):
         hook(0, {"loss": 0.0})
     restore.on_train_end()
+    saver = mine["callbacks"][0]
+    saver.set_model(fresh)
+    saver.on_train_begin()
+    saver.on_epoch_end(0, {"loss": 0.0})
+    assert not (tmp_path / "m.keras").exists()
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "backup").iterdir()} == files
+    monkeypatch.setenv("RANK", "0")  # process 0: the same list, its writers write
+    ours = environment.for_this_process(call)
+    assert ours["verbose"] == "auto" and len(ours["callbacks"]) == 3
+    saver = ours["callbacks"][0]
+    saver.set_model(fresh)
+    saver.on_train_begin()
+    saver.on_epoch_end(0, {"loss": 0.0})
+    assert (tmp_path / "m.keras").exists()
     assert backup.delete_checkpoint is True  # the user's callback is as it was
 
 

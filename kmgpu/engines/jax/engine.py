@@ -89,6 +89,9 @@ class JaxEngine(InProcessEngine):
         if self.sharded:  # the template's whole state stays off the accelerators
             host.to_host(host.template_variables(template))
             self._template = template
+            if self.multiprocess and method == "fit":  # process 0 holds only pieces
+                kwargs = dict(kwargs, callbacks=host.writers_read_template(
+                    self, template, kwargs.get("callbacks")))
         return super().run(method, template, kwargs, lr_scale)
 
     def prepare_replica(self, replica, template):

@@ -19,6 +19,8 @@ arrays are, on the host CPU; ``keras``'s own ``fit`` puts them back on the accel
 On a machine without accelerators the host device is device 0 (nothing moves).
 """
 
+import contextlib
+
 
 def device():
     """The host CPU device the template's whole state lives on."""
@@ -65,3 +67,64 @@ def built_on_host(template, replica):
     with jax.default_device(device()):
         opt.build(template.trainable_variables)
     to_host(template_variables(template))
+
+
+def writers_read_template(engine, template, callbacks):
+    """``callbacks`` for a fit whose state is spread over several processes
+    (``jax.distributed`` with ``shard=``), where process 0 alone cannot read it: the
+    writers (``environment.writers``: ModelCheckpoint, BackupAndRestore, ...) read the
+    user's model, and every process copies the replica's state into it (a collective
+    gather, ``engine.copy_back``) at every epoch end before they run, and at every step's
+    end where a writer saves by steps. A backup is still restored into the replica.
+
+    Returns:
+        The callbacks, with the copy first (unchanged where there is no writer).
+    """
+    import warnings
+
+    import keras
+
+    from kmgpu import environment
+    from kmgpu.engines import replication
+
+    found = environment.writers(callbacks)
+    if not found:
+        return callbacks
+    for w in found:
+        w.writes_from = template
+    by_steps = [type(w.writer).__name__ for w in found
+                if isinstance(getattr(w.writer, "save_freq", "epoch"), int)]
+    if by_steps:
+        warnings.warn(
+            f"kmgpu: {', '.join(by_steps)} with an integer save_freq in a multi-process "
+            "job with shard= gathers the whole state from every process at every step "
+            "(it saves from process 0, which holds only its pieces). save_freq='epoch' "
+            "gathers once per epoch.", stacklevel=4)
+
+    class CopyForWriters(keras.callbacks.Callback):
+        def copy(self):
+            replica = self.model  # (Keras's JAX callbacks sync its state on this read)
+            with outside_distribution():  # the template's variables stay plain
+                built_on_host(template, replica)
+                engine.copy_back(replication.state_pairs(replica, template))
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.copy()
+
+    if by_steps:
+        CopyForWriters.on_train_batch_end = lambda self, batch, logs=None: self.copy()
+    return [CopyForWriters()] + list(callbacks)
+
+
+@contextlib.contextmanager
+def outside_distribution():
+    """Within the block no ``keras.distribution`` is set (a variable made there has no
+    layout: the template's, made inside a fit that runs under the engine's)."""
+    import keras
+
+    current = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(current)
