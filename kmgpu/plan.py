@@ -145,7 +145,7 @@ def describe(*, backend, engine, config, template, samples=None, batch_size=None
         ("per-replica batch", per_text),
         ("steps/epoch", steps),
         ("learning rate", lr),
-        ("BatchNorm", engine.batchnorm_mode()),
+        *([("BatchNorm", engine.batchnorm_mode())] if _has_batchnorm(template) else []),
         *([("train step", step)] if (step := engine.train_step_mode(template)) else []),
         ("stateful RNNs", stateful),
         ("own losses", own_losses_text(backend, template, n)),
@@ -154,6 +154,15 @@ def describe(*, backend, engine, config, template, samples=None, batch_size=None
     ]
     width = max(len(k) for k, _ in lines)
     return "kmgpu plan\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
+
+
+def _has_batchnorm(template):
+    """Whether the model holds a BatchNormalization layer (else describe() has no line
+    for it)."""
+    import keras
+
+    return any(isinstance(layer, keras.layers.BatchNormalization)
+               for layer in template._flatten_layers(include_self=False))
 
 
 def _traffic(shard, params, n):
@@ -200,6 +209,9 @@ def _memory(engine, config, template, grads):
             measured = (math.ceil(whole / n), whole, 0)
         per, whole, kept = measured
         kept_text = f", {_bytes(kept)} of it whole: no dimension splits over {n}" if kept else ""
+        padding = per - kept - math.ceil((whole - kept) / n)
+        if padding > 0:  # each piece rounded up to an aligned size (torch's flat buffers)
+            kept_text += f", {_bytes(padding)} of it padding: the pieces are aligned"
         if key in sharded:
             parts.append(f"{kind} {_bytes(per)} (1/{n} of {_bytes(whole)}{kept_text})")
         else:

@@ -169,6 +169,7 @@ def test_describe_states_the_plan(capsys):
                      "learning rate      x4 (linear scaling rule), warm-up from x1 over 3 epoch(s)",
                      f"all-reduce/step    {params * 2 * (N - 1) / N:.0f} B (params {params} B"]:
         assert expected in text, (expected, text)
+    assert "BatchNorm" not in text, "a model without BatchNormalization gets no BatchNorm line"
 
 
 def test_bad_policy_values_leave_the_model_alone():
