@@ -3,7 +3,7 @@
 import inspect
 import warnings
 
-from kmgpu import checks, connector, environment, plan
+from kmgpu import checks, connector, environment, own_methods, plan
 from kmgpu.engines import datasets, lr, replication
 
 
@@ -14,10 +14,11 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
     evaluate / predict run on several devices.
 
     Args:
-        model: a ``keras.Model`` (Sequential, functional, or subclassed with
+        model: a built ``keras.Model`` (Sequential, functional, or subclassed with
             ``get_config``). It stays the user's: after every fit it holds the
-            trained weights. An unbuilt one (no ``Input``) is built from the first
-            batch of the first call, as plain Keras does; the replicas are made then.
+            trained weights. An unbuilt Sequential (no ``Input``) is built from the
+            first batch of the first call, as plain Keras does; the replicas are made
+            then. Any other model must be built before it is wrapped.
         gpus: None (every device; "all", "auto" and -1 mean the same), an int N (the
             first N), a list of ids such as
             [0, 2], or a dict such as {'main': 0, 'second': 1}.
@@ -30,7 +31,10 @@ def parallelize(model, gpus=None, *, batch="global", scale_lr=None, warmup_epoch
         sync_batchnorm: False (default): each replica normalises with its own rows'
             moments, no collective inside BatchNormalization; the moving statistics
             are the mean over replicas. True: moments over the global batch, equal
-            to one device, at two all-reduces per BatchNormalization layer per step.
+            to one device, at the price of collectives inside every
+            BatchNormalization layer: in the forward pass two all-reduces per layer
+            on TensorFlow, one on torch, those XLA places on JAX; their gradients in
+            the backward pass.
         reset_states: stateful RNNs: "epoch" zeroes their states at the start of
             every epoch and every evaluate / predict call; None never does (call
             ``parallel.reset_states()``).
@@ -103,6 +107,9 @@ class ParallelModel:
 
     def fit(self, *args, **kwargs):
         """``keras.Model.fit``; ``batch_size`` follows the batch policy."""
+        return self._through_own("fit", args, kwargs, self._fit)
+
+    def _fit(self, *args, **kwargs):
         call = self._bind("fit", args, kwargs)
         self._require_compiled("fit")
         user_batch = call.get("batch_size")
@@ -141,6 +148,9 @@ class ParallelModel:
 
     def evaluate(self, *args, **kwargs):
         """``keras.Model.evaluate``: every sample exactly once."""
+        return self._through_own("evaluate", args, kwargs, self._evaluate)
+
+    def _evaluate(self, *args, **kwargs):
         call = self._bind("evaluate", args, kwargs)
         self._require_compiled("evaluate")
         user_batch = call.get("batch_size")
@@ -150,18 +160,24 @@ class ParallelModel:
 
     def predict(self, *args, **kwargs):
         """``keras.Model.predict``: every sample exactly once, in order."""
+        return self._through_own("predict", args, kwargs, self._predict)
+
+    def _predict(self, *args, **kwargs):
         call = self._bind("predict", args, kwargs)
         user_batch = call.get("batch_size")
         call = self._fixed_batches("predict", self._globalise(call, ("batch_size",)), user_batch)
         return self._engine.run("predict", self.model, environment.for_this_process(call),
                                 self._lr_scale)
 
-    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
-                       return_dict=False):
+    def train_on_batch(self, *args, **kwargs):
         """``keras.Model.train_on_batch``: one step on every replica, the rows of ``x``
         split over them (the one-device step of this batch, at the user's learning
         rate: the batch policy, LR scaling and warm-up apply to ``fit``). Afterwards the
         user's model holds the new weights and optimizer state."""
+        return self._through_own("train_on_batch", args, kwargs, self._train_on_batch)
+
+    def _train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                        return_dict=False):
         self._require_compiled("train_on_batch")
         kwargs = self._on_batch("train_on_batch", x, y, sample_weight)
         if class_weight is not None:
@@ -172,17 +188,23 @@ class ParallelModel:
         return self._engine.run("train_on_batch", self.model,
                                 dict(kwargs, return_dict=return_dict), (1.0, 0))
 
-    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+    def test_on_batch(self, *args, **kwargs):
         """``keras.Model.test_on_batch``: the loss and metrics of one batch, its rows split
         over the replicas."""
+        return self._through_own("test_on_batch", args, kwargs, self._test_on_batch)
+
+    def _test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         self._require_compiled("test_on_batch")
         kwargs = self._on_batch("test_on_batch", x, y, sample_weight)
         return self._engine.run("test_on_batch", self.model,
                                 dict(kwargs, return_dict=return_dict), (1.0, 0))
 
-    def predict_on_batch(self, x):
+    def predict_on_batch(self, *args, **kwargs):
         """``keras.Model.predict_on_batch``: the rows of ``x`` split over the replicas, the
         predictions in order."""
+        return self._through_own("predict_on_batch", args, kwargs, self._predict_on_batch)
+
+    def _predict_on_batch(self, x):
         kwargs = self._on_batch("predict_on_batch", x, None, None)
         return self._engine.run("predict_on_batch", self.model, kwargs, (1.0, 0))
 
@@ -270,6 +292,18 @@ class ParallelModel:
                 f"replica(s): {where}>")
 
     # -- helpers ------------------------------------------------------------------
+    def _through_own(self, method, args, kwargs, dispatch):
+        """``dispatch(*args, **kwargs)``, kmgpu's ``method``; for a model whose class has
+        its own ``method`` (keras-hub's tasks preprocess first), that method runs on the
+        user's model and kmgpu takes over where it calls ``keras.Model``'s
+        (``own_methods``), its batch sizes made global first."""
+        if not own_methods.overrides(self.model, method):
+            return dispatch(*args, **kwargs)
+        args, kwargs = own_methods.globalised(self.model, method, args, kwargs,
+                                              self._globalise)
+        return own_methods.run(self.model, method, args, kwargs,
+                               lambda a, k: dispatch(*a, **k))
+
     def _bind(self, method, args, kwargs):
         try:
             bound = _keras_signature(method).bind(self.model, *args, **kwargs)
