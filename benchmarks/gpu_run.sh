@@ -1,25 +1,21 @@
 #!/usr/bin/env bash
-# One `kmgpu bench` run of one backend on a 2 x H200 machine, sized for a 10-minute limit:
-# the four workloads people train (transformer, resnet50_small, xception,
-# resnet50) x {plain fit on 1 GPU, kmgpu on 2 GPUs with batch global and per_replica, the
-# peer on 2 GPUs, kmgpu on 1 GPU}, the all-reduce sweep (projection), and with torch the
-# torchvision reference, and plain fit once more after kmgpu (the replay: plain's figure is
-# the mean of the runs before and after kmgpu, so the overhead is order-balanced);
-# 3 epochs of the workload's steps (the first epoch compiles; pass --steps N to change them),
-# one process per workload. Runs that would not fit
-# the time budget (KMGPU_BENCH_BUDGET seconds, default 520) are skipped and say so in the
-# report; the workloads run cheapest first. The leading table is printed last.
+# Measures kmgpu against plain fit and each framework's own data-parallel way on this machine's
+# GPUs: one `kmgpu bench` run of one backend, sized for about 10 minutes. The four workloads
+# people train (transformer, resnet50_small, xception, resnet50) x {plain fit on 1 GPU, kmgpu
+# on 2 GPUs with batch global and per_replica, the peer on 2 GPUs, kmgpu on 1 GPU}, the
+# all-reduce sweep (projection), with torch the torchvision reference, and plain fit once more
+# after kmgpu (plain's figure is the mean of the runs before and after kmgpu, so the overhead is
+# order-balanced); 3 epochs of each workload's steps (the first compiles; --steps N changes
+# them), one process per workload. Runs that would not fit the time budget
+# (KMGPU_BENCH_BUDGET seconds, default 520) are skipped and say so in the report; the
+# workloads run cheapest first. The leading table is printed last.
 #
-# On the device machine, from the repository root (keras, namex, optree wheels in .whl/):
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \
-#     && bash benchmarks/gpu_run.sh jax            # then the same with torch
-# Writes $OUT/nvidia-h200-x2-<backend>.{json,md,png,log} (./kmgpu-bench without $OUT).
-# torch: KMGPU_BENCH_JIT_COMPILE=1 compiles kmgpu's runs with jit_compile=True (the captured
-# CUDA-graph step; benchmarks/results/nvidia-h200-x2-models.* was measured so).
-# One report from both runs, on any machine:
-#   python -m kmgpu bench --report nvidia-h200-x2-jax.json nvidia-h200-x2-torch.json \
-#     --name nvidia-h200-x2 --out benchmarks/results
+#   bash benchmarks/gpu_run.sh jax        # then the same with torch
+#
+# Writes $OUT/<name>.{json,md,png,log} (./kmgpu-bench without $OUT), <name> being
+# $KMGPU_BENCH_NAME or gpus-<backend>. torch: KMGPU_BENCH_JIT_COMPILE=1 compiles kmgpu's runs
+# with jit_compile=True. One report from both runs, on any machine:
+#   python -m kmgpu bench --report gpus-jax.json gpus-torch.json --name gpus --out benchmarks/results
 # The same code path on a CPU (CI sizes, simulated devices): add --quick.
 set -eu
 backend=${1:?usage: bash benchmarks/gpu_run.sh jax|torch [more kmgpu bench options]}
@@ -33,4 +29,4 @@ exec python3 -m kmgpu bench --backends "$backend" \
   --workloads transformer,resnet50_small,xception,resnet50 --devices 1,2 \
   --lean --isolate workload --epochs 3 \
   --budget "${KMGPU_BENCH_BUDGET:-520}" --out "$out" \
-  --name "${KMGPU_BENCH_NAME:-nvidia-h200-x2-$backend}" "$@"
+  --name "${KMGPU_BENCH_NAME:-gpus-$backend}" "$@"

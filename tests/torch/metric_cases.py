@@ -1,6 +1,6 @@
 """Every class ``keras.metrics`` exports, by the kind of labels it measures, and a tiny
 model for each kind: shared by ``test_captured_metrics.py`` (CPU, the fake capture) and
-``benchmarks/torch_whole_run.py --part check`` (CUDA). No pytest here: the GPU image
+``benchmarks/lab/torch_capture_checks.py`` (CUDA). No pytest here: the GPU image
 runs the bench without it."""
 
 import keras

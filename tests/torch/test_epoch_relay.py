@@ -1,5 +1,5 @@
-"""What a pool fit moves per epoch when kmgpu's own measuring callbacks run (section 7 of
-benchmarks/profiles/torch/RESULTS.md): nothing but the relayed hooks.
+"""What a pool fit moves per epoch when kmgpu's own measuring callbacks run: nothing but
+the relayed hooks.
 
 ``kmgpu bench`` times every run with ``EpochTimer`` and ``GPUMonitor``. They were not
 known to be weight-free, so the driver loaded rank 0's whole state (weights + optimizer

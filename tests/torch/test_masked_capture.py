@@ -7,7 +7,7 @@ Keras's torch LSTM/GRU with a mask always runs its Python loop over a tensor tim
 counter (``while time < time_steps_t``: a host read per timestep; its cuDNN path refuses
 masks), so a masked RNN cannot be captured: kmgpu says so in one line and trains it with
 the eager split step, still equal to one device. (The CUDA-graph run:
-``benchmarks/torch_masked_capture.py``.)"""
+``benchmarks/lab/torch_masked_capture.py``.)"""
 
 import keras
 import numpy as np

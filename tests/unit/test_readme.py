@@ -79,6 +79,19 @@ def test_the_benchmarks_page_names_every_benchmark_script():
     assert not missing, f"docs/benchmarks.md does not name: {', '.join(missing)}"
 
 
+def test_the_lab_readme_names_every_probe_and_no_script_is_long():
+    """benchmarks/ holds what a user runs; the development probes are in benchmarks/lab/,
+    one README line each; no script or page there is over 500 lines (run outputs, JSON
+    and logs, are data, not read as text)."""
+    lab = ROOT / "benchmarks" / "lab"
+    page = (lab / "README.md").read_text()
+    missing = [p.name for p in sorted(lab.glob("*.py")) if f"`{p.name}`" not in page]
+    assert not missing, f"benchmarks/lab/README.md does not name: {', '.join(missing)}"
+    long = [p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").rglob("*")
+            if p.suffix in (".py", ".sh", ".md") and len(p.read_text().splitlines()) > 500]
+    assert not long, f"over 500 lines: {', '.join(long)}"
+
+
 def test_the_settings_page_names_every_environment_variable():
     used = set()
     for path in (ROOT / "kmgpu").rglob("*.py"):

@@ -16,7 +16,7 @@ def fused_batchnorm(device):
     """Within the block, on a CUDA ``device``, Keras's ``BatchNormalization`` runs on
     torch's fused batch norm (``fast_layers``: torch's native kernel, one each way instead
     of dozens per layer: measurably faster on a GPU, see docs/backends.md), as close to a
-    float64 layer as Keras's own or closer (benchmarks/torch_bn_parity.py).
+    float64 layer as Keras's own or closer (benchmarks/lab/torch_bn_parity.py).
     ``KMGPU_TORCH_FUSED_BN=0`` keeps Keras's layer. Elsewhere Keras's own call.
     Re-entrant."""
     from keras.src.layers.normalization import batch_normalization

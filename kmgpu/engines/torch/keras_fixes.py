@@ -152,7 +152,7 @@ PATCHES = [
      "fast_fixes.fused_batchnorm",
      "swapped while kmgpu's step runs on a CUDA device (KMGPU_TORCH_FUSED_BN=0 keeps "
      "Keras's layer; as close to a float64 layer as Keras's or closer, "
-     "benchmarks/torch_bn_parity.py): Keras 3.15.1's torch BatchNormalization is dozens of "
+     "benchmarks/lab/torch_bn_parity.py): Keras 3.15.1's torch BatchNormalization is dozens of "
      "kernels per layer per training step (moments, normalisation, moving averages and "
      "their backward: a large share of a BatchNorm-heavy network's GPU time); "
      "fast_layers.batch_norm_call computes the same layer with torch's fused batch norm "

@@ -138,8 +138,9 @@ def reset_generators(device):
 
 
 def state(device=None):
-    """What ``capture`` must leave as it found it, for the checks (benchmarks/torch_whole_run.py):
-    the current stream, whether a plain eager dropout draws (the generator), bytes reserved."""
+    """What ``capture`` must leave as it found it, for the checks
+    (benchmarks/lab/torch_capture_checks.py): the current stream, whether a plain eager
+    dropout draws (the generator), bytes reserved."""
     try:
         torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
         dropout = "ok"

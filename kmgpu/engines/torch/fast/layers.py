@@ -23,7 +23,7 @@ network's GPU time, where torch's own batch norm is one kernel each way.
 - the kernel (``kernel``): on CUDA torch's own batch-norm kernels
   (``torch.native_batch_norm``: Welford's method in float32, tree reductions), not the
   cuDNN one ``F.batch_norm`` picks, in cuDNN's persistent mode for channels-last training
-  (``benchmarks/torch_bn_parity.py`` measures both against float64 and for speed). On a
+  (``benchmarks/lab/torch_bn_parity.py`` measures both against float64 and for speed). On a
   CPU ``F.batch_norm`` on a copy that holds each channel's values together: torch's CPU
   kernel adds a channels-last or (batch, features) input row by row, in sequence, 3-10x
   farther from float64 than Keras's layer; a channel's contiguous values it sums pairwise.
@@ -37,7 +37,7 @@ the layer (kmgpu's ``sync_batchnorm``: ``layer_fixes.global_batch_moments``), a 
 one value per channel, integer inputs, symbolic (meta) tensors. Nothing here is
 installed: ``fast_fixes`` decides that.
 
-``reference_call`` is the yardstick of the tests and ``benchmarks/torch_bn_parity.py``:
+``reference_call`` is the yardstick of the tests and ``benchmarks/lab/torch_bn_parity.py``:
 the layer in float64. Keras's own layer cannot be: Keras 3.15.1 computes
 BatchNormalization in float32 even in a float64 model (``backend.result_type`` turns
 float64 into float32 on torch and JAX), so a "float64" Keras run shares Keras's float32
@@ -127,7 +127,7 @@ def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps):
     return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
-# The CUDA kernel: "native" (torch's, the default), or, for benchmarks/torch_bn_parity.py's
+# The CUDA kernel: "native" (torch's, the default), or, for benchmarks/lab/torch_bn_parity.py's
 # comparison, "cudnn" (F.batch_norm as it comes: cuDNN, persistent mode for channels-last
 # training) and "nchw" (F.batch_norm on a contiguous NCHW copy: cuDNN's ordinary mode).
 CUDA_KERNEL = "native"
