@@ -210,6 +210,7 @@ def make_replica(source, rows=None, lr_scale=(1.0, 0), prepare=None, finish=None
         source = FromTemplate(source)
     with host_random_kept() if keep_host_random else contextlib.nullcontext():
         replica = source.model(rows or (lambda batch: batch))
+        keras_methods(replica)
         global_losses.install(replica)
         if prepare is not None:
             prepare(replica)
@@ -218,6 +219,25 @@ def make_replica(source, rows=None, lr_scale=(1.0, 0), prepare=None, finish=None
         if finish is not None:
             replica = finish(replica)
     return replica
+
+
+#: the methods a model's class may have its own of, which kmgpu runs on the user's model
+#: (``kmgpu.own_methods``) and a replica runs as Keras's
+KERAS_METHODS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                 "predict_on_batch")
+
+
+def keras_methods(replica):
+    """Make ``replica`` run Keras's own fit / evaluate / predict (and ``*_on_batch``)
+    where its class has its own: that one ran on the user's model already, up to its
+    call of ``keras.Model``'s, and the engines get what it passed there (keras-hub's
+    tasks: the preprocessed ``tf.data`` pipeline, not the raw data)."""
+    import types
+
+    for name in KERAS_METHODS:
+        keras_method = getattr(keras.Model, name)
+        if getattr(type(replica), name) is not keras_method:
+            setattr(replica, name, types.MethodType(keras_method, replica))
 
 
 def compile_like(replica, source, lr_scale=(1.0, 0)):

@@ -229,7 +229,7 @@ class DDPStrategy:
             replica.train_step = captured.train_step
         elif kind == graphs.KERAS and replica.trainable_weights:
             ddp = DistributedDataParallel(
-                replica,
+                _TrainableWeights(replica),
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copies
                 **_no_buffer_sync(),
@@ -441,6 +441,24 @@ class DDPStrategy:
         finally:
             self.train, self.collective = None, False
         return None  # the History is kept where the callbacks run
+
+
+class _TrainableWeights(torch.nn.Module):
+    """The replica as DDP sees it: its trainable variables' tensors are this module's
+    parameters, its forward pass is the replica's call.
+
+    Keras registers a layer's variables with torch (``torch_params``) through
+    ``nn.Module.__setattr__``; a model class with a ``__setattr__`` of its own (keras-hub's
+    backbones and tasks on torch) stores them where ``parameters()`` does not look, and
+    DDP, given the replica itself, finds no parameter to synchronise."""
+
+    def __init__(self, replica):
+        super().__init__()
+        self.trainable = torch.nn.ParameterList([v.value for v in replica.trainable_weights])
+        object.__setattr__(self, "replica", replica)  # not a submodule: the list holds its weights
+
+    def forward(self, *args, **kwargs):
+        return self.replica(*args, **kwargs)
 
 
 def _no_buffer_sync():
