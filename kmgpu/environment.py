@@ -3,6 +3,8 @@
 A multi-process job is started by ``kmgpu launch``, by torchrun (``RANK`` ...) or by
 SLURM's ``srun`` (``SLURM_PROCID`` ...); ``job()`` reads which, ``process_index()``
 says who prints and saves, ``for_this_process()`` trims a call for the others.
+``process_index``, ``process_count``, ``is_main_process`` and ``main_process_only`` are
+public (``kmgpu.process_index()`` ...): the user's own code acts once with them.
 ``tf_config`` and ``expand_hostlist`` turn host lists into what TensorFlow needs.
 Simulated devices (``kmgpu.simulate_devices``) are part of the environment too:
 child processes read their count from ``SIMULATE_ENV``.
@@ -67,6 +69,10 @@ SWITCHES = {s.name: s for s in (
     Switch("KMGPU_TORCH_TIMING", None,
            "set (any value): print where a torch call's time went, on the driver and on "
            "rank 0"),
+    Switch("KMGPU_COLLECTIVE_TIMEOUT", "600",
+           "seconds a process of a torch job waits for the others (a collective, joining "
+           "the group) before it fails: after a process dies or hangs, the others stop "
+           "within this bound"),
     Switch("KMGPU_BENCH_JIT_COMPILE", None,
            "1: kmgpu bench compiles its models with jit_compile=True"),
 )}
@@ -90,6 +96,25 @@ def setting(name):
 def enabled(name):
     """Whether a switch that is on unless "0" (default "1") is on."""
     return setting(name) != "0"
+
+
+def collective_timeout():
+    """``KMGPU_COLLECTIVE_TIMEOUT`` as a ``datetime.timedelta``.
+
+    Raises:
+        ValueError: the variable is not a positive number of seconds.
+    """
+    import datetime
+
+    text = setting("KMGPU_COLLECTIVE_TIMEOUT")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"KMGPU_COLLECTIVE_TIMEOUT={text!r}: set it to a number of seconds "
+                         "greater than 0, or unset it (default 600).")
+    return datetime.timedelta(seconds=seconds)
 
 
 def simulated_count():
@@ -142,9 +167,74 @@ def job(environ=None):
 
 
 def process_index():
-    """0 for the process that prints, saves and runs checkpoint callbacks."""
-    j = job()
-    return j.rank if j is not None else 0
+    """This process's index in a job of several processes, 0 for the main one.
+
+    Read from the launcher's variables: ``RANK`` (torchrun, ``kmgpu launch`` on every
+    backend), ``SLURM_PROCID`` (``srun``), else ``TF_CONFIG``'s task. 0 in a single
+    process, kmgpu's torch worker pool included (your script is one process there).
+    Imports no backend.
+
+    Returns:
+        An int from 0 to ``process_count() - 1``.
+    """
+    return _place()[0]
+
+
+def process_count():
+    """The number of processes running your script: 1 outside a launcher.
+
+    Returns:
+        ``WORLD_SIZE`` (torchrun, ``kmgpu launch``), SLURM's task count, or the chief
+        and workers of ``TF_CONFIG``; else 1.
+    """
+    return _place()[1]
+
+
+def is_main_process():
+    """True in the process that should act once for the job: print, log, write files.
+
+    kmgpu's own printing and saving (``verbose``, ``ModelCheckpoint``, ``parallel.save``)
+    already happen there only; use this for your own code.
+    """
+    return _place()[0] == 0
+
+
+def main_process_only(function):
+    """Decorator: ``function`` runs in the main process only; elsewhere it returns None.
+
+    Args:
+        function: any callable (a logger's set-up, a print, a file write).
+
+    Returns:
+        The wrapped callable.
+    """
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if is_main_process():
+            return function(*args, **kwargs)
+        return None
+
+    return wrapper
+
+
+def _place(environ=None):
+    """(index, count) of this process: the launcher's variables, else TF_CONFIG."""
+    env = os.environ if environ is None else environ
+    j = job(env)
+    if j is not None:
+        return j.rank, j.world
+    try:
+        config = json.loads(env.get("TF_CONFIG") or "{}")
+        cluster, task = config.get("cluster", {}), config.get("task", {})
+        chiefs, workers = len(cluster.get("chief", [])), len(cluster.get("worker", []))
+        if task.get("type") in ("chief", "worker") and chiefs + workers > 1:
+            first = 0 if task["type"] == "chief" else chiefs  # the chief is the main one
+            return first + int(task.get("index", 0)), chiefs + workers
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return 0, 1
 
 
 def expand_hostlist(text):

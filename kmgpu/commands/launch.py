@@ -1,24 +1,28 @@
 """``kmgpu launch``: one training script on several processes or hosts.
 
-    kmgpu launch [--nnodes N] [--node-rank R] [--nproc-per-node P]
+    kmgpu launch [--nnodes N] [--node-rank R] [--nproc-per-node P] [--max-restarts K]
                  [--master-addr A] [--master-port PORT] script.py [args ...]
 
 Run it once on every host, with torchrun's meanings. Each backend's own
 multi-process engine does the work; this module only prepares its environment:
 
-- torch: hands the command line to ``torch.distributed.run`` (torchrun); kmgpu's
-  torch engine then runs in-process, one rank per process.
+- torch: hands the command line to ``torch.distributed.run`` (torchrun), one process
+  per local GPU unless ``--nproc-per-node`` says otherwise (1 on a host without
+  GPUs); kmgpu's torch engine then runs in-process, one rank per process.
 - TensorFlow: one ``TF_CONFIG`` per worker, and ``MultiWorkerMirroredStrategy``
   created before the script runs (TensorFlow refuses it once any op has run).
 - JAX: ``keras.distribution.initialize`` (``jax.distributed``) with the
   coordinator ``A:PORT``, the process count and this process's id, before the
   script builds anything (JAX refuses it once its backend is up).
 
+TensorFlow and JAX run one process per host, which uses every GPU of the host.
+
 Inside a job -- started by ``kmgpu launch``, by torchrun (``RANK`` ...) or by SLURM's
 ``srun`` (``SLURM_PROCID`` ...) -- ``kmgpu launch script.py`` starts no process: it
-initialises this one and runs the script in it. Which process this is
-(``job()``, ``process_index()``) lives in ``kmgpu.environment``; starting each
-backend's multi-process runtime in its engine's ``runtime.start_job``.
+initialises this one and runs the script in it; a script that fails ends its process
+at once, so that the others see it gone. Which process this is (``job()``,
+``process_index()``) lives in ``kmgpu.environment``; starting each backend's
+multi-process runtime in its engine's ``runtime.start_job``.
 """
 
 import argparse
@@ -44,9 +48,14 @@ def _parser():
                     "the script in this process.")
     p.add_argument("--nnodes", type=int, default=1, help="number of hosts (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
-    p.add_argument("--nproc-per-node", type=int, default=1,
-                   help="processes on this host (default 1: one process uses every local "
-                        "device; torch: one per GPU)")
+    p.add_argument("--nproc-per-node", default=None,
+                   help="processes on this host: a number, or 'gpu' (torch: one per local "
+                        "GPU). Default: torch one per local GPU (1 on a host without GPUs); "
+                        "TensorFlow and JAX 1, a process that uses every local GPU")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torch: restart every process this many times after one fails "
+                        "(torchrun's option; resume with keras.callbacks.BackupAndRestore). "
+                        "Default 0")
     p.add_argument("--master-addr", default="127.0.0.1",
                    help="address of host 0, reachable from every host (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=DEFAULT_PORT,
@@ -70,9 +79,14 @@ def parse_args(argv):
         raise ValueError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: give each "
                          f"host its own index from 0 to {args.nnodes - 1} (host 0 is the "
                          "one at --master-addr).")
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: pass 1 or more (usually "
-                         "1, or the number of GPUs with torch).")
+    if args.nproc_per_node not in (None, "gpu"):
+        text = args.nproc_per_node
+        args.nproc_per_node = int(text) if text.strip().lstrip("-").isdigit() else 0
+        if args.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node {text}: pass 1 or more, or 'gpu' (torch: "
+                             "one process per local GPU), or leave it out.")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: pass 0 (the default) or more.")
     if not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port {args.master_port}: pass a free TCP port, 1..65535.")
     if not os.path.isfile(args.script):
@@ -101,17 +115,68 @@ def main(argv=None):
     backend = hardware.backend_name()
     if job() is not None:
         return run_here(backend, args.script, args.args)
+    try:
+        args.nproc_per_node = processes_per_host(backend, args.nproc_per_node, args.max_restarts)
+    except ValueError as e:
+        _parser().error(str(e))
     if backend == "torch":
         os.execv(sys.executable, [sys.executable] + torchrun_argv(args))
     return spawn(args, backend)
 
 
+def processes_per_host(backend, asked, max_restarts=0, local_gpus=None):
+    """The processes ``kmgpu launch`` starts on this host.
+
+    Args:
+        backend: the Keras backend.
+        asked: ``--nproc-per-node``: None (not given), "gpu" or a number.
+        max_restarts: ``--max-restarts`` (torch only).
+        local_gpus: the host's GPU count (default: torch's, for torch).
+
+    Returns:
+        torch: "gpu" (torchrun's one process per local GPU) where the host has GPUs and
+        nothing else was asked, else the number; TensorFlow and JAX: the number (1
+        unless asked).
+
+    Raises:
+        ValueError: "gpu" or restarts asked of TensorFlow or JAX, or "gpu" on a torch
+            host without GPUs, saying what to pass instead.
+    """
+    if backend != "torch":
+        if asked == "gpu":
+            raise ValueError(f"--nproc-per-node gpu: with {backend}, one process per host "
+                             "uses every local GPU; leave the option out (1).")
+        if max_restarts:
+            raise ValueError(f"--max-restarts: torchrun's restarts serve the torch backend; "
+                             f"with {backend}, start the job again (BackupAndRestore resumes "
+                             "it).")
+        return asked or 1
+    if asked not in (None, "gpu"):
+        return asked
+    if local_gpus is None:
+        import torch
+
+        local_gpus = torch.cuda.device_count()
+    if local_gpus:
+        return "gpu"
+    if asked == "gpu":
+        raise ValueError("--nproc-per-node gpu: this host has no GPU torch can use; pass a "
+                         "number of processes, or leave the option out (1).")
+    return 1
+
+
 def torchrun_argv(args):
-    """The torchrun command line for ``kmgpu launch`` arguments (torch backend)."""
+    """The torchrun command line for ``kmgpu launch`` arguments (torch backend).
+
+    Each process runs the script through ``kmgpu.commands.launch`` (``run_here``), as
+    on the other backends: a failing script ends its process at once instead of
+    waiting at exit for a collective the others will not finish.
+    """
     return ["-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
             "--node-rank", str(args.node_rank), "--nproc-per-node", str(args.nproc_per_node),
+            "--max-restarts", str(args.max_restarts),
             "--master-addr", args.master_addr, "--master-port", str(args.master_port),
-            args.script] + list(args.args)
+            "-m", "kmgpu.commands.launch", args.script] + list(args.args)
 
 
 # -- inside a job: initialise this process, then run the script ------------------------
@@ -119,7 +184,9 @@ def run_here(backend, script, script_args):
     """Start the backend's multi-process runtime here, then run ``script`` as __main__.
 
     A failing script ends the process at once with status 1 (its traceback on
-    stderr): waiting for the other processes at exit would hang when one has died.
+    stderr), without Python's exit: that waits for the collectives still pending in
+    the process (torch's process group), and a peer waiting on this process would
+    keep it there, and it the peer, until the group's timeout.
     """
     from kmgpu import engines
 

@@ -108,7 +108,8 @@ def cleanup(nodes, out):
 
 def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150, script=SCRIPT):
     """2 hosts x ``nproc`` processes train 2 epochs and compare with one process; then
-    the last process is killed mid-run and every host must stop, non-zero, within 60 s.
+    the last process is killed mid-run and every host must stop, non-zero, within 60 s
+    (torch: a peer silent for 40 s, ``KMGPU_COLLECTIVE_TIMEOUT``, fails the waiting ones).
     ``script``: train.py, or a script that runs checks of its own first and then
     train.py's ``main`` (its results: ``results(out, prefix)``).
 
@@ -116,7 +117,9 @@ def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150, script=SCRIPT
         {"results": per-rank dicts, "seconds_to_fail": after the kill, "codes": exit codes}
     """
     world = 2 * nproc
-    nodes = start(backend, out, nproc=nproc, script=script, KMGPU_TEST_KILL="1")
+    # the bound the job sets on waiting for a silent peer (torch's collectives)
+    nodes = start(backend, out, nproc=nproc, script=script, KMGPU_TEST_KILL="1",
+                  KMGPU_COLLECTIVE_TIMEOUT="40")
     try:
         t0 = time.time()
         while len(pids(out)) < world:
@@ -134,6 +137,8 @@ def parity_then_kill(backend, out, nproc=1, tol=1e-5, timeout=150, script=SCRIPT
         writes = sorted(r["checkpoint_writes"] for r in found)
         assert writes == [[]] * (world - 1) + [[0, 1]], writes  # ModelCheckpoint: process 0
         assert [r["rank"] for r in found if r["checkpoint_writes"]] == [0]
+        helpers = sorted(r["helpers"] for r in found)  # kmgpu.process_index, _count, is_main
+        assert helpers == [[i, world, i == 0] for i in range(world)], helpers
         assert os.path.exists(os.path.join(out, "ckpt.weights.h5"))
         assert os.path.exists(os.path.join(out, "model.keras"))  # parallel.save: process 0
         victims = pids(out)

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.backend_neutral  # the same files in every backend's se
     (["--nnodes", "2", "--node-rank", "2", "x.py"], "from 0 to 1"),
     (["--node-rank", "-1", "x.py"], "its own index"),
     (["--nproc-per-node", "0", "x.py"], "--nproc-per-node 0"),
+    (["--nproc-per-node", "all", "x.py"], "'gpu'"),
+    (["--max-restarts", "-1", "x.py"], "--max-restarts -1"),
     (["--master-port", "70000", "x.py"], "free TCP port"),
     (["missing_script.py"], "not found"),
 ])
@@ -50,8 +52,68 @@ def test_torch_gets_torchruns_own_command_line(tmp_path):
                               str(script), "--lr", "0.1"])
     assert launch.torchrun_argv(args) == [
         "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
-        "--nproc-per-node", "4", "--master-addr", "10.0.0.1", "--master-port", "1234",
-        str(script), "--lr", "0.1"]
+        "--nproc-per-node", "4", "--max-restarts", "0", "--master-addr", "10.0.0.1",
+        "--master-port", "1234", "-m", "kmgpu.commands.launch", str(script), "--lr", "0.1"]
+
+
+def test_processes_per_host_torch_one_per_gpu_the_others_one():
+    """torch: torchrun's one process per local GPU unless told, 1 without GPUs;
+    TensorFlow and JAX: one process per host (it uses every local GPU)."""
+    per_host = launch.processes_per_host
+    assert per_host("torch", None, local_gpus=8) == "gpu"
+    assert per_host("torch", "gpu", local_gpus=8) == "gpu"
+    assert per_host("torch", None, local_gpus=0) == 1
+    assert per_host("torch", 2, local_gpus=8) == 2
+    assert per_host("torch", 3, max_restarts=2, local_gpus=0) == 3
+    with pytest.raises(ValueError, match="no GPU"):
+        per_host("torch", "gpu", local_gpus=0)
+    for backend in ("jax", "tensorflow"):
+        assert per_host(backend, None) == 1 and per_host(backend, 2) == 2
+        with pytest.raises(ValueError, match="every local GPU"):
+            per_host(backend, "gpu")
+        with pytest.raises(ValueError, match="BackupAndRestore"):
+            per_host(backend, None, max_restarts=1)
+
+
+@pytest.mark.parametrize("env, place", [
+    ({}, (0, 1)),
+    ({"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "a", "MASTER_PORT": "9"}, (2, 4)),
+    ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "n[1-4]"},
+     (5, 8)),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:1", "c:1"]},
+                               "task": {"type": "worker", "index": 1}})}, (1, 3)),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]},
+                               "task": {"type": "worker", "index": 1}})}, (2, 3)),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]},
+                               "task": {"type": "worker", "index": 0}})}, (0, 1)),
+])
+def test_process_helpers_under_each_launchers_variables(env, place, monkeypatch):
+    """kmgpu.process_index / process_count / is_main_process / main_process_only from
+    torchrun's (and kmgpu launch's), SLURM's and TF_CONFIG's variables; one process
+    without any (kmgpu's torch pool included). The launches of tests/*/test_launch.py
+    check the same inside real jobs."""
+    import kmgpu
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "TF_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert (kmgpu.process_index(), kmgpu.process_count()) == place
+    assert kmgpu.is_main_process() == (place[0] == 0)
+    said = kmgpu.main_process_only(lambda text: text)("once")
+    assert said == ("once" if place[0] == 0 else None)
+
+
+def test_collective_timeout_reads_its_switch(monkeypatch):
+    monkeypatch.delenv("KMGPU_COLLECTIVE_TIMEOUT", raising=False)
+    assert environment.collective_timeout().total_seconds() == 600
+    monkeypatch.setenv("KMGPU_COLLECTIVE_TIMEOUT", "45")
+    assert environment.collective_timeout().total_seconds() == 45
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("KMGPU_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="number of seconds"):
+            environment.collective_timeout()
 
 
 def test_tf_config_names_every_worker_once():
@@ -215,3 +277,26 @@ def test_setting_reads_the_environment_or_the_default(monkeypatch):
     assert not environment.enabled("KMGPU_TORCH_RESIDENT")
     with pytest.raises(KeyError):
         environment.setting("KMGPU_NOT_A_SWITCH")
+
+
+def test_gpus_is_set_aside_in_a_job_and_said_once_by_the_main_process(monkeypatch):
+    import warnings
+
+    from kmgpu import connector
+
+    monkeypatch.setattr(connector, "_SAID", [])
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    assert connector._in_a_job([0, 2]) == [0, 2]  # one process: honoured
+    job = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "9"}
+    for key, value in job.items():
+        monkeypatch.setenv(key, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert connector._in_a_job(2) is None  # process 1 says nothing
+    monkeypatch.setattr(connector, "_SAID", [])
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match="not applied in a job") as said:
+        assert connector._in_a_job([0, 1]) is None
+        assert connector._in_a_job(1) is None  # once
+    assert len(said) == 1

@@ -20,15 +20,13 @@ from it, ``DDPStrategy(device, call.config)``, when it makes a replica for the c
 """
 
 import abc
-import atexit
 import dataclasses
-import datetime
 import os
 import sys
 
 from kmgpu.engines import replication
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, replicas, transport
+from kmgpu.engines.torch import collectives, replicas, runtime, transport
 from kmgpu.engines.torch.data import feeds, inputs, shuffle
 from kmgpu.engines.torch.launch import relay
 from kmgpu.engines.torch.launch.messages import Aborted, RankResult, WeightsQuery
@@ -302,37 +300,23 @@ def _worker_settings(backend):
         "image_data_format": keras.config.image_data_format(),
         "dtype_policy": keras.config.dtype_policy().name,
     }
-    return {"env": env, "keras_config": config}
-
-
-#: under torchrun: a call of any in-process model failed, so the process group may be
-#: broken (peers left inside a collective) and no model leaves it with a barrier at exit
-_GROUP = {"broken": False}
+    return {"env": env, "keras_config": config,
+            "timeout": environment.collective_timeout().total_seconds()}
 
 
 class InProcessLauncher(Launcher):
     """This process is already one rank (torchrun, ``kmgpu launch``, or the user's own
     process group): nothing to start; the replica lives here.
 
-    Joins the group from torchrun's variables when the user has not (and then leaves
-    it together at exit: barrier, destroy). Keeps one replica, and the strategy it was
-    made with, between calls.
+    Joins the group from torchrun's variables when the user has not
+    (``runtime.join_group``; left together at exit or at this launcher's ``close``).
+    Keeps one replica, and the strategy it was made with, between calls.
     """
 
     def __init__(self):
-        import torch
         import torch.distributed as dist
 
-        from kmgpu import environment
-
-        self._owns_group = False
-        gpu = torch.cuda.is_available() and not environment.simulated_count()
-        if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if gpu else "gloo", init_method="env://")
-            self._owns_group = True
-            atexit.register(self._end_group)  # no gloo/NCCL abort at exit
+        gpu, self.device, self._owns_group = runtime.join_group()
         self.backend = dist.get_backend()
         world = dist.get_world_size()
         kind = "gpu" if gpu else "cpu"
@@ -340,7 +324,6 @@ class InProcessLauncher(Launcher):
         self.device_names = [f"{kind}:{r}" for r in range(world)]
         self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
                      f"{dist.get_rank()} of {world})")
-        self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         self.runs_callbacks = dist.get_rank() == 0
         self.strategy = None  # made with each replica, from the call's config
         self.replica, self._built_key = None, None
@@ -427,11 +410,8 @@ class InProcessLauncher(Launcher):
         candidate, self._candidate = self._candidate, None
         self._synced = (None if failed or touched or candidate is None
                         else (self.replica, candidate))
-        # A rank that failed may have left its peers inside a collective: a barrier
-        # at exit would keep this process (and its sockets) alive, and they would
-        # wait on it. Ending without one lets them fail too. Process-wide: the launcher
-        # that owns the group may be another model's (the first made in this process).
-        _GROUP["broken"] |= failed
+        if failed:  # process-wide: the group may be another model's (the first made here)
+            runtime.mark_broken()
 
     def rank_weights(self):
         return collectives.all_gather_object(self.replica.get_weights())
@@ -440,20 +420,6 @@ class InProcessLauncher(Launcher):
         return collectives.all_gather_object(self.strategy.held_bytes())
 
     def close(self):
-        self._end_group()
-
-    def _end_group(self):
-        """The group kmgpu started under torchrun: leave it together (barrier, destroy)."""
         if self._owns_group:
-            import torch.distributed as dist
-
             self._owns_group = False
-            if dist.is_initialized() and not _GROUP["broken"]:
-                try:  # bounded: after a peer died, a plain barrier can wait for 30 min
-                    if dist.get_backend() == "gloo":
-                        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-                    else:
-                        dist.barrier()
-                    dist.destroy_process_group()
-                except RuntimeError:
-                    pass  # a peer is gone: this process is ending anyway
+            runtime.leave_group()
