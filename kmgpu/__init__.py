@@ -5,13 +5,18 @@
     parallel.compile(optimizer="adam", loss="mse")
     parallel.fit(x, y, batch_size=256, epochs=20)   # `model` now holds the trained weights
 
+In a job of several processes (``kmgpu launch``, torchrun, srun), ``kmgpu.is_main_process()``
+and ``@kmgpu.main_process_only`` make your own prints and loggers act once.
+
 Importing kmgpu imports no backend.
 """
 
+from kmgpu.environment import is_main_process, main_process_only, process_count, process_index
 from kmgpu.hardware import devices, simulate_devices
 
 __version__ = "0.1.0"
-__all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebatch"]
+__all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebatch",
+           "process_index", "process_count", "is_main_process", "main_process_only"]
 
 
 def __getattr__(name):

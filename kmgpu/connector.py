@@ -40,7 +40,7 @@ def connect(model, gpus, options):
     versions.check_keras()  # once per process: a Keras outside the tested range warns
     _check_options(options, backend)
     available = hardware.physical_devices(backend)
-    ids = hardware.resolve(gpus, available)
+    ids = hardware.resolve(_in_a_job(gpus), available)
     config = Config(device_ids=tuple(ids), devices=tuple(available[i] for i in ids), **options)
     if unbuilt(model):
         return config, backend, None
@@ -67,6 +67,27 @@ def _engine(model, config, backend):
     engine = cls(config)
     plan.check_stateful_split(model, engine.num_replicas)  # all processes' devices under launch
     return engine
+
+
+_SAID = []  # gpus= was set aside in a job (said once per process, by the main one)
+
+
+def _in_a_job(gpus):
+    """``gpus`` as a job of several processes takes it: each process has the devices its
+    launcher gave it, so ``gpus=`` is set aside and the main process says so once."""
+    if gpus is None or (environment.job() is None and environment.process_count() == 1):
+        return gpus
+    if not _SAID and environment.is_main_process():
+        import warnings
+
+        warnings.warn(
+            f"kmgpu: gpus={gpus!r} is not applied in a job of several processes: each "
+            "process uses the devices its launcher gives it (torch: the GPU of its local "
+            "rank; TensorFlow and JAX: every GPU it sees). Choose them with "
+            "CUDA_VISIBLE_DEVICES on each host and `kmgpu launch --nproc-per-node`.",
+            stacklevel=4)
+    _SAID.append(True)
+    return None
 
 
 def _check_options(options, backend):

@@ -4,7 +4,8 @@
 It trains a small MLP for 2 epochs at global batch 16 with a ModelCheckpoint, and
 writes ``$KMGPU_TEST_OUT/rank<r>.json``: replicas, the largest relative weight
 difference to a one-process fit of the same model (computed here, before
-kmgpu starts, without kmgpu), the losses and the checkpoint writes. With KMGPU_TEST_KILL set it then
+kmgpu starts, without kmgpu), the losses, the checkpoint writes and what
+``kmgpu.process_index()``, ``process_count()`` and ``is_main_process()`` say. With KMGPU_TEST_KILL set it then
 writes its pid to ``pid<r>`` and keeps training until it is stopped.
 """
 
@@ -59,6 +60,8 @@ def main():
         "pred_rows": int(pred.shape[0]),
         "pred_err": float(np.max(np.abs(pred - ref.predict(x, batch_size=16, verbose=0)))),
         "checkpoint_writes": writes,
+        # the public helpers, as the user's own code reads them in this job
+        "helpers": [kmgpu.process_index(), kmgpu.process_count(), kmgpu.is_main_process()],
     }
     if keras.backend.backend() == "tensorflow":
         result["sources"] = python_sources()
