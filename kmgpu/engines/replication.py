@@ -21,12 +21,12 @@ import sys
 
 import keras
 
-from kmgpu.engines import global_losses, model_fixes, user_objects
+from kmgpu.engines import after_build, global_losses, model_fixes, user_objects
 
 
 def identity(template):
     """What decides whether a cached replica still matches the template: its layers and
-    variables (the objects), each layer's plain settings (a Dropout's rate set after
+    variables (the objects, and which train), each layer's plain settings (a Dropout's rate set after
     wrapping), its compile() and optimizer, and the state its adapted layers keep
     beside their weights (a layer adapted again needs a replica loaded again).
 
@@ -35,7 +35,7 @@ def identity(template):
                     None if isinstance(layer, keras.Model) else _settings(layer))
                    for layer in template._flatten_layers(include_self=True))
     optimizer = getattr(template, "optimizer", None)
-    return (layers, tuple(id(v) for v in template.weights), template.compiled,
+    return (layers, tuple((id(v), v.trainable) for v in template.weights), template.compiled,
             id(getattr(template, "_compile_config", None)),
             id(optimizer) if optimizer is not None else None,
             _digest(model_fixes.own_state(template)))
@@ -74,20 +74,24 @@ def _digest(state):
 def carried(template):
     """What a replica needs from ``template`` beside its config, compile config and
     weights, as picklable data: the state Keras's saving path writes for its adapted
-    layers (``model_fixes.own_state``) and its optimizer's settings outside its config
-    (``model_fixes.optimizer_settings``). ``load_carried`` puts it into a replica."""
-    return model_fixes.own_state(template), model_fixes.optimizer_settings(template)
+    layers (``model_fixes.own_state``), its optimizer's settings outside its config
+    (``model_fixes.optimizer_settings``) and what was done to it after it was built
+    (``after_build.state``: LoRA, trainable flags). ``load_carried`` puts it into a
+    replica."""
+    return (model_fixes.own_state(template), model_fixes.optimizer_settings(template),
+            after_build.state(template))
 
 
 def load_carried(replica, carried, compiled=False):
     """Put ``carried(template)`` into a replica built from the template's config:
-    before compile, the layers' state (through Keras's own ``load_own_variables`` /
-    ``load_assets``, which finalize adapted layers); after compile
-    (``compiled=True``), the optimizer's settings."""
-    layers, optimizer = carried
+    before compile, what was done after build and the layers' state (through Keras's
+    own ``load_own_variables`` / ``load_assets``, which finalize adapted layers); after
+    compile (``compiled=True``), the optimizer's settings."""
+    layers, optimizer, built = (tuple(carried) + (None,))[:3]
     if compiled:
         model_fixes.apply_optimizer_settings(replica, optimizer)
     else:
+        after_build.replay(replica, built)
         model_fixes.load_own_state(replica, layers)
 
 
@@ -124,7 +128,7 @@ def clone(template):
     lambda (a ``Lambda`` layer's) is the user's own function, not its bytecode
     (``user_objects.live_config``).
     """
-    custom = custom_objects(template)
+    custom = user_objects.custom_objects(template)
     with keras.saving.custom_object_scope(custom):
         replica = None
         if isinstance(template, keras.Sequential) or getattr(template, "_is_graph_network",
@@ -254,75 +258,13 @@ def compile_like(replica, source, lr_scale=(1.0, 0)):
     load_carried(replica, source.carried, compiled=True)
 
 
-def custom_objects(template):
-    """{name: class or function} of what the model's config and its compile() need
-    from outside Keras: its layer classes and the functions and Keras objects its
-    layers hold (activations, initializers...), the objects its compile arguments
-    hold, and whatever registered objects its serialized configs name (schedules,
-    initializers, regularizers...). For ``keras.saving.custom_object_scope``.
-    """
-    import types
-
-    custom = {}
-
-    def add(obj):
-        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
-        module = getattr(cls, "__module__", "") or ""
-        if module.startswith("keras") or module == "builtins" or not callable(cls):
-            return
-        try:
-            name = keras.saving.get_registered_name(cls)
-        except Exception:
-            name = getattr(cls, "__name__", None)
-        if name:
-            custom[name] = cls
-            custom.setdefault(getattr(cls, "__name__", name), cls)
-
-    def walk(node):
-        if isinstance(node, dict):
-            module, name = node.get("module"), node.get("registered_name")
-            if isinstance(module, str) and isinstance(name, str) and \
-                    not module.startswith("keras") and name != "function":
-                obj = keras.saving.get_registered_object(name)
-                if obj is not None:
-                    add(obj)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                walk(value)
-
-    saveable = (keras.layers.Layer, keras.losses.Loss, keras.metrics.Metric,
-                keras.initializers.Initializer, keras.regularizers.Regularizer,
-                keras.constraints.Constraint, keras.optimizers.schedules.LearningRateSchedule)
-    for layer in template._flatten_layers(include_self=True):
-        add(layer)
-        for value in vars(layer).values():
-            if isinstance(value, (types.FunctionType, saveable)):
-                add(value)
-    walk(keras.saving.serialize_keras_object(template))
-    if template.compiled:
-        config = template._compile_config.config
-        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
-            value = config.get(key)
-            if value is None or isinstance(value, str):
-                continue
-            for leaf in keras.tree.flatten(value):
-                if leaf is not None and not isinstance(leaf, (str, int, float)):
-                    add(leaf)
-            if key == "optimizer" and isinstance(value, keras.optimizers.Optimizer):
-                add(getattr(value, "_learning_rate", None))
-        walk(template.get_compile_config())
-    return custom
-
-
 def compile_args(template):
     """The template's compile() arguments, with fresh optimizer and metric objects.
 
     An optimizer or metric instance belongs to one model, so the replica gets new ones
     (``user_objects.compile_recipe``); losses are the user's own objects.
     """
-    with keras.saving.custom_object_scope(custom_objects(template)):
+    with keras.saving.custom_object_scope(user_objects.custom_objects(template)):
         return user_objects.compile_args(user_objects.compile_recipe(template))
 
 
@@ -435,7 +377,7 @@ def clone_at(model, batch_size):
     inputs = keras.tree.map_structure(
         lambda t: keras.Input(batch_shape=(batch_size,) + tuple(t.shape[1:]), dtype=t.dtype),
         model.inputs[0] if isinstance(model, keras.Sequential) else model.input)
-    custom = custom_objects(model)
+    custom = user_objects.custom_objects(model)
     with keras.saving.custom_object_scope(custom):
         new = keras.models.clone_model(model, input_tensors=inputs,
                                        clone_function=lambda layer: _clone_layer(layer, custom))

@@ -10,11 +10,16 @@ when it is created), but a config is not the object the user passed:
   ``delta``) comes back from its config with the default; ``compile_recipe`` keeps
   the losses themselves and each metric's settings beside its config.
 
-Both results are plain data and functions: ``kmgpu.engines.torch`` sends them to its
+``custom_objects`` finds the classes and functions from outside Keras that the model's
+config and compile() name, on the model's own objects (plain Keras never needs them
+registered to fit, so kmgpu must not either).
+
+These results are plain data and functions: ``kmgpu.engines.torch`` sends them to its
 workers pickled by value (cloudpickle), so every replica, in this process or another,
 is made from the same recipe.
 """
 
+import inspect
 import types
 
 import keras
@@ -182,3 +187,67 @@ def compile_args(recipe):
     return {key: keras.tree.map_structure(
         lambda v: v.make() if isinstance(v, (Fresh, Shared)) else v, value)
         if value is not None else None for key, value in recipe.items()}
+
+
+def custom_objects(template):
+    """{name: class or function} of what the model's config and its compile() need
+    from outside Keras: its layer classes and the functions and Keras objects its
+    layers hold (activations, initializers...), the objects its compile arguments
+    hold, and whatever registered objects its serialized configs name (schedules,
+    initializers, regularizers...). For ``keras.saving.custom_object_scope``.
+    """
+    import types
+
+    custom = {}
+
+    def add(obj):
+        cls = obj if isinstance(obj, type) or not hasattr(obj, "get_config") else type(obj)
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith("keras") or module == "builtins" or not callable(cls):
+            return
+        try:
+            name = keras.saving.get_registered_name(cls)
+        except Exception:
+            name = getattr(cls, "__name__", None)
+        if name:
+            custom[name] = cls
+            custom.setdefault(getattr(cls, "__name__", name), cls)
+
+    def walk(node):
+        if isinstance(node, dict):
+            module, name = node.get("module"), node.get("registered_name")
+            if isinstance(module, str) and isinstance(name, str) and \
+                    not module.startswith("keras") and name != "function":
+                obj = keras.saving.get_registered_object(name)
+                if obj is not None:
+                    add(obj)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                walk(value)
+
+    saveable = (keras.layers.Layer, keras.losses.Loss, keras.metrics.Metric,
+                keras.initializers.Initializer, keras.regularizers.Regularizer,
+                keras.constraints.Constraint, keras.optimizers.schedules.LearningRateSchedule)
+    for layer in template._flatten_layers(include_self=True):
+        add(layer)
+        for value in vars(layer).values():
+            if inspect.ismethod(getattr(value, "__wrapped__", None)):
+                continue  # Keras's wrapper of the layer's own build (the class is added)
+            if isinstance(value, (types.FunctionType, saveable)):
+                add(value)
+    walk(keras.saving.serialize_keras_object(template))
+    if template.compiled:
+        config = template._compile_config.config
+        for key in ("optimizer", "loss", "metrics", "weighted_metrics", "loss_weights"):
+            value = config.get(key)
+            if value is None or isinstance(value, str):
+                continue
+            for leaf in keras.tree.flatten(value):
+                if leaf is not None and not isinstance(leaf, (str, int, float)):
+                    add(leaf)
+            if key == "optimizer" and isinstance(value, keras.optimizers.Optimizer):
+                add(getattr(value, "_learning_rate", None))
+        walk(template.get_compile_config())
+    return custom

@@ -58,13 +58,13 @@ def model_spec(template):
     serialized = keras.saving.serialize_keras_object(template)
     serialized.pop("compile_config", None)
     config, live = user_objects.live_config(template, serialized)
-    custom = {**replication.custom_objects(template), **live}
+    custom = {**user_objects.custom_objects(template), **live}
     with keras.saving.custom_object_scope(custom):
         recipe = user_objects.compile_recipe(template) if template.compiled else None
     objects = {"custom": custom, "compile": recipe}
     try:
         blob = transport.dumps(objects)
-        pickle.loads(blob)
+        _loads_keeping_classes(blob, custom)
     except Exception:
         blob = None
     spec = ModelSpec(config=config, build_config=template.get_build_config(),
@@ -72,6 +72,25 @@ def model_spec(template):
     if blob is None:
         transport.INHERITED["objects"] = objects
     return spec, blob is None
+
+
+def _loads_keeping_classes(blob, custom):
+    """``pickle.loads(blob)``, the check that the workers can load it, with the user's
+    classes among ``custom`` left as they are: cloudpickle loads a class it pickled by
+    value (one defined in a function or a notebook) into that same class in this
+    process, resetting its methods to copies whose globals are copies (a script's
+    counter would stop counting)."""
+    saved = [(cls, dict(vars(cls))) for cls in custom.values() if isinstance(cls, type)]
+    try:
+        pickle.loads(blob)
+    finally:
+        for cls, attributes in saved:
+            for name, value in attributes.items():
+                if vars(cls).get(name) is not value:
+                    try:
+                        setattr(cls, name, value)
+                    except (AttributeError, TypeError):  # __dict__, __weakref__
+                        pass
 
 
 def unpicklable(objects):
