@@ -120,6 +120,11 @@ def main(argv=None):
     except ValueError as e:
         _parser().error(str(e))
     if backend == "torch":
+        if args.max_restarts:
+            # each attempt's processes meet in a store of their own: in the store the
+            # rendezvous shares by default, a restarted process may read the address
+            # the last attempt's rank 0 left there, and fail to connect to it
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         os.execv(sys.executable, [sys.executable] + torchrun_argv(args))
     return spawn(args, backend)
 
@@ -170,13 +175,21 @@ def torchrun_argv(args):
 
     Each process runs the script through ``kmgpu.commands.launch`` (``run_here``), as
     on the other backends: a failing script ends its process at once instead of
-    waiting at exit for a collective the others will not finish.
+    waiting at exit for a collective the others will not finish. With restarts, the
+    hosts meet through torchrun's c10d rendezvous at ``--master-addr:--master-port``
+    (its static one keeps the first attempt's addresses in its store, and a restarted
+    process connects to a peer that is gone); the rendezvous numbers the hosts.
     """
-    return ["-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
-            "--node-rank", str(args.node_rank), "--nproc-per-node", str(args.nproc_per_node),
-            "--max-restarts", str(args.max_restarts),
-            "--master-addr", args.master_addr, "--master-port", str(args.master_port),
-            "-m", "kmgpu.commands.launch", args.script] + list(args.args)
+    if args.max_restarts:
+        where = ["--max-restarts", str(args.max_restarts), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"{args.master_addr}:{args.master_port}",
+                 "--rdzv-id", f"kmgpu-{args.master_port}"]
+    else:
+        where = ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                 "--master-port", str(args.master_port)]
+    return (["-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
+             "--nproc-per-node", str(args.nproc_per_node)] + where
+            + ["-m", "kmgpu.commands.launch", args.script] + list(args.args))
 
 
 # -- inside a job: initialise this process, then run the script ------------------------

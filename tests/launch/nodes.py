@@ -37,9 +37,9 @@ def _free(port):
             return False
 
 
-def start(backend, out, nnodes=2, nproc=1, script=SCRIPT, **env):
+def start(backend, out, nnodes=2, nproc=1, script=SCRIPT, options=(), **env):
     """One ``kmgpu launch`` of ``script`` per host, each in its own session; returns the
-    Popens."""
+    Popens. ``options``: more ``kmgpu launch`` options."""
     port = free_port()
     e = dict(os.environ, KERAS_BACKEND=backend, KMGPU_TEST_OUT=str(out), PYTHONPATH=ROOT,
              GLOO_SOCKET_IFNAME="lo", **env)
@@ -51,7 +51,7 @@ def start(backend, out, nnodes=2, nproc=1, script=SCRIPT, **env):
     for r in range(nnodes):
         cmd = [sys.executable, "-m", "kmgpu", "launch", "--nnodes", str(nnodes),
                "--node-rank", str(r), "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), script]
+               "--master-addr", "127.0.0.1", "--master-port", str(port), *options, script]
         log = open(os.path.join(out, f"node{r}.log"), "w")
         nodes.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))

@@ -51,9 +51,13 @@ def test_torch_gets_torchruns_own_command_line(tmp_path):
                               "--master-addr", "10.0.0.1", "--master-port", "1234",
                               str(script), "--lr", "0.1"])
     assert launch.torchrun_argv(args) == [
-        "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
-        "--nproc-per-node", "4", "--max-restarts", "0", "--master-addr", "10.0.0.1",
-        "--master-port", "1234", "-m", "kmgpu.commands.launch", str(script), "--lr", "0.1"]
+        "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+        "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234",
+        "-m", "kmgpu.commands.launch", str(script), "--lr", "0.1"]
+    args.max_restarts = 3  # restarts: torchrun's c10d rendezvous at the same address
+    assert launch.torchrun_argv(args)[5:13] == [
+        "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:1234",
+        "--rdzv-id", "kmgpu-1234"]
 
 
 def test_processes_per_host_torch_one_per_gpu_the_others_one():
