@@ -55,7 +55,7 @@ def test_torch_gets_torchruns_own_command_line(tmp_path):
         "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234",
         "-m", "kmgpu.commands.launch", str(script), "--lr", "0.1"]
     args.max_restarts = 3  # restarts: torchrun's c10d rendezvous at the same address
-    assert launch.torchrun_argv(args)[5:13] == [
+    assert launch.torchrun_argv(args)[6:14] == [
         "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:1234",
         "--rdzv-id", "kmgpu-1234"]
 
