@@ -304,3 +304,15 @@ def test_gpus_is_set_aside_in_a_job_and_said_once_by_the_main_process(monkeypatc
         assert connector._in_a_job([0, 1]) is None
         assert connector._in_a_job(1) is None  # once
     assert len(said) == 1
+
+
+def test_a_torch_rank_says_once_per_host_when_gpus_stay_idle(monkeypatch, capsys):
+    from kmgpu.engines.torch import runtime
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    runtime._say_idle_gpus(8, local_rank=1)  # the host's other processes say nothing
+    runtime._say_idle_gpus(2, local_rank=0)  # every GPU used
+    assert capsys.readouterr().err == ""
+    runtime._say_idle_gpus(8, local_rank=0)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "8 GPUs" in said[0] and "6 stay idle" in said[0]
