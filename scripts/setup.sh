@@ -7,7 +7,7 @@ fi
 . .venv/bin/activate
 if ! python scripts/installed.py \
     kmgpu keras tensorflow jax torch cloudpickle pytest nbclient matplotlib pynvml hypothesis \
-    sybil mkdocs material mkdocstrings mkdocstrings_handlers.python 2>/dev/null; then
+    sybil mkdocs material mkdocstrings mkdocstrings_handlers.python keras_hub tensorflow_text 2>/dev/null; then
   echo "kmgpu: installing torch==2.13.0 (CPU build) ..."
   python -m pip install -q torch==2.13.0 || exit 1
   echo "kmgpu: installing kmgpu[all,test] (keras, tensorflow-cpu, jax, ...) ..."

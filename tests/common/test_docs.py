@@ -42,6 +42,7 @@ PAGES = {
     "docs/several-hosts.md": ("torch",),
     "docs/migrating.md": ("jax",),
     "docs/gradient-accumulation.md": ("jax", "torch"),
+    "docs/keras-hub.md": ("torch",),
     "docs/faults.md": ("jax",),
     "docs/backends.md": ("torch",),
     "docs/benchmarks.md": ("jax",),
