@@ -1,0 +1,146 @@
+"""A keras-hub causal LM fine-tuned on one GPU: kmgpu on torch against plain Keras on torch
+and on JAX, with and without LoRA. Prints a Markdown table; no test asserts its figures.
+
+    python benchmarks/keras_hub_lm.py [--quick] [--rounds R] [--steps S] [--budget SECONDS]
+
+The model is a Llama-style ``LlamaCausalLM`` from a random config (no download): 16 layers,
+hidden 1024, 16 query heads and 8 key-value heads, MLP 2816, vocabulary 32,000: about 255
+million parameters, in Keras's ``mixed_bfloat16`` policy, AdamW, sequences of 256 tokens,
+batch 8, the padding mask as sample weights. ``--quick`` shrinks it to run on a CPU.
+
+Every run is a process of its own (``--child``), so no run inherits another's compiled
+code or warm caches, and the runs alternate: each round runs every variant, the order
+reversed every other round. A run fits one epoch of S steps to compile or capture, then
+one more, timed: its samples/s. The variants are plain Keras on torch and kmgpu on torch
+(``parallelize(model, gpus=1)``), each with and without ``backbone.enable_lora(rank=8)``,
+and plain Keras on JAX without LoRA. A kmgpu run whose train step is not captured prints
+kmgpu's line "the train step runs eagerly, not captured"; the table's last column says
+whether it did. Runs that would pass ``--budget`` seconds are left out, and the table says
+which.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = (("torch", "plain", False), ("torch", "kmgpu", False), ("jax", "plain", False),
+            ("torch", "kmgpu", True), ("torch", "plain", True))
+FALLBACK = "the train step runs eagerly, not captured"
+
+
+def config(quick):
+    if quick:
+        return dict(vocabulary_size=512, num_layers=2, num_query_heads=4,
+                    num_key_value_heads=2, hidden_dim=64, intermediate_dim=128), 32, 4
+    return dict(vocabulary_size=32000, num_layers=16, num_query_heads=16,
+                num_key_value_heads=8, hidden_dim=1024, intermediate_dim=2816), 256, 8
+
+
+def child(args):
+    """One run: build, fit one epoch (compile / capture), fit one more timed; print JSON."""
+    import numpy as np
+
+    import keras
+    import keras_hub
+
+    import kmgpu
+
+    keras.mixed_precision.set_global_policy("float32" if args.quick
+                                            else "mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    cfg, length, batch = config(args.quick)
+    backbone = keras_hub.models.LlamaBackbone(**cfg)
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    if args.lora:
+        model.backbone.enable_lora(rank=8)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4), weighted_metrics=["accuracy"])
+    rows = batch * args.steps
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, cfg["vocabulary_size"], size=(rows, length + 1)).astype("int32")
+    mask = np.ones_like(ids, dtype=bool)
+    mask[::4, -length // 4:] = False
+    x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
+    y, w = ids[:, 1:], mask[:, 1:].astype("float32")
+    fitter = kmgpu.parallelize(model, gpus=1) if args.variant == "kmgpu" else model
+    start = time.perf_counter()
+    fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    steady = time.perf_counter() - start
+    print("LMRUN " + json.dumps({
+        "params": int(model.count_params()),
+        "trainable": int(sum(np.prod(v.shape) for v in model.trainable_weights)),
+        "samples_per_s": rows / steady, "first_epoch_s": first}), flush=True)
+
+
+def run(backend, variant, lora, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant,
+           "--steps", str(args.steps)] + (["--lora"] if lora else []) \
+        + (["--quick"] if args.quick else [])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(os.environ, KERAS_BACKEND=backend))
+    out = proc.stdout + proc.stderr
+    got = [json.loads(line[len("LMRUN "):]) for line in proc.stdout.splitlines()
+           if line.startswith("LMRUN ")]
+    if proc.returncode or not got:
+        print(f"  {backend} {variant} lora={lora}: exit {proc.returncode}\n{out[-3000:]}",
+              flush=True)
+        return None, time.perf_counter() - start
+    got[0]["fallback"] = FALLBACK in out
+    return got[0], time.perf_counter() - start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, for a CPU")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
+    parser.add_argument("--budget", type=float, default=520, help="seconds for all runs")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="plain", help=argparse.SUPPRESS)
+    parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    began, results, left_out, longest = time.perf_counter(), {}, [], 0.0
+    for r in range(args.rounds):
+        for key in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            spent = time.perf_counter() - began
+            if spent + longest > args.budget:
+                left_out.append(f"round {r + 1} {key[0]} {key[1]}{' LoRA' if key[2] else ''}")
+                continue
+            got, seconds = run(*key, args)
+            longest = max(longest, seconds)
+            print(f"  round {r + 1} {key}: {got} ({seconds:.0f} s)", flush=True)
+            if got:
+                results.setdefault(key, []).append(got)
+    jax_plain = statistics.median(g["samples_per_s"] for g in results.get(VARIANTS[2], [])
+                                  ) if results.get(VARIANTS[2]) else None
+    print("\n| backend | fit | LoRA | parameters (trainable) | samples/s (runs) | median "
+          "| / Keras-JAX | first epoch s | kmgpu's step captured |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in VARIANTS:
+        got = results.get(key)
+        if not got:
+            continue
+        rates = [g["samples_per_s"] for g in got]
+        median = statistics.median(rates)
+        ratio = f"{median / jax_plain:.2f}x" if jax_plain else "-"
+        captured = "-" if key[1] == "plain" else \
+            ("no (fallback line)" if any(g["fallback"] for g in got) else "yes")
+        print(f"| {key[0]} | {key[1]} | {'yes' if key[2] else 'no'} | "
+              f"{got[0]['params'] / 1e6:.1f} M ({got[0]['trainable'] / 1e6:.1f} M) | "
+              f"{', '.join(f'{v:,.1f}' for v in rates)} | {median:,.1f} | {ratio} | "
+              f"{statistics.median(g['first_epoch_s'] for g in got):.0f} | {captured} |")
+    if left_out:
+        print(f"\nLeft out to stay within --budget {args.budget:.0f} s: " + "; ".join(left_out))
+
+
+if __name__ == "__main__":
+    main()
