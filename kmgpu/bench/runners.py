@@ -1,6 +1,6 @@
 """The ways to train a workload that ``kmgpu bench`` compares, all measured alike.
 
-    plain      ``model.fit`` on one device: the reference for speedup, overhead, parity.
+    plain      ``model.fit`` on one device: the reference for speed-up, kmgpu / plain fit, parity.
     replay     plain ``model.fit`` once more: how much two identical runs differ (timing
                noise, and the parity floor where GPU kernels are not deterministic).
     kmgpu      ``kmgpu.parallelize(model, gpus=n, batch=policy)`` then ``fit``; with
@@ -25,12 +25,20 @@ last loss and the final weights.
 
 Every Keras-based run is timed after its own warm-up, so its timed epochs hold no
 compile: at least ``WARMUP_STEPS`` untimed steps (whole epochs of the run's own data)
-through the same ``fit`` (it compiles the step, fills the caches), then the model's
+through the same ``fit`` (it compiles the step, fills the caches, lets autotuning and the
+GPU's clocks settle), and more untimed epochs, one at a time, until the last two are
+within ``STEADY`` of each other (at most ``WARMUP_EPOCHS_MAX``); then the model's
 weights and optimizer state back to where they were (the compiled step stays), then the
-timed epochs. Its wall time is the run's ``warmup_s`` (the compile
-included); samples/s is the median of the timed epochs. Plain fit and kmgpu then time
-``evaluate`` and ``predict`` over the epoch's samples, each after one untimed call
-(``--quick``: the first call, compile included).
+timed epochs. The warm-up's wall time is the run's ``warmup_s`` (the compile included);
+samples/s is the median of the timed epochs.
+
+Plain fit and kmgpu then time ``evaluate`` and ``predict`` on the first
+``INFER_BATCHES`` batches of the epoch's data, the same for every runner (``predict``
+copies the whole output to the host: for a language model's logits over a whole epoch
+that can take longer than the training): one untimed call (it compiles), then the
+median of ``INFER_REPEATS`` timed calls (``--quick``: the first call, compile included).
+The replay (plain fit again) times no evaluate or predict: it is there for the noise of
+the training figures.
 """
 
 import time
@@ -40,6 +48,10 @@ import numpy as np
 from kmgpu.bench.common import collect, global_batch, has_gpu
 
 WARMUP_STEPS = 20
+STEADY = 0.10  # the warm-up ends when its last two epochs are this close
+WARMUP_EPOCHS_MAX = 4  # the warm-up's epochs at most, the first call's included
+INFER_BATCHES = 2
+INFER_REPEATS = 3
 
 
 def run(runner, workload, n, policy="global"):
@@ -88,31 +100,51 @@ def compile_args(workload, lr_scale=1):
 
 
 # -- Keras fit based ---------------------------------------------------------------
-def _warm_up(fit, model, x, y, batch_size, steps):
-    """Untimed epochs of ``x``, ``y`` through ``fit`` (``steps`` per epoch), then
-    ``model``'s weights and optimizer state as they were (Adam's slots and step count
-    start at zero; the learning rate is kept)."""
+def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
+    """Untimed epochs of ``x``, ``y`` through ``fit`` (``steps`` per epoch): at least
+    ``WARMUP_STEPS`` steps in one call, then one epoch at a time until the last two
+    epochs are within ``STEADY`` of each other (``quick``: one epoch, a code-path check
+    on a CPU measures nothing); then ``model``'s weights and optimizer state as they
+    were (Adam's slots and step count start at zero; the learning rate is kept).
+    Returns the seconds it took."""
     import keras
+
+    from kmgpu.callbacks import EpochTimer
 
     weights = model.get_weights()
     start = time.perf_counter()
-    fit(x, y, batch_size=batch_size, epochs=max(1, -(-WARMUP_STEPS // max(steps, 1))),
-        shuffle=False, verbose=0)
-    seconds = time.perf_counter() - start
+    timer = EpochTimer()
+    first = 1 if quick else max(2, -(-WARMUP_STEPS // max(steps, 1)))
+    fit(x, y, batch_size=batch_size, epochs=first, shuffle=False, verbose=0,
+        callbacks=[timer])
+    seconds = list(timer.epoch_seconds)
+    while not quick and not steady(seconds) and len(seconds) < WARMUP_EPOCHS_MAX:
+        timer = EpochTimer()
+        fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
+            callbacks=[timer])
+        seconds += timer.epoch_seconds or [float("inf")]
+    took = time.perf_counter() - start
     model.set_weights(weights)
     for v in model.optimizer.variables:
         if not v.path.endswith("learning_rate"):
             v.assign(np.zeros(v.shape, dtype=keras.backend.standardize_dtype(v.dtype)))
-    return seconds
+    return took
+
+
+def steady(seconds):
+    """Whether the last two epoch times are within ``STEADY`` of each other."""
+    if len(seconds) < 2:
+        return False
+    a, b = seconds[-2:]
+    return abs(a - b) <= STEADY * min(a, b)
 
 
 def _fit(fit, x, y, batch_size, workload, model=None):
     from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     steps = workload.steps or -(-len(x) // batch_size)
-    if workload.quick:  # CPU sizes: one epoch warms the caches (kmgpu measures nothing)
-        steps = WARMUP_STEPS
-    warmup = _warm_up(fit, model, x, y, batch_size, steps) if model is not None else None
+    warmup = (_warm_up(fit, model, x, y, batch_size, steps, workload.quick)
+              if model is not None else None)
     reset_peak_memory()
     timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
     history = fit(x, y, batch_size=batch_size, epochs=workload.epochs, shuffle=False,
@@ -128,19 +160,25 @@ def _fit(fit, x, y, batch_size, workload, model=None):
 
 
 def _infer(model, x, y, batch_size, warm=True):
-    """Seconds of ``evaluate`` and of ``predict`` over ``x`` (one epoch's samples), each
-    timed on its second call: the first compiles the step (``warm=False``: the first
-    call, compile included: a CPU code-path check need not pay twice)."""
-    seconds = {}
+    """Seconds of ``evaluate`` and of ``predict`` on the first ``INFER_BATCHES`` batches
+    of ``x``: the median of ``INFER_REPEATS`` calls after an untimed one that compiles
+    the step (``warm=False``: the first call alone, compile included: a CPU code-path
+    check need not pay twice)."""
+    n = min(len(x), INFER_BATCHES * batch_size)
+    x, y = x[:n], y[:n]
+    seconds = {"infer_samples": n}
     for name, call in (("evaluate_s", lambda: model.evaluate(x, y, batch_size=batch_size,
                                                              verbose=0)),
                        ("predict_s", lambda: model.predict(x, batch_size=batch_size,
                                                            verbose=0))):
         if warm:
             call()
-        start = time.perf_counter()
-        call()
-        seconds[name] = time.perf_counter() - start
+        times = []
+        for _ in range(INFER_REPEATS if warm else 1):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        seconds[name] = float(np.median(times))
     return seconds
 
 
@@ -152,7 +190,8 @@ def _plain(workload, model, backend, flops):
     result = _fit(model.fit, x, y, workload.batch, workload, model)
     result["weights"] = model.get_weights()
     result["params"] = trainable_count(model)
-    result.update(_infer(model, x, y, workload.batch, warm=not workload.quick))
+    if flops:  # plain fit, not its replay (that one is there for the training's noise)
+        result.update(_infer(model, x, y, workload.batch, warm=not workload.quick))
     if flops:  # after training and after the weights are taken: never timed, never kept
         result["flops_per_sample"], result["flops_source"] = flop_count.per_sample(
             model, workload, backend)

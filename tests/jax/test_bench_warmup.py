@@ -3,6 +3,7 @@ through the same fit, then the weights and optimizer state as they were, so the 
 run trains exactly as a fit without warm-up would."""
 
 import numpy as np
+import pytest
 
 from tests.helpers import rel_diff
 
@@ -23,3 +24,29 @@ def test_warm_up_leaves_the_run_as_without_it():
     history = model.fit(x, y, batch_size=w.batch, epochs=1, shuffle=False, verbose=0)
     assert rel_diff(model.get_weights(), result["weights"]) == 0.0
     np.testing.assert_allclose(result["loss"], history.history["loss"][-1], rtol=1e-6)
+
+
+def test_warm_up_ends_when_two_epochs_agree():
+    from kmgpu.bench import runners
+
+    assert not runners.steady([20.0]) and not runners.steady([20.0, 0.3])  # a compile
+    assert runners.steady([20.0, 0.30, 0.32]) and not runners.steady([0.30, 0.40])
+
+
+@pytest.mark.filterwarnings("ignore:kmgpu. only")  # few steps per epoch, as the bench's
+def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner():
+    """Full-size rules on a tiny model: the warm-up until steady, evaluate and predict on
+    the first INFER_BATCHES batches for plain fit and kmgpu alike, none for the replay."""
+    import dataclasses
+
+    from kmgpu.bench import runners, workloads
+
+    w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=2, steps=5), batch=4,
+                            args=(("steps", 2), ("width", 4)), input_shape=(2, 16),
+                            quick=False)
+    plain, kmgpu = runners.run("plain", w, 1), runners.run("kmgpu", w, 1)
+    for result in (plain, kmgpu):
+        assert result["infer_samples"] == runners.INFER_BATCHES * w.batch
+        assert result["evaluate_s"] > 0 and result["predict_s"] > 0
+        assert result["warmup_s"] > 0 and len(result["epoch_seconds"]) == 2
+    assert "predict_s" not in runners.run("replay", w, 1)
