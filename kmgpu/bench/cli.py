@@ -58,17 +58,19 @@ def parse(argv):
                    help="simulated devices on a CPU-only machine (default: 2 with --quick "
                         "and no GPU, else none)")
     p.add_argument("--isolate", choices=("run", "workload", "backend"), default=None,
-                   help="a fresh process for every run (default without --quick: fair "
-                        "first-epoch times, exact peak memory, order-balanced by "
-                        "construction), one per backend and workload (later runs find warm "
-                        "caches and memory already held), or one per backend (default with "
-                        "--quick)")
+                   help="a fresh process for every run (fair first-epoch times, exact peak "
+                        "memory; each run compiles its own), one per backend and workload "
+                        "(default without --quick: plain fit, kmgpu, plain fit again in one "
+                        "process, order-balanced; on JAX later runs load a program already "
+                        "compiled from the compilation cache), or one per backend (default "
+                        "with --quick)")
     p.add_argument("--replay", dest="replay", action="store_true", default=None,
-                   help="run plain fit again after kmgpu (plain, kmgpu, plain): the overhead "
-                        "compares kmgpu with the mean of both plain runs (order-balanced "
+                   help="run plain fit again after kmgpu (plain, kmgpu, plain): kmgpu / plain "
+                        "fit compares kmgpu with the mean of both plain runs (order-balanced "
                         "where runs share a process), and the second run gives the "
-                        "run-to-run noise of the timings and of parity (default: on; with a "
-                        "process per run it comes after every workload's row)")
+                        "run-to-run noise of the timings and of parity; a row whose noise is "
+                        "over 5%% is flagged, not judged (default: on; with a process per run "
+                        "it comes after every workload's row)")
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="one plain run before kmgpu: faster, but not order-balanced")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
@@ -178,7 +180,7 @@ def _main(argv, child_env):
         print(f"kmgpu bench: --devices {args.devices} asks for more than the {total} "
               "device(s) here" + ("" if gpus else "; pass --simulate N on a CPU-only machine"))
         return 2
-    isolate = args.isolate or ("backend" if args.quick else "run")
+    isolate = args.isolate or ("backend" if args.quick else "workload")
     name = args.name or ((slug(gpus[0]) + f"-x{len(gpus)}") if gpus else
                          f"cpu-sim{simulate}" if simulate else "cpu") + \
         ("-quick" if args.quick else "")
@@ -247,7 +249,9 @@ def _main(argv, child_env):
     spec = {"quick": args.quick, "simulate": simulate, "max_devices": top,
             "epochs": args.epochs, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="kmgpu-bench-") as tmp, plain_log(log_path) as log:
-        if args.quick:  # JAX: runs of the same program share the compiled code
+        if args.quick or isolate != "run":  # JAX: runs of one program share its compiled
+            # code: a later run loads what an earlier one compiled and autotuned, so plain
+            # fit and kmgpu run the same kernels where their programs are the same
             spec["jax_cache"] = os.path.join(tmp, "jax-cache")
         running = {}  # backend: its worker process, kept while runs may share it
 

@@ -113,7 +113,7 @@ def measure(spec_run, spec, env):
         "peak_flops": flops.peak_flops(env.get("gpu_name"), precision) if gpu else None,
     }
     for key in ("flops_per_sample", "flops_source", "flops_analytic", "params",
-                "evaluate_s", "predict_s"):
+                "evaluate_s", "predict_s", "infer_samples"):
         if result.get(key) is not None:
             record[key] = result[key]
     weights = result["weights"]
@@ -151,10 +151,12 @@ def weights_name(spec_run):
 
 
 def _share_compiled_code(folder):
-    """--quick: JAX's persistent compilation cache for every program, so runs that
-    compile the same program (plain fit and kmgpu on one device, kmgpu and the peer)
-    compile it once. First epochs then are not compile times (nor are they meant to be
-    on a CPU)."""
+    """JAX's persistent compilation cache for every program, so runs that compile the
+    same program (plain fit, kmgpu on one device and plain fit again; kmgpu and the
+    peer) compile and autotune it once and run the same kernels: separate compiles can
+    pick different kernels, a difference between runs that is not kmgpu's. The
+    first epoch of a later run in the process then is no compile time (marked: it had
+    runs before it)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", folder)

@@ -4,12 +4,15 @@ the right shapes, the batch, epochs, steps per epoch and loss, in full size (GPU
 
 Models people train:
     xception        keras.applications.Xception, 224x224x3, 1000 classes; 32 samples per
-                    GPU: global batch 32 x the largest device count (64 on 2 GPUs).
-    resnet50        keras.applications.ResNet50, 224x224x3, 1000 classes, batch 256.
-    resnet50_small  the same at 64x64 with 10 classes, batch 256 (one GPU's step is
-                    latency-bound: splitting the batch can only lose).
+                    GPU: global batch 32 x the largest device count (64 on 2 GPUs);
+                    15 steps an epoch.
+    resnet50        keras.applications.ResNet50, 224x224x3, 1000 classes, batch 256,
+                    6 steps an epoch.
+    resnet50_small  the same at 64x64 with 10 classes, batch 256, 12 steps an epoch (one
+                    GPU's step is latency-bound: splitting the batch can only lose).
     transformer     GPT-style decoder LM: 4 blocks, d_model 512, 8 heads, FFN 2048,
-                    sequence 256, vocabulary 8192, causal mask, batch 64, next-token loss.
+                    sequence 256, vocabulary 8192, causal mask, batch 64, next-token
+                    loss, 12 steps an epoch.
 Toys (launch-bound; kept for continuity):
     cnn32           32x32x3; three stages of two 3x3 Conv (64, 128, 256) + BatchNorm,
                     max-pool after each; global average pool; Dense 10. Batch 256.
@@ -26,7 +29,14 @@ a zero gradient (softmax ignores a shift), so Adam turns rounding noise into ful
 
 ``batch`` is the global batch of one device. Policy "global" keeps it on N devices;
 "per_replica" gives each device ``batch`` (global N x batch). An epoch is ``steps``
-steps at the run's global batch (random data; sine: its fixed 106 samples).
+steps at the run's global batch (random data; sine: its fixed 106 samples); ``epochs``
+are the timed epochs, after the run's warm-up (``runners.py``).
+
+The full sizes are chosen so that the default ``kmgpu bench`` on one GPU, every model on
+JAX and torch, ends within 10 minutes: plain Keras on torch runs each layer from Python,
+so its steps cost several times kmgpu's, and the steps per epoch are what keeps its rows
+in the time budget. An epoch stays long enough (a few tenths of a second under kmgpu) for
+its median to be steady.
 """
 
 import dataclasses
@@ -39,11 +49,13 @@ TOYS = ("cnn32", "lstm", "sine")
 # workload (--quick, where each takes seconds).
 MODELS = ("transformer", "resnet50_small", "resnet50", "xception")
 BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
-# Rough seconds of one run in a fresh process on one H200 (start, warm-up and compile,
-# epochs, evaluate and predict), before any run of the workload has been timed: the time
-# budget's first guess (plan.Budget scales it by the backend's finished runs).
-GPU_SECONDS = {"sine": 15, "lstm": 15, "cnn32": 20, "transformer": 25,
-               "resnet50_small": 30, "resnet50": 40, "xception": 70}
+# Rough seconds of one run on one H200, averaged over the runs of a workload's process
+# (the first pays the process's start and the compile; on JAX the later ones load the
+# compiled program), warm-up, epochs, evaluate and predict included, before any run of
+# the workload has been timed: the time budget's first guess (plan.Budget scales it by
+# the backend's finished runs).
+GPU_SECONDS = {"sine": 10, "lstm": 10, "cnn32": 12, "transformer": 15,
+               "resnet50_small": 15, "resnet50": 18, "xception": 22}
 QUICK_SECONDS = 4  # one --quick run on a 2-core CPU
 SEED = 1234
 UNIQUE_IMAGES = 256  # big image sets repeat this many random samples (same shapes and cost)
@@ -170,7 +182,7 @@ def _catalogue(name, quick, devices):
             return _image(name, True, 8 * devices, 3, 2, 32, 10, "xception_mini",
                           {"image": 32, "classes": 10, "width": 4, "entry": 1, "middle": 1},
                           "Xception-style (1 entry block, 1 middle block, width 4), 32x32")
-        return _image(name, False, 32 * devices, 3, 15, 224, 1000, "application",
+        return _image(name, False, 32 * devices, 5, 15, 224, 1000, "application",
                       {"name": "Xception", "image": 224, "classes": 1000},
                       f"keras.applications.Xception 224x224, 1000 classes, 32/GPU at "
                       f"{devices} GPUs")
@@ -182,13 +194,13 @@ def _catalogue(name, quick, devices):
             return _image(name, True, 16, 3, 2, image, classes, "resnet_mini",
                           {"image": image, "classes": classes, "width": 4, "blocks": (1, 1)},
                           f"ResNet-style (2 stages of 1 bottleneck, width 4), {image}x{image}")
-        return _image(name, False, 256, 3, 20 if small else 10, image, classes, "application",
+        return _image(name, False, 256, 5, 12 if small else 6, image, classes, "application",
                       {"name": "ResNet50", "image": image, "classes": classes},
                       f"keras.applications.ResNet50 {image}x{image}, {classes} classes")
     if name == "transformer":
         size = (dict(vocab=128, seq=16, d_model=32, heads=2, ffn=64, blocks=2) if quick else
                 dict(vocab=8192, seq=256, d_model=512, heads=8, ffn=2048, blocks=4))
-        return Workload(name, quick, 16 if quick else 64, 3, 2 if quick else 20,
+        return Workload(name, quick, 16 if quick else 64, 3 if quick else 5, 2 if quick else 12,
                         "sparse_ce_logits", "matmul", (size["seq"],), size["vocab"],
                         "transformer", tuple(sorted(size.items())),
                         "GPT-style decoder LM: {blocks} blocks, d_model {d_model}, {heads} "
