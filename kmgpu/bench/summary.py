@@ -1,7 +1,8 @@
-"""The leading table of ``kmgpu bench``: per model, each backend's samples/s under kmgpu,
-kmgpu against plain fit, the first epoch, evaluate and predict, and which backend is
-fastest; with several devices also the speed-up over plain fit on one and the efficiency.
-Imports no backend."""
+"""The leading table of ``kmgpu bench``: per model, each backend's samples/s under kmgpu
+and under plain fit, kmgpu against plain fit as a ratio, how far plain fit was from
+itself (a row over ``NOISE_LIMIT`` is not judged), the first epoch, evaluate and predict,
+and which backend is fastest; with several devices also the speed-up over plain fit on
+one and the efficiency. Imports no backend."""
 
 from kmgpu.bench import tables
 from kmgpu.bench.tables import BACKEND_ORDER, fmt
@@ -31,8 +32,9 @@ def row(results, backend, workload, top):
     # plain fit before and, where it ran, after kmgpu: the mean is order-balanced
     base = [p["samples_per_s"] for p in (plain, replay) if p and p.get("status") == "ok"]
     plain_sps = sum(base) / len(base)
-    out = {"kmgpu": k["samples_per_s"], "first": tables.first_epoch(k),
-           "evaluate": k.get("evaluate_s"), "predict": k.get("predict_s")}
+    out = {"kmgpu": k["samples_per_s"], "plain": plain_sps, "first": tables.first_epoch(k),
+           "evaluate": k.get("evaluate_s"), "predict": k.get("predict_s"),
+           "noise": tables.noise(plain, replay)}
     if one and one.get("status") == "ok":
         out["vs_plain"] = one["samples_per_s"] / plain_sps
     if top > 1:
@@ -63,7 +65,8 @@ def table(results):
     unit = "device" if simulated else "GPU"
     many = top > 1
     head = ["model", "backend", f"kmgpu samples/s{f', {top} {unit}s' if many else ''}",
-            f"kmgpu / plain fit{f', 1 {unit}' if many else ''}"]
+            f"plain fit samples/s{f', 1 {unit}' if many else ''}",
+            f"kmgpu / plain fit{f', 1 {unit}' if many else ''}", "plain vs plain again"]
     if many:
         head += [f"speed-up, {top} {unit}s vs plain fit on 1", "efficiency"]
     head += ["1st epoch (s)", "evaluate (s)", "predict (s)", "vs fastest backend"]
@@ -85,7 +88,11 @@ def table(results):
                 vs = "**fastest**"
             else:
                 vs = f"{r['kmgpu'] / done[best]:.2f}x {best}"
-            cells = [fmt(r["kmgpu"], ",.0f"), _ratio(r.get("vs_plain"))]
+            noisy = r["noise"] is not None and r["noise"] > tables.NOISE_LIMIT
+            cells = [fmt(r["kmgpu"], ",.0f"), fmt(r["plain"], ",.0f"),
+                     _ratio(r.get("vs_plain")) + (", not judged" if noisy else ""),
+                     "-" if r["noise"] is None else f"{r['noise'] * 100:.1f}%"
+                     + (f" (over {tables.NOISE_LIMIT:.0%})" if noisy else "")]
             if many:
                 cells += [_ratio(r.get("speedup")), fmt(r.get("efficiency"), ".2f")]
             cells += [r["first"], _secs(r["evaluate"]), _secs(r["predict"]), vs]
@@ -94,15 +101,20 @@ def table(results):
 
 
 LEGEND = (
-    "kmgpu samples/s: median epoch after the warm-up, global batch (the workload's); "
-    "kmgpu / plain fit: kmgpu's samples/s on one device over plain `model.fit`'s "
-    "(order-balanced: each run in a process of its own, or plain fit before and after kmgpu "
-    "in one, averaged); speed-up: kmgpu on N devices over plain fit on one; efficiency: "
-    "speed-up / N; 1st epoch: the warm-up's wall time, compilation included (*: the "
-    "process had run others before); evaluate, predict: seconds for one epoch's samples, "
-    "each timed on its second call (--quick: its first, compile included); vs fastest backend: samples/s under kmgpu against the "
-    "fastest backend's on the same model. A skipped row was skipped whole, for the reason "
-    "given.")
+    "samples/s: median of the timed epochs after the warm-up, global batch (the "
+    "workload's); plain fit samples/s: the mean of plain `model.fit` before and after "
+    "kmgpu; kmgpu / plain fit: kmgpu's samples/s on one device over plain fit's "
+    "(order-balanced: plain fit before and after kmgpu in one process, averaged, or each "
+    "run in a process of its own); plain vs plain again: the same code twice, |a / b - 1|, "
+    "the resolution of the ratio beside it: over 5% the ratio is 'not judged'; speed-up: "
+    "kmgpu on N devices over plain fit on one; efficiency: speed-up / N; 1st epoch: the "
+    "warm-up's wall time, compilation included (*: the process had run plain fit before "
+    "it: warm caches, and on JAX the compiled program loaded from the compilation cache "
+    "where it is the same); evaluate, predict: seconds of one call on the same first "
+    "batches of the data for every runner, the median of 3 after an untimed call "
+    "(--quick: the first call, compile included); vs fastest backend: samples/s under "
+    "kmgpu against the fastest backend's on the same model. A skipped row was skipped "
+    "whole, for the reason given.")
 
 
 def _ratio(x):

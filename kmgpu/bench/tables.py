@@ -8,6 +8,16 @@ from kmgpu.bench.workloads import NAMES, TOYS
 
 BACKEND_ORDER = {"tensorflow": 0, "jax": 1, "torch": 2}
 POLICIES = ("global", "per_replica")
+NOISE_LIMIT = 0.05  # a row whose plain fit differs from itself by more is not judged
+
+
+def noise(plain, replay):
+    """How far plain fit and plain fit again are apart: |a / b - 1| of their samples/s
+    (None without both finished)."""
+    if not (plain and replay and plain.get("status", "ok") == "ok"
+            and replay.get("status", "ok") == "ok"):
+        return None
+    return abs(plain["samples_per_s"] / replay["samples_per_s"] - 1)
 
 
 def fmt(x, spec):
@@ -89,11 +99,13 @@ def headline(results, toys, simulated):
     if not names:
         return "" if toys else title + "\n\nNo runs of these workloads in these results."
     runs = index(results)
-    head = (f"| workload | backend | policy | global batch 1 -> {top} | plain fit, 1 {unit} "
-            f"(samples/s) | kmgpu, {top} {unit}s (samples/s) | speedup | efficiency | "
-            f"kmgpu / peer | MFU 1 -> {top} | 1st epoch (s) 1 -> {top} | peak memory, "
-            f"{top} {unit}s |")
-    lines = ([] if toys else [title, ""]) + [head, "|" + "---|" * 12]
+    peers = any(r["runner"] == "peer" for r in results["runs"])
+    head = ["workload", "backend", "policy", f"global batch 1 -> {top}",
+            f"plain fit, 1 {unit} (samples/s)", f"kmgpu, {top} {unit}s (samples/s)",
+            "speedup", "efficiency"] + (["kmgpu / peer"] if peers else []) + [
+            f"MFU 1 -> {top}", f"1st epoch (s) 1 -> {top}", f"peak memory, {top} {unit}s"]
+    lines = ([] if toys else [title, ""]) + ["| " + " | ".join(head) + " |",
+                                             "|" + "---|" * len(head)]
     for workload in names:
         for backend in sorted({r["backend"] for r in results["runs"]
                                if r["workload"] == workload}, key=BACKEND_ORDER.get):
@@ -108,21 +120,23 @@ def headline(results, toys, simulated):
                 speed = k.get("vs_plain") if k else None
                 batch1 = plain["global_batch"] if plain and plain.get("global_batch") else "-"
                 batch_n = k.get("global_batch", "-") if k else "-"
-                lines.append(
-                    f"| {workload} | {backend} | {policy} | {batch1} -> {batch_n} | "
-                    f"{_cell(plain_any, lambda r: fmt(r['samples_per_s'], ',.0f'))} | "
-                    f"{_cell(k_any, lambda r: fmt(r['samples_per_s'], ',.0f'))} | "
-                    f"{fmt(speed, '.2f') + 'x' if speed else '-'} | "
-                    f"{fmt(speed / top if speed else None, '.2f')} | "
-                    f"{fmt(k['samples_per_s'] / peer['samples_per_s'], '.2f') if k and peer else '-'} | "
-                    f"{pct(plain and plain.get('mfu'))} -> {pct(k and k.get('mfu'))} | "
-                    f"{first_epoch(plain)} -> {first_epoch(k)} | {mem(k) if k else '-'} |")
+                cells = [workload, backend, policy, f"{batch1} -> {batch_n}",
+                         _cell(plain_any, lambda r: fmt(r['samples_per_s'], ',.0f')),
+                         _cell(k_any, lambda r: fmt(r['samples_per_s'], ',.0f')),
+                         f"{fmt(speed, '.2f')}x" if speed else "-",
+                         fmt(speed / top if speed else None, '.2f')]
+                if peers:
+                    cells.append(fmt(k["samples_per_s"] / peer["samples_per_s"], ".2f")
+                                 if k and peer else "-")
+                cells += [f"{pct(plain and plain.get('mfu'))} -> {pct(k and k.get('mfu'))}",
+                          f"{first_epoch(plain)} -> {first_epoch(k)}", mem(k) if k else "-"]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def legend(results):
     """What the headline's columns are, and which FLOP counts and peaks MFU used."""
-    text = ("samples/s: median over the epochs after the first; speedup: kmgpu's samples/s "
+    text = ("samples/s: median of the timed epochs after the warm-up; speedup: kmgpu's samples/s "
             "on N devices over plain `model.fit` on one, measured in the same run; efficiency: "
             "speedup / N (it can exceed 1 where one device's run is slowed by something N "
             "devices split, e.g. a host-bound step, memory traffic or a batch that does not "
@@ -207,12 +221,16 @@ def _seconds(t):
 def projection_section(results):
     """The measured all-reduce sweeps, the model, and the projected efficiencies."""
     found = sweeps(results)
-    lines = ["## Past the GPUs we have: projected scaling efficiency", ""]
+    lines = ["## Modelled, not measured: projected scaling efficiency past the GPUs we have",
+             "", "The figures below come from a model fed with this run's measurements (its "
+             "inputs: t_c from plain fit, M from the trainable parameters, alpha and busbw "
+             "from the all-reduce sweep, the network's figures assumed); only the 'measured "
+             "at 2' column is measured.", ""]
     if not found:
         failed = [r for r in results["runs"] if r["runner"] == "allreduce"]
         why = "; ".join(f"{r['backend']}: {_cell(r, lambda r: 'not fitted')}" for r in failed)
-        return lines + ["No all-reduce sweep in these results" + (f" ({why})" if why else "")
-                        + ": no projection.", ""]
+        return lines[:2] + ["No all-reduce sweep in these results" + (f" ({why})" if why else "")
+                            + ": no projection (it needs a run on 2 or more GPUs).", ""]
     lines.append("All-reduce on the run's devices (time of one all-reduce; bus bandwidth "
                  "M/t x 2(p-1)/p):")
     lines.append("")

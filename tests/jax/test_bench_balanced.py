@@ -1,36 +1,60 @@
-"""``kmgpu bench``'s comparison table (issues 29, 30): kmgpu's overhead against plain fit
-is order-balanced where plain fit ran again after kmgpu (plain, kmgpu, plain), marked
-unbalanced where it did not, every target marked met or missed (simulated devices
-included), and the columns defined where they are printed."""
+"""``kmgpu bench``'s comparison table: kmgpu against plain fit as a ratio, order-balanced
+where plain fit ran again after kmgpu (plain, kmgpu, plain), marked unbalanced where it
+did not; every target marked met or missed (simulated devices included) unless the row's
+own noise (plain fit against plain fit again) is over 5%, then 'not judged'; the peer's
+columns only where a peer ran; the columns defined where they are printed."""
 
-from kmgpu.bench import report
+from kmgpu.bench import report, summary
 
 
-def _results(replay, simulate=2):
-    def run(runner, sps):
-        return {"backend": "jax", "workload": "cnn32", "runner": runner, "devices": 1,
+def _results(replay, simulate=2, again=3400.0, peer=False):
+    def run(runner, sps, n=1):
+        return {"backend": "jax", "workload": "cnn32", "runner": runner, "devices": n,
                 "policy": "global", "status": "ok", "samples_per_s": sps}
 
     runs = [run("plain", 3600.0), run("kmgpu", 3500.0)]
     if replay:
-        runs.append(run("replay", 3400.0))
+        runs.append(run("replay", again))
+    if peer:
+        runs += [run("kmgpu", 6000.0, 2), run("peer", 5000.0, 2)]
     return {"name": "t", "simulate": simulate, "machine": {"gpus": []}, "runs": runs}
 
 
-def test_overhead_is_against_plain_before_and_after_kmgpu():
+def test_kmgpu_against_plain_before_and_after_it_as_a_ratio():
     row = report.comparison_rows(_results(replay=True))[0]
-    assert row["overhead"] == 0.0 and row["balanced"]  # mean(3600, 3400) / 3500 - 1
-    assert abs(row["noise"] - (3600 / 3400 - 1)) < 1e-12
-    assert "| +0.0% met |" in report.comparison_table(_results(replay=True))
+    assert row["vs_plain"] == 1.0 and row["balanced"]  # 3500 / mean(3600, 3400)
+    assert abs(row["noise"] - (3600 / 3400 - 1)) < 1e-12 and row["noisy"]  # 5.9%
+    table = report.comparison_table(_results(replay=True))
+    assert "| 1.00x not judged (noise over 5%) | 5.9% (over 5%) |" in table
+    table = report.comparison_table(_results(replay=True, again=3550.0))
+    assert "| 0.98x **missed** | 1.4% |" in table  # 3500 / 3575, inside 5%: judged
+    assert "%" not in table.split("\n")[2].split("|")[7]  # the ratio is no percentage
 
 
-def test_without_plain_again_the_overhead_says_unbalanced_and_is_still_marked():
+def test_without_plain_again_the_ratio_says_unbalanced_and_is_still_marked():
     table = report.comparison_table(_results(replay=False))
-    assert "| +2.9% **missed** (unbalanced) |" in table  # 3600 / 3500 - 1, on simulated devices
+    assert "| 0.97x **missed** (unbalanced) | - |" in table  # 3500 / 3600, simulated devices
 
 
-def test_the_report_defines_overhead_noise_efficiency_and_parity():
+def test_the_peer_columns_only_where_a_peer_ran():
+    alone = report.comparison_table(_results(replay=True))
+    assert "peer" not in alone
+    both = report.comparison_table(_results(replay=True, peer=True))
+    head = both.splitlines()[0]
+    assert "| peer |" in head and "kmgpu / peer (target >= 1.00x)" in head
+    assert "| 1.20x met |" in both  # 6000 / 5000 at N = 2
+    assert "| 1.71x | 5.9% (over 5%) | 1.20x met |" in both  # N = 2: the speed-up, no target
+
+
+def test_the_leading_table_flags_a_noisy_row():
+    text = summary.table(_results(replay=True))
+    row = next(line for line in text.splitlines() if line.startswith("| cnn32 | jax |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:6] == ["3,500", "3,500", "1.00x, not judged", "5.9% (over 5%)"]
+
+
+def test_the_report_defines_the_ratio_noise_efficiency_and_parity():
     text = report.markdown(dict(_results(replay=True), workloads={}))
-    for words in ("overhead: how much longer kmgpu on 1 device takes", "noise: plain fit against",
+    for words in ("kmgpu / plain fit: kmgpu's samples/s over", "plain vs plain again (noise)",
                   "efficiency: speedup / N (it can exceed 1", "parity: the largest relative"):
         assert words in text, words
