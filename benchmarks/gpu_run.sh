@@ -4,9 +4,9 @@
 # people train (transformer, resnet50_small, xception, resnet50) x {plain fit on 1 GPU, kmgpu
 # on 2 GPUs with batch global and per_replica, the peer on 2 GPUs, kmgpu on 1 GPU}, the
 # all-reduce sweep (projection), with torch the torchvision reference, and plain fit once more
-# after kmgpu (plain's figure is the mean of the runs before and after kmgpu, so the overhead is
-# order-balanced); 3 epochs of each workload's steps (the first compiles; --steps N changes
-# them), one process per workload. Runs that would not fit the time budget
+# after kmgpu (plain's figure is the mean of the runs before and after kmgpu, so kmgpu / plain is
+# order-balanced); each run's warm-up, then 3 timed epochs of the workload's steps (--steps N
+# changes them), one process per workload. Runs that would not fit the time budget
 # (KMGPU_BENCH_BUDGET seconds, default 520) are skipped and say so in the report; the
 # workloads run cheapest first. The leading table is printed last.
 #
