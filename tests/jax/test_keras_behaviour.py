@@ -227,3 +227,42 @@ def test_a_new_variable_takes_its_layout_from_the_distributions_get_variable_lay
     for v in (layer.kernel, layer.bias):
         assert [s.data.shape[-1] for s in v.value.addressable_shards] == [1, 1], v.path
     assert counter.value.sharding.is_fully_replicated
+
+
+@relies_on(("keras.src.backend.common.variables", "Variable.value"),
+           ("keras.src.backend.jax.core", "JaxVariable._direct_assign"))
+def test_keras_reads_a_variable_through_value_and_assigns_through_direct_assign():
+    """optimizer_fixes.hold: a held variable is read (np.asarray, numpy(), an op, saving
+    the model, a plain fit's state) only through its value property, and an assign lets it
+    go unread."""
+    model = tiny_mlp()
+    model.compile(optimizer="adam", loss="mse")
+    x, y = tiny_xy()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    v = model.optimizer.variables[2]  # a moment
+    reads = []
+
+    def hold():
+        optimizer_fixes.hold(v, v.value, lambda a: (reads.append(1), a + 1)[1])
+
+    before = np.asarray(v.value)
+    for read in (np.asarray, lambda v: v.numpy(), lambda v: ops.add(v, 0.0)):
+        hold()
+        np.testing.assert_array_equal(np.asarray(read(v)), before + 1)
+        assert not optimizer_fixes.held(v)
+        v.assign(before)
+    assert len(reads) == 3
+    hold()
+    v.assign(before * 2)  # unread: let go
+    assert len(reads) == 3 and not optimizer_fixes.held(v)
+    np.testing.assert_array_equal(np.asarray(v.value), before * 2)
+
+    import tempfile
+
+    hold()
+    with tempfile.TemporaryDirectory() as d:
+        model.save(f"{d}/m.keras")
+    assert len(reads) == 4 and not optimizer_fixes.held(v)
+    hold()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert len(reads) == 5 and not optimizer_fixes.held(v)

@@ -255,3 +255,52 @@ def test_gradients_keep_the_weights_whole_on_each_device():
     assert all(v.value.sharding.is_fully_replicated for v in replica.weights)
     assert any(not v.value.sharding.is_fully_replicated for v in replica.optimizer.variables)
     assert parallel._engine.sharded_bytes(parallel.model, "weights") is None
+
+
+def test_the_optimizer_state_is_gathered_when_read():
+    """shard="weights": after a fit the user's optimizer variables hold the replica's sharded
+    arrays themselves (no whole copy on the host); a read gathers one whole onto the host,
+    equal to the replica's; read from a callback during the next fit, it is the replica's
+    state at that step; the fit after it holds them again."""
+    import keras
+
+    from kmgpu.engines import replication
+    from kmgpu.engines.jax import host
+
+    model = _model()
+    parallel = kmgpu.parallelize(model, gpus=4, shard="weights")
+    parallel.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    x, y = _data("adam_save_load")
+    kwargs = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="kmgpu: only")
+        parallel.fit(x, y, **kwargs)
+    replica = parallel._engine.replica
+    pairs = list(zip(replication.optimizer_state(model.optimizer),
+                     replication.optimizer_state(replica.optimizer)))
+    held = [(t, r) for t, r in pairs if host.held(t)]
+    assert len(held) == 4  # the moments of the embedding table and the (12, 6) kernel
+    for t, r in held:  # the same buffers: no copy
+        assert [s.data.unsafe_buffer_pointer() for s in host.current(t).addressable_shards] \
+            == [s.data.unsafe_buffer_pointer() for s in r.value.addressable_shards]
+    assert not any(host.held(t) for t, r in pairs if r.value.sharding.is_fully_replicated)
+    t, r = held[0]
+    value = t.value  # gathered
+    assert not host.held(t) and value.devices() == {_host()}
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(r.value))
+
+    t, r = held[1]
+    seen = []
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:  # the user's model, then the replica at this step
+                mine = np.asarray(t.value)
+                assert self.model is replica  # (the read syncs its variables)
+                seen.append((mine, np.asarray(r.value)))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="kmgpu: only")
+        parallel.fit(x, y, callbacks=[Read()], **kwargs)
+    np.testing.assert_array_equal(*seen[0])
+    assert all(host.held(t) for t, _ in held), [(t.path, type(t), host.held(t)) for t, _ in held]

@@ -119,7 +119,7 @@ class JaxEngine(InProcessEngine):
                 continue
             mark = marks.get(id(t))
             same.append(mark is not None and mark[0] is t and mark[1] is r
-                        and mark[2] is t.value and mark[3] is r.value)
+                        and mark[2] is host.current(t) and mark[3] is r.value)
             if not same[-1]:
                 unsure.append(i)
         if unsure and not self.sharded:  # sharded: no whole copy on a device to compare
@@ -132,7 +132,12 @@ class JaxEngine(InProcessEngine):
         written into the template's own buffer (``_into``: a donated copy, no new memory),
         the rest in one batched ``device_put`` (through NumPy it was ~1 s per fit for
         ResNet-50 + Adam on CPU). The template's former arrays are given up, as plain
-        Keras's ``fit`` gives up a variable's former array (its step donates them)."""
+        Keras's ``fit`` gives up a variable's former array (its step donates them).
+
+        Sharded: the optimizer's sharded state is held, not gathered (``host.hold``), and
+        the weights are gathered to the host a few at a time (``HOST_BATCH_BYTES``), each
+        former array given up before the next batch: one whole copy of the weights, not
+        two."""
         import jax
 
         if self.multiprocess:  # arrays across processes: through NumPy, as before
@@ -140,6 +145,8 @@ class JaxEngine(InProcessEngine):
                 value = zero.host_value(r.value)
                 t.assign(jax.device_put(value, host.device()) if self.sharded else value)
             return
+        if self.sharded:
+            pairs = self._hold_optimizer_state(pairs)
         values = [zero.gather(r.value) for r, _ in pairs]
         into = _reusable([t.value for _, t in pairs], values)
         done = set(into)
@@ -148,12 +155,33 @@ class JaxEngine(InProcessEngine):
             for i, v in zip(into, _into([pairs[i][1].value for i in into],
                                         [values[i] for i in into])):
                 pairs[i][1].assign(v)
-        if rest:
-            places = [host.device() if self.sharded else pairs[i][1].value.sharding
-                      for i in rest]
+        if rest and self.sharded:
+            for batch in _batches(rest, [values[i].nbytes for i in rest], HOST_BATCH_BYTES):
+                copies = jax.device_put([values[i] for i in batch], host.device(),
+                                        may_alias=False)
+                for i, v in zip(batch, copies):
+                    pairs[i][1].assign(v)
+        elif rest:
+            places = [pairs[i][1].value.sharding for i in rest]
             copies = jax.device_put([values[i] for i in rest], places, may_alias=False)
             for i, v in zip(rest, copies):
                 pairs[i][1].assign(v)
+
+    def _hold_optimizer_state(self, pairs):
+        """``host.hold`` each of the template's optimizer variables whose replica value is
+        sharded; the other pairs, to copy."""
+        from kmgpu.engines import replication
+
+        opt = getattr(self._template, "optimizer", None)
+        mine = {id(v) for v in replication.optimizer_state(opt)} if opt is not None else set()
+        rest = []
+        for r, t in pairs:
+            if (id(t) in mine and host.can_hold(t)
+                    and not r.value.sharding.is_fully_replicated):
+                host.hold(t, r, self.replica.jax_state_sync)
+            else:
+                rest.append((r, t))
+        return rest
 
     def settle(self, replica):
         # Keras's JAX evaluate / predict take the variables' values out for the loop and
@@ -164,7 +192,7 @@ class JaxEngine(InProcessEngine):
             host.built_on_host(self._template, replica)
 
     def note_synced(self, pairs):
-        self._marks = {id(t): (t, r, t.value, r.value) for t, r in pairs}
+        self._marks = {id(t): (t, r, host.current(t), r.value) for t, r in pairs}
 
     def run_on_batch(self, replica, method, kwargs):
         if method == "predict_on_batch":  # Keras's own does not shard the batch
@@ -213,6 +241,24 @@ class JaxEngine(InProcessEngine):
             text += (f"; global batch in {len(kept)} layer(s) with renorm, synchronized=True "
                      f"or their own call ({names})")
         return text
+
+
+#: sharded: ``copy_back`` gathers the weights to the host in batches of about this many
+#: bytes (a batch's transfers overlap; the host holds one batch beside the weights)
+HOST_BATCH_BYTES = 64 << 20
+
+
+def _batches(items, sizes, limit):
+    """``items`` in order, cut into lists of at most ``limit`` bytes (a larger item alone)."""
+    out, size = [], 0
+    for item, n in zip(items, sizes):
+        if out and size + n > limit:
+            yield out
+            out, size = [], 0
+        out.append(item)
+        size += n
+    if out:
+        yield out
 
 
 #: the smallest array (bytes) ``copy_back`` writes into the template's own buffer: a fresh

@@ -17,9 +17,21 @@ So ``model.save``, ``load_model``, ``get_weights`` and kmgpu's next call read ho
 A direct call on the model itself (``model.predict`` outside kmgpu) then runs where its
 arrays are, on the host CPU; ``keras``'s own ``fit`` puts them back on the accelerator.
 On a machine without accelerators the host device is device 0 (nothing moves).
+
+The optimizer's sharded state is not gathered after a fit (``hold``): the user's
+optimizer variable holds the replica's own sharded array (JAX arrays are immutable, so no
+copy is made) and is gathered whole to the host the first time its value is read:
+``model.optimizer.variables[i].value``, ``numpy()``, ``model.save`` with the optimizer,
+Keras's own ``fit`` on the model. Assigning it lets go of the replica's array. So between
+fits the host keeps the trained weights, and the optimizer state only where something
+asked for it. kmgpu's own calls read the held array itself (``current``): a next fit
+finds it equal to the replica's and copies nothing in. Under ``kmgpu launch`` (several
+processes) the state is gathered at once, as reading it is a collective.
 """
 
 import contextlib
+
+from kmgpu.engines.jax import optimizer_fixes
 
 
 def device():
@@ -35,7 +47,7 @@ def to_host(variables):
     import jax
 
     host = device()
-    away = [v for v in variables if getattr(v, "value", None) is not None
+    away = [v for v in variables if not held(v) and getattr(v, "value", None) is not None
             and v.value.devices() != {host}]
     if away:
         for v, a in zip(away, jax.device_put([v.value for v in away], host, may_alias=False)):
@@ -114,6 +126,39 @@ def writers_read_template(engine, template, callbacks):
     if by_steps:
         CopyForWriters.on_train_batch_end = lambda self, batch, logs=None: self.copy()
     return [CopyForWriters()] + list(callbacks)
+
+
+# -- the optimizer state held, not gathered -------------------------------------------
+def held(variable):
+    """Whether ``variable`` holds a replica's sharded array, not yet gathered (``hold``)."""
+    return optimizer_fixes.held(variable)
+
+
+def current(variable):
+    """``variable``'s array without gathering a held one (what kmgpu compares)."""
+    return optimizer_fixes.current(variable)
+
+
+def can_hold(variable):
+    """Whether ``hold`` applies to ``variable`` (``optimizer_fixes.can_hold``)."""
+    return optimizer_fixes.can_hold(variable)
+
+
+def hold(variable, source, sync):
+    """``variable`` (the user's) takes ``source``'s (the replica's) sharded array itself,
+    to be gathered to the host when its value is first read. The array is immutable; if
+    the replica's next train step has donated it by then (the user's model read from a
+    callback during a later fit), the replica's state at that step is gathered instead
+    (``sync()``: Keras's ``jax_state_sync``, as a callback's ``self.model`` does)."""
+    import jax
+
+    def gathered(value):
+        if value.is_deleted():  # the replica's step took it: its state since
+            sync()
+            value = source._value
+        return jax.device_put(value, device(), may_alias=False)
+
+    optimizer_fixes.hold(variable, source.value, gathered)
 
 
 @contextlib.contextmanager

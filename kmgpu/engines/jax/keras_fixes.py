@@ -53,7 +53,13 @@ PATCHES = [
     ("keras.src.backend.jax.core", "JaxVariable._direct_assign",
      "optimizer_fixes.lay_out_optimizer",
      "an optimizer variable built before is re-laid by setting its private _layout and "
-     "assigning its value again (_direct_assign places it by _layout)"),
+     "assigning its value again (_direct_assign places it by _layout). Every assign goes "
+     "through it: optimizer_fixes.hold's subclass overrides it to let its array go"),
+    ("keras.src.backend.common.variables", "Variable.value", "optimizer_fixes.hold",
+     "shard= (host.py): after a fit the user's optimizer variable holds the replica's "
+     "sharded array, its class swapped for a subclass whose value property gathers it to "
+     "the host first; Keras reads a variable's value through this property (ops, numpy(), "
+     "np.asarray, saving, the JAX trainer's state for a plain fit)"),
     ("keras.src.backend.jax.core", "JaxVariable._initialize_layout",
      "kmgpu.engines.jax.zero.Distribution",
      "shard='weights': a variable made in a distribution's scope without a layout takes "

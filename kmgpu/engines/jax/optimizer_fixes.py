@@ -1,5 +1,6 @@
 """Keras optimizers on JAX replicas: slots laid out sharded (``shard_optimizer=True``) and
-EMA overwrites that leave each variable a buffer of its own. Rows of
+EMA overwrites that leave each variable a buffer of its own; and the user's optimizer
+variables holding a replica's sharded arrays until they are read (``hold``). Rows of
 ``kmgpu/engines/jax/keras_fixes.py``.
 """
 
@@ -84,3 +85,71 @@ def constrain_gradients(optimizer, sharding_of):
         return stateless_apply
 
     keras_fixes.install(optimizer, "stateless_apply", constraining, key="constrain_gradients")
+
+
+_HOLDING = {}  # a variable class -> its holding subclass
+
+
+def hold(variable, value, read):
+    """``variable`` holds ``value`` (an array it does not copy) until its value is first
+    read; then it keeps ``read(value)`` (e.g. the array gathered to the host) and is a
+    plain variable again. Assigning it first lets ``value`` go, unread.
+
+    Keras reads a variable through its ``value`` property (ops, ``numpy()``,
+    ``np.asarray``, saving, the JAX trainer's state) and every assignment goes through
+    ``_direct_assign``: the variable's class is swapped for a subclass that overrides the
+    two (``can_hold``: a plain JAX variable without a layout).
+    """
+    let_go(variable)
+    variable.assign(value)
+    variable._kmgpu_read = read
+    variable.__class__ = _holding(type(variable))
+
+
+def held(variable):
+    """Whether ``variable`` holds a value not yet read (``hold``)."""
+    return type(variable) in _HOLDING.values()
+
+
+def current(variable):
+    """``variable``'s array, without reading a held one."""
+    return variable._value if held(variable) else variable.value
+
+
+def can_hold(variable):
+    """Whether ``hold`` applies: a plain Keras JAX variable (NNX variables keep their value
+    elsewhere) without a layout (``_direct_assign`` would place the value by it)."""
+    import keras
+
+    return ((type(variable) is keras.Variable or held(variable))
+            and not keras.config.is_nnx_enabled()
+            and getattr(variable, "_layout", None) is None)
+
+
+def let_go(variable):
+    """``variable`` a plain variable again, its value unchanged (the held array)."""
+    if held(variable):
+        variable.__class__ = type(variable).__mro__[1]
+        del variable._kmgpu_read
+
+
+def _holding(base):
+    cls = _HOLDING.get(base)
+    if cls is None:
+        class Holding(base):
+            """A Keras variable holding a value until it is read (``hold``)."""
+
+            @property
+            def value(self):
+                kept = self._kmgpu_read(self._value)
+                let_go(self)
+                self.assign(kept)
+                return self.value
+
+            def _direct_assign(self, value):
+                let_go(self)
+                self._direct_assign(value)
+
+        Holding.__name__, Holding.__qualname__ = base.__name__, base.__qualname__
+        cls = _HOLDING[base] = Holding
+    return cls

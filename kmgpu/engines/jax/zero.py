@@ -31,10 +31,11 @@ float32 rounding.
 value (``JaxVariable._direct_assign``), and ``optimizer_fixes.separate_ema_overwrite``
 gives the weight a copy.
 
-The user's model holds the whole state after every ``fit``: ``gather`` brings a sharded
+The user's model holds the trained weights after every ``fit``: ``gather`` brings a sharded
 value back whole (the engine's ``copy_back``; under ``kmgpu launch`` ``host_value``,
 which gathers the shards of every process). With any ``shard`` value that whole copy
-lives in host memory, never on an accelerator (``host.py``).
+lives in host memory, never on an accelerator; the optimizer's sharded state is gathered
+there only when it is read (``host.py``).
 """
 
 from kmgpu.engines.jax import data_fixes, optimizer_fixes
