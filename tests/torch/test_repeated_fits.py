@@ -8,6 +8,8 @@ learning rate, or compiled again, between two fits.
 4 simulated devices, the tests' MLP, one epoch of 4 steps per fit.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -103,5 +105,35 @@ def test_state_goes_through_the_file_exactly_and_leaves_no_view_behind(dtype):
         for view in state.begin(1):  # the file changes: the loaded model does not
             view[...] = np.zeros_like(view)
         assert same(replicas.model_arrays(dst, layout), want)
+    finally:
+        transport.remove(state.path.rsplit("/", 1)[0])
+
+
+def test_a_freed_slot_gives_its_memory_back_and_reads_empty():
+    """The state file's slots nothing will read give their pages back (an older snapshot,
+    every slot after a call): the slot reads as empty, the others and the stop request stay,
+    and a slot written again after it is whole."""
+    from kmgpu.engines.torch import transport
+
+    n = 1 << 20  # 4 MiB per array: whole pages
+    layout = [((n,), "<f4"), ((3,), "<f4")]
+    state = transport.StateFile.make(layout)
+    try:
+        ones = [np.ones(n, "f4"), np.ones(3, "f4")]
+        for slot in (0, 1, 2):
+            state.write(slot, [a * slot for a in ones], seq=slot)
+        state.request_stop()
+        before = os.stat(state.path).st_blocks
+        state.free(1)
+        assert state.read(1) is None and os.path.getsize(state.path) == 3 * state.slot_size
+        assert os.stat(state.path).st_blocks < before  # tmpfs / the temp dir: punched
+        assert [float(a[0]) for a in state.read(2)] == [2.0, 2.0]
+        assert state.latest()[0][0][0] == 2.0 and state.stop_requested()
+        state.write(1, [a * 5 for a in ones], seq=3)
+        assert np.all(state.read(1)[0] == 5.0) and state.latest()[0][0][0] == 5.0
+        state.free()
+        assert all(state.read(s) is None for s in (0, 1, 2)) and state.latest() is None
+        assert state.stop_requested()  # slot 0's header page stays
+        assert os.stat(state.path).st_blocks * 512 < 64 << 10  # a few partial pages
     finally:
         transport.remove(state.path.rsplit("/", 1)[0])

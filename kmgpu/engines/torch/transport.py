@@ -5,7 +5,9 @@
   a worker gets them back with ``resolve``.
 - ``StateFile`` carries weights and optimizer state in and back: the driver writes
   slot 0; rank 0 writes snapshots at epoch ends, so an interrupted fit still
-  leaves the last consistent state.
+  leaves the last consistent state. A slot nothing will read gives its memory back
+  (``free``): an older snapshot once a newer one is complete, and every slot once the
+  driver has loaded the call's state, so between calls the file holds no state.
 - Every file kmgpu writes lives in a private directory of its own (``mkdtemp``: mode
   0700, files 0600) named ``kmgpu-<pid>-*``. It is removed after the call or with
   the pool, at exit, by the workers when the driver dies without exiting
@@ -321,8 +323,46 @@ class StateFile:
         arrays = self.read(best[0], copy=copy)
         return (arrays, best[2]) if arrays is not None else None
 
+    def free(self, slot=None):
+        """Mark ``slot`` (None: every slot) empty and give its pages back to the system:
+        the file keeps its size and reads as zeros there until written again. Slot 0's
+        header page stays (the stop request). Where the file system cannot punch holes,
+        the pages stay."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        slots = (0, 1, 2) if slot is None else (slot,)
+        for s in slots:
+            self._header(s)[1] = 0
+        if slot is None:
+            start, end = page, os.path.getsize(self.path)
+        else:  # its header page stays: the slot's number, flag and epoch
+            start = -(-(slot * self.slot_size + self.HEADER) // page) * page
+            end = (slot + 1) * self.slot_size // page * page
+        if end > start:
+            _punch_hole(self.path, start, end - start)
+
     def close(self):
         self.mm = None  # the mapping goes with its last view
+
+
+def _punch_hole(path, offset, length):
+    """Free ``length`` bytes of ``path``'s storage from ``offset`` (Linux ``fallocate`` with
+    ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE``; tmpfs and the usual disk file systems).
+    False where it cannot."""
+    import ctypes
+
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return False
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        return fallocate(fd, 0x02 | 0x01, offset, length) == 0
+    finally:
+        os.close(fd)
 
 
 @atexit.register

@@ -258,6 +258,11 @@ class PoolLauncher(Launcher):
             token = object()
             self.pool.synced = token  # another engine's call on this pool clears it
             self._synced = (self.pool, token) + candidate
+        if self._state is not None and self.pool is not None and not self.pool.closed:
+            try:  # loaded into the template: the file keeps no state between calls
+                self._state[0].free()
+            except OSError:  # the pool's file is gone with it
+                pass
         files, self._files, self._state = self._files, None, None
         feed, self._feed = self._feed, None
         if feed is not None:

@@ -335,8 +335,9 @@ class _Snapshots:
             self.clock("snapshots", since=now)
             return
         self.seq += 1
-        replicas.write_state(self.state, 1 + self.seq % 2, model, self.layout, seq=self.seq,
-                             epoch=epoch)
+        slot = 1 + self.seq % 2
+        replicas.write_state(self.state, slot, model, self.layout, seq=self.seq, epoch=epoch)
+        self.state.free(3 - slot)  # the older snapshot: this one is complete
         self.versions = replicas.state_versions(model)
         self.last = time.perf_counter()
         self.cost = self.last - now
