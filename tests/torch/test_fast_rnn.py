@@ -113,6 +113,37 @@ def test_lstm_without_final_states(spy, backwards, sequences):
     assert spy == ["lstm"]
 
 
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_weights_reach_the_kernel_as_views_of_one_buffer(spy, monkeypatch, kind):
+    """Where cuDNN gives a layout (forced here: out of order, with gaps), the kernel gets
+    the weights as views of one buffer at those offsets, so cuDNN neither copies them
+    nor warns, and outputs and gradients still equal Keras's loop."""
+    real_vf = getattr(torch._VF, kind)
+    handed = []
+
+    def layout(kind_, params):
+        sizes = [p.numel() for p in params]
+        order, offsets, at = [1, 0, 3, 2], [0] * 4, 5
+        for i in order:
+            offsets[i], at = at, at + sizes[i] + 3
+        return offsets, at + 2
+
+    def vf(inputs, states, params, *args):
+        handed.append(params)
+        return real_vf(inputs, states, params, *args)
+
+    monkeypatch.setattr(fast_rnn, "cudnn_layout", layout)
+    monkeypatch.setattr(torch._VF, kind, vf)
+    make = keras.layers.GRU if kind == "gru" else keras.layers.LSTM
+    _compare(lambda: make(U, return_sequences=True, bias_initializer="uniform"), MIXED)
+    assert spy == [kind] and len(handed) == 1
+    params = handed[0]
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in params)
+    got = [(p.data_ptr() - base) // p.element_size() for p in params]
+    assert got == layout(kind, params)[0]
+
+
 def test_gru_input_dropout_while_training(spy):
     """dropout=0.3 in training: the same input dropout mask as Keras's cell applies."""
     ref = _compare(lambda: keras.layers.GRU(U, dropout=0.3, return_sequences=True),

@@ -30,9 +30,18 @@ is NaN, so a use of it would show. What this module does not cover runs Keras's 
 ``inner_loop`` (``why_not``): no mask (Keras's own cuDNN call), ``use_cudnn=False``,
 recurrent dropout, ``unroll``, ``reset_after=False``, no bias, activations other than
 tanh/sigmoid, dtypes other than float32, symbolic tensors, tracing.
+
+cuDNN reads a layer's weights from one buffer in a layout of its own; handed separate
+tensors it copies them into a new buffer at every call and warns ("RNN module weights are
+not part of single contiguous chunk of memory"). So the weights, reordered to torch's
+gates, are written straight into that layout (one ``cat``, differentiable) and handed to
+the kernel as views of it (``one_buffer``). The layout comes from torch's own
+``_cudnn_rnn_flatten_weight``, learnt once per shape (``cudnn_layout``).
 """
 
 import torch
+
+_LAYOUTS = {}  # (kind, input size, units, dtype, device) -> (offsets, total)
 
 
 def why_not(layer, sequences, mask, kind):
@@ -148,6 +157,49 @@ def lstm_params(kernel, recurrent_kernel, bias):
             torch.zeros_like(bias)]
 
 
+def cudnn_layout(kind, params):
+    """(offsets, total): where cuDNN wants each of ``params`` (torch's [weight_ih,
+    weight_hh, bias_ih, bias_hh]) in its one weight buffer, in elements, and the buffer's
+    size; None off cuDNN. Learnt from ``torch._cudnn_rnn_flatten_weight`` once per shape
+    (each weight filled with its own value, found again in the flattened buffer), outside
+    a CUDA graph capture."""
+    weight = params[0]
+    key = (kind, weight.shape[1], params[1].shape[1], weight.dtype, weight.device)
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    if weight.device.type != "cuda" or not torch.backends.cudnn.is_available() or \
+            not torch.backends.cudnn.enabled or torch.cuda.is_current_stream_capturing():
+        return None
+    from torch.backends.cudnn import rnn as cudnn_rnn
+
+    with torch.no_grad():
+        marked = [torch.full(p.shape, float(i + 1), dtype=p.dtype, device=p.device)
+                  for i, p in enumerate(params)]
+        flat = torch._cudnn_rnn_flatten_weight(
+            marked, len(marked), key[1], cudnn_rnn.get_cudnn_mode(kind.upper()), key[2],
+            0, 1, True, False)
+        offsets = [int(torch.nonzero(flat == i + 1)[0, 0]) for i in range(len(marked))]
+    _LAYOUTS[key] = (offsets, flat.numel())
+    return _LAYOUTS[key]
+
+
+def one_buffer(params, layout):
+    """``params`` copied into one buffer laid out as ``layout`` ((offsets, total); zeros
+    between them) by one differentiable ``cat``, returned as views of it."""
+    offsets, total = layout
+    pieces, end = [], 0
+    for offset, p in sorted(zip(offsets, params), key=lambda pair: pair[0]):
+        if offset > end:
+            pieces.append(p.new_zeros(offset - end))
+        pieces.append(p.reshape(-1))
+        end = offset + p.numel()
+    if total > end:
+        pieces.append(params[0].new_zeros(total - end))
+    flat = torch.cat(pieces)
+    return [flat.narrow(0, offset, p.numel()).view(p.shape)
+            for offset, p in zip(offsets, params)]
+
+
 def inner_loop(layer, sequences, initial_state, mask, training=False, *, kind, fallback):
     """``GRU.inner_loop`` / ``LSTM.inner_loop`` (``kind`` "gru" / "lstm") through
     ``masked_rnn`` where ``why_not`` allows, else ``fallback`` (Keras's own). The input
@@ -170,6 +222,9 @@ def inner_loop(layer, sequences, initial_state, mask, training=False, *, kind, f
     else:
         states, params = list(initial_state), lstm_params(*weights)
     states = [s.to(torch.float32) for s in states]
+    layout = cudnn_layout(kind, params)
+    if layout is not None:
+        params = one_buffer(params, layout)
     return masked_rnn(kind, sequences, states, mask, params, layer.return_sequences,
                       layer.go_backwards, layer.zero_output_for_mask)
 
