@@ -1,7 +1,8 @@
 """Host memory of a ``fit``: the bytes per parameter the host pays, measured.
 
 ``KERAS_BACKEND=<jax|torch> python benchmarks/host_memory.py [--devices 2 4 8]
-[--shards weights none] [--depths 3 15] [--rounds 1]`` on CPU with simulated devices.
+[--shards weights none] [--depths 3 15] [--rounds 1] [--remat full]`` on CPU with
+simulated devices (``--remat``: the stack built under ``keras.RematScope``).
 
 Each row is a fresh process (the "job") that builds a Dense stack (width 1024, ``depth``
 layers: 2.1 M parameters at depth 3, 14.7 M at 15), parallelizes it over N simulated
@@ -38,6 +39,7 @@ Prints a table per backend; no figure here is asserted by a test.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -65,9 +67,11 @@ def job(n, shard, depth):
     import keras
 
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((FEATURES,))]
-    layers += [keras.layers.Dense(WIDTH, activation="relu") for _ in range(depth - 1)]
-    model = keras.Sequential(layers + [keras.layers.Dense(WIDTH)])
+    remat = os.environ.get("HOST_MEMORY_REMAT")  # --remat: the layers made under RematScope
+    with keras.RematScope(mode=remat) if remat else contextlib.nullcontext():
+        layers = [keras.Input((FEATURES,))]
+        layers += [keras.layers.Dense(WIDTH, activation="relu") for _ in range(depth - 1)]
+        model = keras.Sequential(layers + [keras.layers.Dense(WIDTH)])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
     y = rng.normal(size=(ROWS, WIDTH)).astype("float32")
@@ -220,7 +224,11 @@ def main():
     p.add_argument("--shards", nargs="+", default=["weights", "none"])
     p.add_argument("--depths", type=int, nargs=2, default=[3, 15])
     p.add_argument("--rounds", type=int, default=1, help="runs of each row; the median")
+    p.add_argument("--remat", choices=["full", "activations"],
+                   help="build the stack under keras.RematScope(mode=REMAT)")
     a = p.parse_args()
+    if a.remat:  # the jobs read it
+        os.environ["HOST_MEMORY_REMAT"] = a.remat
     if a.job:
         n, shard, depth = a.job
         return job(int(n), shard, int(depth))
