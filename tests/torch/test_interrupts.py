@@ -36,7 +36,8 @@ def _reference_steps(x, y, steps, batch):
     return ref
 
 
-def test_a_failing_callback_in_the_first_epoch_keeps_that_step_and_the_pool():
+@pytest.mark.parametrize("shard", [None, "weights"], ids=str)
+def test_a_failing_callback_in_the_first_epoch_keeps_that_step_and_the_pool(shard):
     x, y = data("mlp", 400)  # 50 steps per epoch
     ref = mlp()
     ref.compile(optimizer="adam", loss="mse")
@@ -45,7 +46,8 @@ def test_a_failing_callback_in_the_first_epoch_keeps_that_step_and_the_pool():
                 callbacks=[_failing_at(5)])
     assert int(ref.optimizer.iterations.numpy()) == 6  # plain Keras: 6 steps kept
     model = mlp()
-    parallel = kmgpu.parallelize(model, gpus=2)
+    # shard="weights": every rank writes its own pieces of the stopped state
+    parallel = kmgpu.parallelize(model, gpus=2, shard=shard)
     parallel.compile(optimizer="adam", loss="mse")
     parallel.evaluate(x, y, verbose=0)  # the pool is up
     pids = parallel._engine.worker_pids()

@@ -204,22 +204,27 @@ def write_state(state, slot, model, layout, seq=1, epoch=-1):
     would first copy it into a new array: 400 MB of fresh pages per call for a 34M
     model with Adam).
     """
-    import torch
-
     variables = transfer_variables(model, layout)
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
-    with torch.no_grad():
-        for v, view in zip(variables, views):
-            if tuple(v.shape) != view.shape:
-                raise ValueError(f"state array of shape {tuple(v.shape)}, expected {view.shape}")
-            dest, value = _as_torch(view), v.value
-            if dest is not None and dest.dtype == value.dtype:
-                dest.copy_(value)
-            else:
-                view[...] = _file_dtype(keras.ops.convert_to_numpy(value), view.dtype)
+    for v, view in zip(variables, views):
+        _copy_out(v, view)
     state.complete(slot, seq, epoch)
+
+
+def _copy_out(variable, view):
+    """``variable``'s value into ``view`` (of the state file), copied once."""
+    import torch
+
+    if tuple(variable.shape) != view.shape:
+        raise ValueError(f"state array of shape {tuple(variable.shape)}, expected {view.shape}")
+    dest, value = _as_torch(view), variable.value
+    if dest is not None and dest.dtype == value.dtype:
+        with torch.no_grad():
+            dest.copy_(value)
+    else:
+        view[...] = _file_dtype(keras.ops.convert_to_numpy(value), view.dtype)
 
 
 def _file_dtype(array, dtype):
@@ -271,6 +276,65 @@ def load_arrays(model, arrays, layout):
                 _copy_in(v, a)
     if layout.has_lr and opt is not None:
         opt._learning_rate.assign(arrays[-1])
+
+
+def load_pieces(model, arrays, layout, zero):
+    """``load_arrays`` for a replica whose trainable weights and optimizer slots ``zero``
+    (a ``zero.Shards`` with weights) holds in pieces: those take only this rank's pieces
+    of their arrays (``piece_state.take``: slices of the state file's views, so no rank
+    reads or copies the whole state), every other variable its array whole.
+
+    Returns:
+        False, loading nothing, when the arrays do not match the model's variables
+        (``load_arrays`` then says why, or leaves another optimizer's state alone).
+    """
+    from kmgpu.engines.torch.optim import piece_state, placement
+
+    variables = transfer_variables(model, layout)
+    if arrays is None or len(variables) != len(arrays) or any(
+            tuple(v.shape) != tuple(np.shape(a)) for v, a in zip(variables, arrays)):
+        return False
+    by_id = {id(v): a for v, a in zip(variables, arrays)}
+    piece_state.take(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
+                     if id(v) in by_id else None)
+    held = placement.sharded_ids(zero)
+    for v, a in zip(variables, arrays):
+        if id(v) not in held:
+            _copy_in(v, a)
+    return True
+
+
+def write_pieces(state, slot, model, layout, zero, rank):
+    """``write_state`` on every rank of a replica whose trainable weights and optimizer
+    slots ``zero`` holds in pieces: each rank writes its own pieces of them
+    (``piece_state.give``), rank 0 every other variable whole. Each rank marks ``slot``
+    incomplete before it writes; the caller marks it complete once every rank has
+    written (``StateFile.complete``)."""
+    from kmgpu.engines.torch.optim import piece_state, placement
+
+    variables = transfer_variables(model, layout)
+    views = state.begin(slot)
+    if len(variables) != len(views):
+        raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
+    by_id = {id(v): view for v, view in zip(variables, views)}
+    piece_state.give(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
+                     if id(v) in by_id else None)
+    if rank == 0:
+        held = placement.sharded_ids(zero)
+        for v, view in zip(variables, views):
+            if id(v) not in held:
+                _copy_out(v, view)
+
+
+def _host_tensor(array, dtype):
+    """A torch tensor of ``dtype`` sharing ``array``'s memory (raw bytes of a dtype numpy
+    lacks, as the state file stores ml_dtypes' bfloat16, are viewed as ``dtype``)."""
+    import torch
+
+    t = _as_torch(array)
+    if t is None:
+        t = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).view(dtype)
+    return t
 
 
 def state_versions(model):

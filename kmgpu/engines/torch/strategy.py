@@ -83,6 +83,14 @@ class DDPStrategy:
         zero = step.zero if step is not None else None
         return zero if zero is not None and zero.weights else None
 
+    @property
+    def pieces_out(self):
+        """A pool rank's shard="weights" state goes out as pieces: each rank writes its
+        own into the snapshots (``replicas.write_pieces``), so it is never gathered
+        whole into rank 0 (under torchrun, ``gather_everywhere``, each process's own
+        model gets it whole)."""
+        return self._weight_shards() is not None and not self.gather_everywhere
+
     def receivable(self):
         """Before a state is loaded into the replica's variables (``receive_state``, or
         the launcher's copy under torchrun): a sharded optimizer state's Keras slot
@@ -132,7 +140,10 @@ class DDPStrategy:
 
     def _gather_optimizer_state(self):
         """A sharded optimizer state whole in rank 0's Keras variables (with
-        ``gather_everywhere``, every rank's); nothing when it is not sharded."""
+        ``gather_everywhere``, every rank's); nothing when it is not sharded or goes
+        out as pieces (``pieces_out``)."""
+        if self.pieces_out:
+            return
         if self.sharded_step is not None and self.sharded_step.zero is not None:
             self.sharded_step.zero.materialize(self.gather_everywhere)
 
@@ -306,7 +317,8 @@ class DDPStrategy:
                 without ``callbacks`` (those run where ``relay`` sends the hooks).
             hooks: the hooks the user's callbacks implement (the same on every rank).
             relay: on rank 0, ``relay(Event) -> Reply`` runs them.
-            snapshot: on rank 0, ``snapshot(replica, epoch)`` at every epoch end and
+            snapshot: on rank 0 (on every rank where the state goes out as pieces,
+                ``pieces_out``), ``snapshot(replica, epoch)`` at every epoch end and
                 with epoch -1 at the end of training (it decides whether to save).
             reload: in a pool worker, ``reload(replica)`` loads the state the driver
                 wrote after its callbacks changed the model (every rank can: see
@@ -339,7 +351,8 @@ class DDPStrategy:
                             snapshot if method == "fit" else None, reload_everywhere,
                             batch_logs=replica._get_metrics_result_or_logs)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
-        if method == "fit" and self.sharded_step is not None:  # whole, before sync's snapshots
+        if method == "fit" and self.sharded_step is not None and not self.pieces_out:
+            # whole, before sync's snapshots
             from kmgpu.engines.torch.optim import zero
 
             callbacks.insert(0, zero.GatherOptimizerState(self.sharded_step,

@@ -4,8 +4,9 @@
   files in ``/dev/shm`` (every worker maps the same pages; removed after the call);
   a worker gets them back with ``resolve``.
 - ``StateFile`` carries weights and optimizer state in and back: the driver writes
-  slot 0; rank 0 writes snapshots at epoch ends, so an interrupted fit still
-  leaves the last consistent state. A slot nothing will read gives its memory back
+  slot 0; the ranks write snapshots at epoch ends (rank 0 the whole state, or with
+  shard="weights" each rank its own pieces: ``launch.snapshots``), so an interrupted
+  fit still leaves the last consistent state. A slot nothing will read gives its memory back
   (``free``): an older snapshot once a newer one is complete, and every slot once the
   driver has loaded the call's state, so between calls the file holds no state.
 - Every file kmgpu writes lives in a private directory of its own (``mkdtemp``: mode
@@ -196,9 +197,10 @@ def resolve(structure):
 class StateFile:
     """Weights + optimizer state in three slots of one memory-mapped file.
 
-    Slot 0 carries the driver's state in; slots 1 and 2 take rank 0's snapshots in
+    Slot 0 carries the driver's state in; slots 1 and 2 take the ranks' snapshots in
     turn. A slot's header (sequence number, complete flag, epoch) is written after
-    its data, so a reader never takes a half-written slot. Slot 0's header also holds
+    its data (after every rank's, where each writes its pieces), so a reader never
+    takes a half-written slot. Slot 0's header also holds
     a stop request (the driver's Ctrl-C) and the step every rank stops before
     (``request_stop``, ``stop_before``).
 

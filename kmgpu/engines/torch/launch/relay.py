@@ -79,16 +79,18 @@ def history_from(template, rec):
 class SyncCallback(keras.callbacks.Callback):
     """The one callback every rank runs: the user's callbacks run elsewhere, once.
 
-    On rank 0, ``snapshot`` saves the replica's state at every epoch end and at the
-    end of training, before the hook is relayed, so the user's model holds the
-    current weights when its callbacks look at it.
+    ``snapshot`` (on rank 0, or on every rank where each writes its own pieces of a
+    sharded state) saves the replica's state at every epoch end and at the end of
+    training, before the hook is relayed, so the user's model holds the current
+    weights when its callbacks look at it.
 
     Args:
         rank: this rank.
         device: the rank's torch device (for the reply's broadcast).
         relayed: the hooks to relay (the same on every rank).
         relay: on rank 0, ``relay(Event) -> Reply``.
-        snapshot: on rank 0, ``snapshot(model, epoch)`` (epoch -1: end of training).
+        snapshot: ``snapshot(model, epoch)`` (epoch -1: end of training), on the ranks
+            that save (None on the others).
         reload: ``reload(model)`` on every rank when the reply says the driver's
             callbacks changed the model's state (it loads and broadcasts it).
         batch_logs: ``batch_logs(logs)`` on every rank: a step's logs as the metrics
@@ -127,7 +129,7 @@ class SyncCallback(keras.callbacks.Callback):
         logs = rest[0] if rest else kwargs.get("logs")
         if hook == "on_epoch_begin":
             self.epoch = index
-        if self.snapshot is not None and self.rank == 0:
+        if self.snapshot is not None:
             if hook == "on_test_begin" and self.epoch is not None:
                 # fit's validation: the driver's callbacks see this epoch's weights, as
                 # with plain Keras (the driver loads them before relaying the hook)

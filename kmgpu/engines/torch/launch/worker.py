@@ -20,7 +20,7 @@ import traceback
 # Keras is imported only once the worker has set its environment (KERAS_BACKEND,
 # threads, device): inputs, replicas and strategy, which import it, are imported late.
 from kmgpu.engines.torch import transport
-from kmgpu.engines.torch.launch import timing
+from kmgpu.engines.torch.launch import snapshots, timing
 from kmgpu.engines.torch.launch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed, Port,
                                                  RankResult, Ready, Reply, WeightsQuery)
 
@@ -283,12 +283,11 @@ class Worker:
         clock("replica")
         state = self._state_file(call)
 
-        def reload(model):  # the template's state, or the driver's callbacks': slot 0
-            replicas.load_arrays(model, state.read(0, copy=False), call.layout)
-
+        # the template's state, or the driver's callbacks': slot 0
+        reload = snapshots.SlotZero(state, call.layout)
         if call.state_in:  # else the replicas hold the template's state already
             # every rank reads the same file: rank 0 loads and broadcasts, or with
-            # shard="weights" each rank loads into host memory and keeps its pieces
+            # shard="weights" each rank copies only its pieces from the file
             s.receive_state(replica, reload, shared=True)
         s.write_state_rows(replica, call.rnn_states)
         clock("state in")
@@ -297,8 +296,10 @@ class Worker:
         before = None if call.method in ("fit", "train_on_batch") else \
             replicas.state_versions(replica)
         snapshot = None
-        if call.method == "fit" and self.rank == 0:
-            snapshot = _Snapshots(state, call.layout, call.epoch_weights, clock)
+        # shard="weights": every rank writes its own pieces of the state, none gathers it
+        pieces = (s.sharded_step.zero, self.rank, self.device) if s.pieces_out else None
+        if call.method == "fit" and (self.rank == 0 or pieces):
+            snapshot = snapshots.Snapshots(state, call.layout, call.epoch_weights, clock, pieces)
         shuffle.set_state(call.rng)  # the driver's: the same order on every rank
         result = s.run(replica, call.method, kwargs, hooks=call.hooks,
                        relay=self.relay, snapshot=snapshot,
@@ -309,8 +310,8 @@ class Worker:
                                       _stop_on_request(state, self.rank)])
         if isinstance(result, Aborted) and snapshot is not None:
             snapshot(replica, -2)  # stopped: the last completed step's state goes back
-        if call.method == "train_on_batch" and self.rank == 0:
-            _Snapshots(state, call.layout, True, clock)(replica, -1)  # the new state
+        if call.method == "train_on_batch" and (self.rank == 0 or pieces):
+            snapshots.Snapshots(state, call.layout, True, clock, pieces)(replica, -1)  # the new state
         if call.method in ("fit", "train_on_batch"):
             s.let_go()  # written out: rank 0's whole copy of a sharded state freed
         clock(call.method)
@@ -320,69 +321,6 @@ class Worker:
         touched = before is not None and not replicas.unchanged(replica, before)
         return RankResult(result, s.state_rows(replica), rows, touched,
                           shuffle.state() if self.rank == 0 else None)
-
-
-class _Snapshots:
-    """Rank 0's state into the state file's snapshot slots, when it is worth it.
-
-    Always at the end of training and when the driver's callbacks will look at
-    the weights after this epoch; otherwise at an epoch end only once the time
-    since the last snapshot is 20x what one costs (so at most ~5% of the time),
-    which still leaves an interrupted fit the state of a recent epoch end. The end
-    of training writes nothing when the state is still the last epoch end's (a
-    one-epoch fit: one copy of the state per call, not two): that snapshot is
-    relabelled.
-    """
-
-    def __init__(self, state, layout, every_epoch, clock):
-        self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
-        self.seq, self.cost, self.last, self.versions = 0, 0.0, None, None
-
-    def __call__(self, model, epoch):
-        """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
-        (a callback raised, or Ctrl-C on the driver): both always save."""
-        from kmgpu.engines.torch import replicas
-
-        now = time.perf_counter()
-        if (epoch >= 0 and not self.every_epoch and self.last is not None
-                and now - self.last < 20 * self.cost):
-            return
-        if epoch < 0 and self._relabel(model, epoch):
-            self.clock("snapshots", since=now)
-            return
-        self.seq += 1
-        slot = 1 + self.seq % 2
-        replicas.write_state(self.state, slot, model, self.layout, seq=self.seq, epoch=epoch)
-        self.state.free(3 - slot)  # the older snapshot: this one is complete
-        self.versions = replicas.state_versions(model)
-        self.last = time.perf_counter()
-        self.cost = self.last - now
-        self.clock("snapshots", since=now)
-
-    def _relabel(self, model, epoch):
-        """True when the newest snapshot is ``model``'s state but for the learning rate
-        (the driver's scaling callbacks set it again at train end): that one array is
-        written and the snapshot relabelled ``epoch``."""
-        from kmgpu.engines import replication
-        from kmgpu.engines.torch import replicas
-
-        if self.versions is None:
-            return False
-        lr = replication.lr_variable(model)
-        lr = lr.value if lr is not None else None
-        now = replicas.state_versions(model)
-        if len(now) != len(self.versions):
-            return False
-        changed = [a for (a, va), (b, vb) in zip(now, self.versions) if a is not b or va != vb]
-        if any(a is not lr for a in changed):
-            return False
-        slot = 1 + self.seq % 2  # the newest
-        if changed:
-            if not self.layout.has_lr:
-                return False
-            self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
-        self.state.relabel(slot, epoch)
-        return True
 
 
 def _stop_on_request(state, rank):

@@ -7,11 +7,12 @@ onto the devices without a whole copy on any of them. Everything else of the rep
 (statistics, counters, the learning rate, metrics, random seeds, stateful RNN rows) is
 moved to the device whole, one variable at a time, as it is small.
 
-A call's state reaches the pieces the same way (``receive``): into host buffers laid out
-as the layers (``zero.Shards.receivable``), then each rank keeps its pieces of them
-(``zero.Shards.take``). A pool's ranks all read the same state file, so each loads it
-and no collective is needed; under torchrun each process loads its own model's state and
-rank 0's is sent piece by piece, each rank only its own.
+A call's state reaches the pieces (``receive``) in a pool straight from the state file:
+each rank copies only the slices of slot 0 that its pieces hold (``piece_state.take``
+from views of the memory-mapped file), no collective, no whole copy. Under torchrun each
+process loads its own model's state into host buffers laid out as the layers
+(``zero.Shards.receivable``) and rank 0's is sent piece by piece, each rank only its own
+(``zero.Shards.take``).
 """
 
 import torch
@@ -53,9 +54,14 @@ def onto_device(strategy, replica):
 
 
 def receive(strategy, replica, load, shared):
-    """``DDPStrategy.receive_state`` (its docstring says what)."""
-    strategy.receivable()  # a sharded state's variables whole again, before ``load``
+    """``DDPStrategy.receive_state`` (its docstring says what). A pool's ``load`` that
+    can fill the pieces itself (``load.pieces(replica, zero)``: from the state file)
+    reads only this rank's pieces of the sharded state."""
     zero = strategy._weight_shards()
+    pieces = getattr(load, "pieces", None)
+    if zero is not None and shared and pieces is not None and pieces(replica, zero):
+        return
+    strategy.receivable()  # a sharded state's variables whole again, before ``load``
     if zero is None:
         if load is not None and (not shared or strategy.rank == 0):
             load(replica)

@@ -55,14 +55,16 @@ buffers (the whole gradient buffers where it is all-reduced whole) and the activ
 Variable constraints and ``use_ema`` are refused (``check``): both need every weight
 whole after each update. The replica's variables may be in host memory when the
 ``Shards`` are made (``device``; ``placement``): only the pieces are copied to the
-device. A call's state is loaded into host buffers (``receivable``) and each rank keeps
-its pieces of them (``take``; under torchrun rank 0's, sent piece by piece), so no
-rank's device holds the whole weights or optimizer state at any point.
+device. In a pool, each rank copies its pieces of a call's state straight from the
+state file and writes them into its snapshots (``piece_state``): no rank reads, gathers
+or holds the whole weights or optimizer state, on its device or in host memory. Under
+torchrun a call's state is loaded into host buffers (``receivable``) and rank 0's is
+sent piece by piece (``take``).
 
-With every value, ``materialize`` puts rank 0's whole copy for the user's model in host
-memory (``fsdp.to_host``; shard="weights" under torchrun every rank's, one layer at a time
-through the device), and a pool worker lets go of it once written out
-(``DDPStrategy.let_go``): no rank keeps a whole copy on its device.
+``materialize`` puts a whole copy for the user's model in host memory: shard="optimizer"
+and "gradients" rank 0's (``fsdp.to_host``), which a pool worker lets go of once written
+out (``DDPStrategy.let_go``); under torchrun every rank's (shard="weights": one layer at a
+time through the device). No rank keeps a whole copy on its device.
 
 Only elementwise updates can be cut into pieces: Keras's SGD, Adam, AdamW, RMSprop,
 Adagrad, Lion, Nadam and Adamax with their options (``flat_optim.COVERED``); anything else
@@ -366,6 +368,13 @@ class Shards:
                     own.copy_(whole[piece.lo:piece.hi])
         self._host = None
         self.free_weights()
+        for variables in self.flat.keras_slots.values():
+            for var in variables:
+                var.value.data = var.value.new_empty(0)
+        self.materialized = False
+
+    def drop_slots(self):
+        """The Keras slot variables hold no memory (their state is in the pieces)."""
         for variables in self.flat.keras_slots.values():
             for var in variables:
                 var.value.data = var.value.new_empty(0)

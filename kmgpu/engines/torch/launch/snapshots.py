@@ -1,0 +1,142 @@
+"""A pool rank's side of the state file (``transport.StateFile``): the state in, snapshots out.
+
+- ``SlotZero``: slot 0, the state the driver sent, into the replica: whole, or with
+  shard="weights" only this rank's pieces of it (``replicas.load_pieces``: slices of
+  the mapped file; no rank reads the whole state).
+- ``Snapshots``: the replica's state into the snapshot slots at epoch ends, the end of
+  training and an early stop, so an interrupted fit leaves the last consistent state.
+  Rank 0 writes it whole; with shard="weights" every rank writes its own pieces
+  (``replicas.write_pieces``) and nothing is gathered.
+"""
+
+import time
+
+
+class SlotZero:
+    """Slot 0 of the state file (the state the driver sent) into a replica: whole
+    (``__call__``), or only this rank's pieces of a sharded state (``pieces``)."""
+
+    def __init__(self, state, layout):
+        self.state, self.layout = state, layout
+
+    def __call__(self, model):
+        from kmgpu.engines.torch import replicas
+
+        replicas.load_arrays(model, self.state.read(0, copy=False), self.layout)
+
+    def pieces(self, model, zero):
+        from kmgpu.engines.torch import replicas
+
+        return replicas.load_pieces(model, self.state.read(0, copy=False), self.layout, zero)
+
+
+class Snapshots:
+    """The replica's state into the state file's snapshot slots, when it is worth it.
+
+    Always at the end of training and when the driver's callbacks will look at
+    the weights after this epoch; otherwise at an epoch end only once the time
+    since the last snapshot is 20x what one costs (so at most ~5% of the time),
+    which still leaves an interrupted fit the state of a recent epoch end. The end
+    of training writes nothing when the state is still the last epoch end's (a
+    one-epoch fit: one copy of the state per call, not two): that snapshot is
+    relabelled.
+
+    Rank 0 writes the whole state, or with ``pieces`` (shard="weights": the
+    ``zero.Shards``, this rank, its device) every rank writes its own pieces
+    (``replicas.write_pieces``): rank 0 decides and tells the others (a broadcast), and
+    marks the slot complete once every rank has written (an all-reduce), so a slot
+    is complete only with every rank's pieces and the older one stays until then.
+    """
+
+    SKIP, RELABELLED, WRITE = 0, 1, 2
+
+    def __init__(self, state, layout, every_epoch, clock, pieces=None):
+        self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
+        self.pieces = pieces
+        self.rank = pieces[1] if pieces is not None else 0
+        self.seq, self.cost, self.last, self.versions = 0, 0.0, None, None
+
+    def __call__(self, model, epoch):
+        """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
+        (a callback raised, or Ctrl-C on the driver): both always save."""
+        from kmgpu.engines.torch import replicas
+
+        now = time.perf_counter()
+        what = self._decide(model, epoch, now) if self.rank == 0 else None
+        if self.pieces is not None:
+            what = self._everywhere(what)
+        if what != self.WRITE:
+            if what == self.RELABELLED:
+                self.clock("snapshots", since=now)
+            return
+        self.seq += 1
+        slot = 1 + self.seq % 2
+        if self.pieces is None:
+            replicas.write_state(self.state, slot, model, self.layout, seq=self.seq, epoch=epoch)
+        else:
+            zero, rank, _ = self.pieces
+            replicas.write_pieces(self.state, slot, model, self.layout, zero, rank)
+            self._everywhere(0, sum_=True)  # every rank has written its pieces
+            if rank == 0:
+                self.state.complete(slot, self.seq, epoch)
+        if self.rank == 0:
+            self.state.free(3 - slot)  # the older snapshot: this one is complete
+        self.versions = self._versions(model)
+        self.last = time.perf_counter()
+        self.cost = self.last - now
+        self.clock("snapshots", since=now)
+
+    def _decide(self, model, epoch, now):
+        """Rank 0: skip, relabel the newest snapshot (done here) or write one."""
+        if (epoch >= 0 and not self.every_epoch and self.last is not None
+                and now - self.last < 20 * self.cost):
+            return self.SKIP
+        if epoch < 0 and self._relabel(model, epoch):
+            return self.RELABELLED
+        return self.WRITE
+
+    def _everywhere(self, value, sum_=False):
+        """Rank 0's ``value`` on every rank (a broadcast), or with ``sum_`` an
+        all-reduce (it returns once every rank has called it)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value or 0], dtype=torch.int64, device=self.pieces[2])
+        if sum_:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, 0)
+        return int(t.item())
+
+    def _versions(self, model):
+        from kmgpu.engines.torch import replicas
+        from kmgpu.engines.torch.optim import piece_state
+
+        found = replicas.state_versions(model)
+        if self.pieces is not None:
+            found += piece_state.versions(self.pieces[0])
+        return found
+
+    def _relabel(self, model, epoch):
+        """True when the newest snapshot is ``model``'s state but for the learning rate
+        (the driver's scaling callbacks set it again at train end): that one array is
+        written and the snapshot relabelled ``epoch``."""
+        from kmgpu.engines import replication
+
+        if self.versions is None:
+            return False
+        lr = replication.lr_variable(model)
+        lr = lr.value if lr is not None else None
+        now = self._versions(model)
+        if len(now) != len(self.versions):
+            return False
+        changed = [a for (a, va), (b, vb) in zip(now, self.versions) if a is not b or va != vb]
+        if any(a is not lr for a in changed):
+            return False
+        slot = 1 + self.seq % 2  # the newest
+        if changed:
+            if not self.layout.has_lr:
+                return False
+            self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
+        self.state.relabel(slot, epoch)
+        return True
