@@ -266,3 +266,29 @@ def test_keras_reads_a_variable_through_value_and_assigns_through_direct_assign(
     hold()
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert len(reads) == 5 and not optimizer_fixes.held(v)
+
+
+@relies_on(("keras.src.backend.jax.trainer", "jit"),
+           ("keras.src.backend.jax.trainer", "JAXTrainer.make_train_function"))
+def test_make_train_function_jits_the_step_through_the_trainer_modules_jit():
+    """step_fixes.compile_with swaps the module-level jit while the model's
+    make_train_function (test, predict) runs: Keras jits the step through it then, with
+    keyword arguments only besides the step."""
+    from keras.src.backend.jax import trainer as jax_trainer
+
+    model = tiny_mlp()
+    x, y = tiny_xy()
+    calls = []
+
+    def recording(original):
+        def jit(fun, **kwargs):
+            calls.append(sorted(kwargs))
+            return original(fun, **kwargs)
+        return jit
+
+    with keras_fixes.swapped((jax_trainer, "jit", recording)):
+        model.make_train_function(force=True)
+        model.make_test_function(force=True)
+        model.make_predict_function(force=True)
+    assert len(calls) == 3 and all("donate_argnums" in c for c in calls[:1]), calls
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # the jitted step runs

@@ -32,6 +32,7 @@ Keras's step is kept.
 """
 
 import contextlib
+import os
 
 from kmgpu.engines.base import InProcessEngine
 from kmgpu.engines.jax import data_fixes, host, layer_fixes, optimizer_fixes, step_fixes, zero
@@ -101,8 +102,14 @@ class JaxEngine(InProcessEngine):
             self._bn = layer_fixes.local_batchnorm(replica, d)
         layer_fixes.track_states(replica, d)  # stateful RNNs: carried through the jit
         step_fixes.fresh_loss_ids(replica)  # a step's own losses, every trace
+        layer_fixes.keep_remat(replica, template)  # keras.RematScope, as built
         if self.multiprocess:
             step_fixes.replicated_predictions(replica, d.device_mesh.backend_mesh)
+        if (self.sharded and self.config.shard in ("gradients", "weights")
+                and d.device_mesh.backend_mesh.devices.flat[0].platform == "cpu"):
+            # the step holds one layer's whole weights and gradients at a time, not all
+            flags = os.environ.get("XLA_FLAGS", "")
+            step_fixes.compile_with(replica, step_fixes.cpu_options(flags))
 
     def same_values(self, pairs):
         """JAX arrays are immutable: a variable whose value is still the array it held

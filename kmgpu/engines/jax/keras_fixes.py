@@ -72,6 +72,14 @@ PATCHES = [
      "of jax.value_and_grad to optimizer.stateless_apply, replicated under DataParallel (an "
      "all-reduce); wrapped on the replica's optimizer to constrain each gradient to its "
      "slot's sharded layout first (jax.lax.with_sharding_constraint), so XLA reduce-scatters"),
+    ("keras.src.backend.jax.trainer", "jit", "step_fixes.compile_with",
+     "swapped while the replica's make_train_function (and test, predict) runs, for "
+     "jax.jit with XLA compiler_options added: a sharded step on CPU devices compiled "
+     "so that it holds one layer's whole weights and gradients at a time "
+     "(step_fixes.SHARDED_CPU_OPTIONS)"),
+    ("keras.src.backend.jax.trainer", "JAXTrainer.make_train_function",
+     "step_fixes.compile_with", "wrapped on the replica (and make_test_function, "
+     "make_predict_function) to run with that jit"),
     ("keras.src.optimizers.base_optimizer",
      "BaseOptimizer._overwrite_model_variables_with_average_value",
      "optimizer_fixes.separate_ema_overwrite",
@@ -86,6 +94,9 @@ PATCHES = [
 READS = [
     ("keras.src.layers.layer", "Layer._tracker", "layer_fixes.track_states (see PATCHES)"),
     ("keras.src.layers.layer", "Layer._loss_ids", "step_fixes.fresh_loss_ids (see PATCHES)"),
+    ("keras.src.ops.operation", "Operation._remat_mode",
+     "layer_fixes.keep_remat: a layer's keras.RematScope mode, set from the template's "
+     "on the replica's layer in its place (read by Layer.stateless_call at every call)"),
     # Keras 3.15 sets _layout in the common Variable (a TensorLayout); 3.14 only in
     # JaxVariable, where it holds the backend's NamedSharding once the variable exists.
     # kmgpu sets a TensorLayout, which _direct_assign (distribute_tensor) takes in both.

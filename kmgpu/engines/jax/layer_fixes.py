@@ -1,5 +1,6 @@
 """Keras layers on JAX replicas: BatchNormalization with each replica's own moments
-(``sync_batchnorm=False``), and stateful RNN states carried through the jitted steps.
+(``sync_batchnorm=False``), stateful RNN states carried through the jitted steps, and
+the template's rematerialization (``keras.RematScope``).
 Rows of ``kmgpu/engines/jax/keras_fixes.py``.
 """
 
@@ -88,3 +89,22 @@ def track_states(replica, distribution):
             v.assign(v.value)
         if locked:
             layer._tracker.lock()
+
+
+def keep_remat(replica, template):
+    """Each layer of ``replica`` rematerializes as the template's layer in its place does.
+
+    A layer takes its remat mode (``keras.RematScope``) when it is made, into its
+    ``_remat_mode``, and reads it at every call; the replica is made from the template
+    outside the user's scope, so its layers would have none and the step would keep
+    every activation for the backward pass. Layers are paired in ``_flatten_layers``
+    order (the replica is the template's copy); nothing is done if the counts differ.
+    """
+    layers = list(template._flatten_layers(include_self=True))
+    copies = list(replica._flatten_layers(include_self=True))
+    if len(layers) != len(copies):
+        return
+    for layer, copy in zip(layers, copies):
+        mode = getattr(layer, "_remat_mode", None)
+        if mode is not None and getattr(copy, "_remat_mode", None) is None:
+            copy._remat_mode = mode

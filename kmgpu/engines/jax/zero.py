@@ -20,6 +20,12 @@
   stay whole); the optimizer's slots follow their weights. XLA all-gathers a weight where the
   step needs it whole and frees it after; gradients and the update stay sharded.
 
+On CPU devices XLA's own pipeline would hold every layer's whole weights and summed
+gradients at once within a step (its default scheduler gathers every weight at the top,
+and it combines the gradients' all-reduces into one at the end): under ``"gradients"`` and
+``"weights"`` the replica's steps are compiled with ``step_fixes.SHARDED_CPU_OPTIONS``, per
+computation, so a step holds about one layer's whole weights and gradients at a time.
+
 A variable none of whose dimensions N divides (a bias of 3 on 4 devices, the step
 counter, a scalar) stays whole on every device; the byte counts (``measured_bytes``,
 ``planned_bytes``) count it so. Nothing changes in the arithmetic (the same elementwise
