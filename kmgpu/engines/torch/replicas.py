@@ -13,6 +13,7 @@ replica lives in another process, so here the same things become data:
   per rank.
 """
 
+import contextlib
 import json
 import pickle
 
@@ -116,10 +117,14 @@ class FromSpec:
 
     Args:
         spec: the ModelSpec (``model_spec``).
+        unfilled: the trainable weights made without memory (``optim.unfilled``: their
+            values come from the state file next), unless a layer's own state is
+            loaded into it (``replication.load_carried``).
     """
 
-    def __init__(self, spec):
+    def __init__(self, spec, unfilled=False):
         self.spec, self.carried = spec, spec.carried
+        self.unfilled = unfilled and (spec.carried is None or spec.carried[0] is None)
         if spec.objects is not None:
             self.objects = pickle.loads(spec.objects)
         else:  # they could not be pickled: this worker was forked after they existed
@@ -129,11 +134,16 @@ class FromSpec:
     def model(self, rows):
         """The model from its config, uncompiled; for a stateful RNN model built for B
         rows, rebuilt for ``rows(B)``, this rank's."""
+        from kmgpu.engines.torch.optim import unfilled
+
         spec = self.spec
+        empty = (unfilled.unfilled(unfilled.trainable_float) if self.unfilled
+                 else contextlib.nullcontext())
         with keras.saving.custom_object_scope(self.objects["custom"]):
-            replica = keras.saving.deserialize_keras_object(spec.config)
-            if not replica.built and spec.build_config:
-                replica.build_from_config(spec.build_config)
+            with empty:
+                replica = keras.saving.deserialize_keras_object(spec.config)
+                if not replica.built and spec.build_config:
+                    replica.build_from_config(spec.build_config)
             replication.load_carried(replica, spec.carried)
             fixed = replication.fixed_batch(replica)
             if fixed is not None:

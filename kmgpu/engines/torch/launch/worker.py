@@ -252,10 +252,12 @@ class Worker:
         # a sharded optimizer state is gathered on rank 0 only: the driver reads rank 0's
         self.strategy = DDPStrategy(self.device, call.config)
         # this process's random generators are its own: nothing to keep. shard="weights":
-        # built in host memory, only this rank's pieces go to the device (``building``)
+        # built in host memory, only this rank's pieces go to the device (``building``),
+        # the sharded variables made without memory: the state file fills the pieces
         with self.strategy.building():
             replica = replication.make_replica(
-                replicas.FromSpec(call.model), rows=lambda batch: batch // self.world,
+                replicas.FromSpec(call.model, unfilled=self.strategy.host_built),
+                rows=lambda batch: batch // self.world,
                 lr_scale=call.lr_scale, finish=self.strategy.prepare, keep_host_random=False)
         self.replica, self.key = replica, call.key
         return replica

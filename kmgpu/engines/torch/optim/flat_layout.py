@@ -57,7 +57,8 @@ class Buffers:
         device: where new buffers go (None: the first tensor's device; ``adopt``
             keeps the tensors' own).
         lazy: no memory for the buffers yet (as after ``drop``): a layout that
-            ``fresh`` fills, so a rank never allocates them whole here.
+            ``fresh`` fills, so a rank never allocates them whole here. With ``adopt``
+            the tensors keep their own (unread) memory until ``move_freed``.
 
     Attributes:
         flats: the buffers; ``heads`` / ``tails``: their two parts (views).
@@ -93,7 +94,7 @@ class Buffers:
                 for i, o in zip(members, where + [n + o for o in after]):
                     t = tensors[i]
                     view = None if lazy else flat[o:o + t.numel()].view(t.shape)
-                    if adopt:
+                    if adopt and not lazy:
                         view.copy_(t)
                         t.data = view
                     self.views[i], self.start[i] = t if adopt else view, o

@@ -151,7 +151,8 @@ class FlatOptimizer:
         keras_slots: slot name -> the Keras slot variable of each variable.
     """
 
-    def __init__(self, optimizer, variables, rank=0, world=1, groups=None, device=None):
+    def __init__(self, optimizer, variables, rank=0, world=1, groups=None, device=None,
+                 unfilled=False):
         ok, why = supported(optimizer, variables)
         if not ok:
             raise ValueError(f"kmgpu's flat optimizer does not cover this: {why}")
@@ -173,8 +174,10 @@ class FlatOptimizer:
         self.keras_slots = {name: [getattr(optimizer, attr)[index(v)] for v in variables]
                             for name, attr, _ in wanted}
         # ``groups``: one buffer per group and dtype (shard="weights": per layer)
+        # ``unfilled``: the variables hold no memory yet (``optim.unfilled``): laid out,
+        # not read; the pieces start at zero
         self.weights = flat_layout.Buffers([v.value for v in variables], world, adopt=True,
-                                           groups=groups)
+                                           groups=groups, lazy=unfilled)
         # the slots laid out as the weights (Keras makes each with its variable's dtype);
         # ZeRO keeps only this rank's piece of them
         self.state = None if world > 1 else {

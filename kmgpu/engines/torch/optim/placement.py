@@ -3,7 +3,9 @@
 A rank builds its replica in host memory (``DDPStrategy.building``): the weights and the
 optimizer state are cut into per-layer pieces there and only this rank's pieces are
 copied to its device (``onto_device``), so a model too large for one device is sharded
-onto the devices without a whole copy on any of them. Everything else of the replica
+onto the devices without a whole copy on any of them. A pool rank makes the trainable
+weights and the optimizer's slots without memory at all (``unfilled``: the state file
+fills the pieces next), so it holds no whole copy in host memory either. Everything else of the replica
 (statistics, counters, the learning rate, metrics, random seeds, stateful RNN rows) is
 moved to the device whole, one variable at a time, as it is small.
 
@@ -15,10 +17,13 @@ process loads its own model's state into host buffers laid out as the layers
 (``zero.Shards.take``).
 """
 
+import contextlib
+
 import torch
 
 from kmgpu.engines import replication
 from kmgpu.engines.torch import collectives
+from kmgpu.engines.torch.optim import unfilled
 
 
 def sharded_ids(zero):
@@ -36,8 +41,10 @@ def onto_device(strategy, replica):
     opt = getattr(replica, "optimizer", None)
     step = strategy.sharded_step
     if step is not None and step.shard == "weights":
-        if not opt.built:  # in host memory, as the weights
-            opt.build(replica.trainable_variables)
+        if not opt.built:  # in host memory, as the weights; without memory as they
+            empty = any(unfilled.is_unfilled(v) for v in replica.trainable_variables)
+            with unfilled.unfilled(unfilled.float_tensor) if empty else contextlib.nullcontext():
+                opt.build(replica.trainable_variables)
         step.device = strategy.device
         step.layout()
     zero = strategy._weight_shards()
@@ -46,6 +53,7 @@ def onto_device(strategy, replica):
                  + list(replication.state_variables(replica)))
     if opt is not None:
         variables += list(opt.variables)
+    unfilled.fill_rest(variables, sharded)  # what was made without memory, not in pieces
     with torch.no_grad():
         for v in variables:
             value = v.value

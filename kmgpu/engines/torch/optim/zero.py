@@ -80,7 +80,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, scattering
+from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, scattering, unfilled
 
 EMA = flat_optim.EMA[0]  # the moving averages' slot (``use_ema``)
 
@@ -130,7 +130,9 @@ class Shards:
         device: the rank's device (None: the variables'). With ``weights`` the
             variables may still be in host memory (the replica built there): only the
             pieces are copied to ``device``, and the variables become views of buffers
-            on it that are freed as soon as made (``Buffers.move_freed``).
+            on it that are freed as soon as made (``Buffers.move_freed``). Variables made
+            without memory (``unfilled``) are laid out unread, their pieces zeros until a
+            call's state fills them.
     """
 
     def __init__(self, optimizer, trainable, rank, world, transient=False, weights=False,
@@ -146,15 +148,17 @@ class Shards:
                     "their whole value after each update; pass shard='gradients'.")
         # the weights become views of flat buffers padded to ``world`` equal aligned
         # pieces; the state of this rank's piece is taken from the Keras slots below
+        # made without memory (``unfilled``): nothing to read, a call's state follows
+        empty = weights and any(unfilled.is_unfilled(v) for v in trainable)
         self.flat = flat_optim.FlatOptimizer(optimizer, trainable, rank, world,
                                              groups=flat_layout.layer_groups(trainable) if weights else None,
-                                             device=device)
+                                             device=device, unfilled=empty)
         self.gathering = None
         self.weights_whole = False  # the whole weights are in the Keras variables (host)
         self._host = None  # shard="weights": host buffers a call's state is loaded into
         if weights:
             self.flat.own_pieces()  # onto the device, from wherever the weights are
-            if self.flat.params[0].device != self.flat.device:  # built in host memory
+            if empty or self.flat.params[0].device != self.flat.device:  # built in host memory
                 self.flat.weights.move_freed(self.flat.device)
             else:
                 for f in self.flat.params:
@@ -179,6 +183,8 @@ class Shards:
         self.ema_held = False
         self.stepped = False  # a step ran since the last materialize (every rank alike)
         self.grad_flats = self.grad_pieces = None
+        if empty:  # the slots hold nothing to take either
+            self.drop_slots()
         self.release()
 
     def grad_buffers(self, flats):
