@@ -24,6 +24,16 @@ class SlotZero:
 
         replicas.load_arrays(model, self.state.read(0, copy=False), self.layout)
 
+    def taken(self, rank, device, everyone):
+        """Once the state is in the replicas (``everyone``: every rank read its pieces, an
+        all-reduce tells; else rank 0 alone read it), rank 0 gives slot 0's pages back:
+        no one reads it again unless the driver writes it again first (its callbacks
+        changed the model), so a fit does not hold the state it was sent."""
+        if everyone:
+            _everywhere(device, 0, sum_=True)
+        if rank == 0:
+            self.state.free(0)
+
     def pieces(self, model, zero):
         from kmgpu.engines.torch import replicas
 
@@ -64,7 +74,7 @@ class Snapshots:
         now = time.perf_counter()
         what = self._decide(model, epoch, now) if self.rank == 0 else None
         if self.pieces is not None:
-            what = self._everywhere(what)
+            what = _everywhere(self.pieces[2], what)
         if what != self.WRITE:
             if what == self.RELABELLED:
                 self.clock("snapshots", since=now)
@@ -76,7 +86,7 @@ class Snapshots:
         else:
             zero, rank, _ = self.pieces
             replicas.write_pieces(self.state, slot, model, self.layout, zero, rank)
-            self._everywhere(0, sum_=True)  # every rank has written its pieces
+            _everywhere(self.pieces[2], 0, sum_=True)  # every rank has written its pieces
             if rank == 0:
                 self.state.complete(slot, self.seq, epoch)
         if self.rank == 0:
@@ -94,19 +104,6 @@ class Snapshots:
         if epoch < 0 and self._relabel(model, epoch):
             return self.RELABELLED
         return self.WRITE
-
-    def _everywhere(self, value, sum_=False):
-        """Rank 0's ``value`` on every rank (a broadcast), or with ``sum_`` an
-        all-reduce (it returns once every rank has called it)."""
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([value or 0], dtype=torch.int64, device=self.pieces[2])
-        if sum_:
-            dist.all_reduce(t)
-        else:
-            dist.broadcast(t, 0)
-        return int(t.item())
 
     def _versions(self, model):
         from kmgpu.engines.torch import replicas
@@ -140,3 +137,17 @@ class Snapshots:
             self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
         self.state.relabel(slot, epoch)
         return True
+
+
+def _everywhere(device, value, sum_=False):
+    """Rank 0's ``value`` on every rank (a broadcast), or with ``sum_`` an all-reduce
+    (it returns once every rank has called it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value or 0], dtype=torch.int64, device=device)
+    if sum_:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, 0)
+    return int(t.item())

@@ -291,6 +291,7 @@ class Worker:
             # every rank reads the same file: rank 0 loads and broadcasts, or with
             # shard="weights" each rank copies only its pieces from the file
             s.receive_state(replica, reload, shared=True)
+            reload.taken(self.rank, self.device, everyone=s.pieces_out)
         s.write_state_rows(replica, call.rnn_states)
         clock("state in")
         kwargs = inputs.receive(call.kwargs)
