@@ -147,6 +147,9 @@ class JaxEngine(InProcessEngine):
         two."""
         import jax
 
+        # the marks hold the template's arrays of the copy-in: let each go as it is replaced
+        # (``note_synced`` marks the new ones)
+        self._marks = {}
         if self.multiprocess:  # arrays across processes: through NumPy, as before
             for r, t in pairs:
                 value = zero.host_value(r.value)

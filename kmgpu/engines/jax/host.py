@@ -69,16 +69,32 @@ def template_variables(template):
 def built_on_host(template, replica):
     """Build the template's optimizer on the host when the replica's is built and the
     template's is not: the trained state is copied back into it next (Keras builds an
-    optimizer's variables on the default device, an accelerator)."""
+    optimizer's variables on the default device, an accelerator).
+
+    Each variable starts as the replica's array in its place, not as zeros
+    (``optimizer_fixes.build_holding``): the copy back holds or copies it next, and the
+    host never holds whole zeros of every slot."""
     import jax
 
     opt = getattr(template, "optimizer", None)
     theirs = getattr(replica, "optimizer", None)
     if opt is None or opt.built or theirs is None or not theirs.built:
         return
+    from kmgpu.engines import replication
+
+    theirs = replication.optimizer_state(theirs)
     with jax.default_device(device()):
-        opt.build(template.trainable_variables)
-    to_host(template_variables(template))
+        given = optimizer_fixes.build_holding(opt, template.trainable_variables,
+                                              [v.value for v in theirs])
+        # the copy back pairs the two optimizers' state in order: a variable not holding
+        # its pair's array (none, or another) starts from its initializer's value
+        mine = replication.optimizer_state(opt)
+        pairs = ({id(t): r.value for t, r in zip(mine, theirs)}
+                 if [v.shape for v in mine] == [v.shape for v in theirs] else {})
+        for variable, initializer in given.values():
+            if pairs.get(id(variable)) is not current(variable):
+                variable.assign(initializer(variable.shape, dtype=variable.dtype))
+    to_host([v for v in template_variables(template) if id(v) not in given])
 
 
 def writers_read_template(engine, template, callbacks):

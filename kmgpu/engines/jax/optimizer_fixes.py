@@ -4,6 +4,8 @@ variables holding a replica's sharded arrays until they are read (``hold``). Row
 ``kmgpu/engines/jax/keras_fixes.py``.
 """
 
+import functools
+
 from kmgpu.engines import keras_fixes
 
 
@@ -153,3 +155,54 @@ def _holding(base):
         Holding.__name__, Holding.__qualname__ = base.__name__, base.__qualname__
         cls = _HOLDING[base] = Holding
     return cls
+
+
+def build_holding(optimizer, var_list, arrays):
+    """Build ``optimizer`` for ``var_list`` with each variable it makes holding, from the
+    start, the next of ``arrays`` (in order) of its shape and dtype, instead of the value
+    its initializer would make (zeros for most slots); a variable none fits gets its
+    initializer's value.
+
+    For the user's optimizer, built to receive a replica's state (``host.built_on_host``)
+    from the replica's own arrays, which ``hold`` or a copy replace at once: no whole
+    zeros of every slot on the host first (8 bytes per parameter with Adam). Keras's
+    ``add_variable_from_reference`` makes each slot through ``add_variable``, replaced on
+    ``optimizer`` by an instance attribute while it builds.
+
+    Returns:
+        {id(variable): (variable, its initializer)} of the variables given an array: the
+        caller gives any whose array is not the one it replaces next its initial value.
+    """
+    import numpy as np
+
+    import keras
+
+    queue, given = list(arrays), {}
+    original = optimizer.add_variable
+
+    def add_variable(shape, initializer="zeros", dtype=None, aggregation="none",
+                     layout=None, name=None):
+        want = np.dtype(keras.backend.standardize_dtype(dtype or keras.config.floatx()))
+        found = next((i for i, a in enumerate(queue) if tuple(a.shape) == tuple(shape)
+                      and np.dtype(a.dtype) == want), None)
+        if found is None:
+            return original(shape, initializer=initializer, dtype=dtype,
+                            aggregation=aggregation, layout=layout, name=name)
+        array = queue[found]
+        del queue[:found + 1]
+        variable = original(shape, initializer=functools.partial(_given, array),
+                            dtype=dtype, aggregation=aggregation, layout=layout, name=name)
+        given[id(variable)] = (variable, keras.initializers.get(initializer))
+        return variable
+
+    object.__setattr__(optimizer, "add_variable", add_variable)
+    try:
+        optimizer.build(var_list)
+    finally:
+        object.__delattr__(optimizer, "add_variable")
+    return given
+
+
+def _given(value, shape, dtype=None):
+    """An initializer that returns ``value`` itself."""
+    return value
