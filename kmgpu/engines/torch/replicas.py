@@ -179,6 +179,32 @@ def state_of(model, with_optimizer):
                        has_lr), arrays
 
 
+def layout_of(model, with_optimizer):
+    """``state_of``'s layout alone, from the variables' shapes and dtypes: no copy of
+    the state (``write_state`` copies each variable straight into the file)."""
+    opt = getattr(model, "optimizer", None)
+    n_opt, has_lr = 0, False
+    if with_optimizer and opt is not None:
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        n_opt = len(replication.optimizer_state(opt))
+        has_lr = replication.lr_variable(model) is not None
+    layout = StateLayout((), len(model.weights), n_opt, has_lr)
+    arrays = tuple((tuple(v.shape), _numpy_dtype(v.dtype).str)
+                   for v in transfer_variables(model, layout))
+    return StateLayout(arrays, layout.n_weights, n_opt, has_lr)
+
+
+def _numpy_dtype(dtype):
+    """The NumPy dtype of a Keras dtype name (ml_dtypes' for those NumPy lacks)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype))
+
+
 def model_arrays(model, layout):
     """``model``'s weights (+ optimizer state and learning rate, as ``layout`` says)."""
     return [np.asarray(v.numpy()) for v in transfer_variables(model, layout)]

@@ -212,9 +212,10 @@ class PoolLauncher(Launcher):
                         and pool.model_key == call.key and replicas.unchanged(template, synced[2]))
         pool.synced = None  # until this call has left the replicas equal to the template
         if state_in:
-            layout, arrays = replicas.state_of(template, with_optimizer=True)
+            # each variable copied once, straight into the file (no whole copy first)
+            layout = replicas.layout_of(template, with_optimizer=True)
             state = pool.state_file(layout.arrays)
-            state.write(0, arrays)
+            replicas.write_state(state, 0, template, layout)
         else:  # the replicas hold this state already
             layout = synced[3]
             state = pool.state_file(layout.arrays)
