@@ -7,6 +7,25 @@
   training and an early stop, so an interrupted fit leaves the last consistent state.
   Rank 0 writes it whole; with shard="weights" every rank writes its own pieces
   (``replicas.write_pieces``) and nothing is gathered.
+
+Where a pool call's state lives (weights, optimizer state, learning rate):
+
+- your model (the driver): whole, before and after the call. It sends it into slot 0
+  when the replicas do not hold it already (written straight from its variables), and
+  again when its callbacks change the model at the fit's start; it loads the newest
+  snapshot when its callbacks read the weights (an epoch end, fit's validation) and at
+  the call's end.
+- slot 0: from the call's start until every rank has taken it (``SlotZero.taken``), then
+  its pages are given back.
+- each rank, for the pool's life: shard="weights" its 1/N pieces only (made without a
+  whole copy: ``optim.unfilled``; filled from slot 0 by slices: ``load_pieces``);
+  other shard values the whole weights and its part of the optimizer state.
+- the snapshot slots: the state at an epoch end, at the end of training and where a
+  fit stopped. Gathered whole into rank 0 first (``zero.Shards.materialize``) except
+  under shard="weights", where every rank writes its own pieces and no process but
+  the driver ever holds the state whole. The older snapshot is given back once a
+  newer one is complete (at most two, for the moment one is written), every slot
+  once the driver has loaded the call's state.
 """
 
 import time
