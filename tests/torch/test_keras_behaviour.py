@@ -397,3 +397,27 @@ def test_a_masked_output_carries_its_mask_and_detached_keeps_it():
     assert masked != float(metric.result())
     expected = float(np.abs(keras.ops.convert_to_numpy(y)[0, :2]).mean())
     np.testing.assert_allclose(masked, expected, rtol=1e-6)
+
+
+@relies_on(("keras.src.backend.common.variables", "Variable._initialize_with_initializer"))
+def test_weights_and_optimizer_slots_are_made_through_initialize_with_initializer():
+    """A layer's weights and an optimizer's slots are made from their initializers there,
+    and ``_initialize`` keeps the tensor it is given as the Parameter (its memory, not a
+    copy): made there without memory, they hold none, and get it back when grown."""
+    from kmgpu.engines.torch import layer_fixes
+
+    def floats(v):
+        return len(v.shape) > 0 and "float" in str(v.dtype)
+
+    with layer_fixes.unfilled_variables(floats):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+        opt = keras.optimizers.Adam()
+        opt.build(model.trainable_weights)
+    made = list(model.weights) + [v for v in opt.variables if floats(v)]
+    assert len(made) == 6 and all(v.value.untyped_storage().nbytes() == 0 for v in made)
+    assert int(opt.iterations.numpy()) == 0  # not picked: made from its initializer
+    kernel = model.weights[0]
+    kernel.value.untyped_storage().resize_(4 * 3 * 4)
+    kernel.assign(np.ones((3, 4), "float32"))
+    np.testing.assert_array_equal(kernel.numpy(), np.ones((3, 4)))
+    assert keras.layers.Dense(2).add_weight(shape=(2,)).value.untyped_storage().nbytes() == 8

@@ -84,6 +84,12 @@ PATCHES = [
      "state variable's tensor for backward and RNN.call then assigns it in place, so a "
      "stateful fit fails with 'modified by an inplace operation' (3.15.1; upstream: no "
      "issue known to kmgpu)"),
+    ("keras.src.backend.common.variables", "Variable._initialize_with_initializer",
+     "layer_fixes.unfilled_variables",
+     "swapped while a pool rank builds a shard='weights' replica (optim.unfilled): a "
+     "trainable weight or optimizer slot gets a tensor whose memory is freed, its "
+     "initializer not run; Keras makes every variable that has an initializer (add_weight, "
+     "the optimizer's slots) here, computing the value and handing it to _initialize"),
     # -- the captured step (capture_fixes) ------------------------------------------------
     ("keras.src.trainers.trainer", "Trainer.jit_compile", "capture_fixes.wants_captured_step",
      "read on a compiled model (graphs.choose_step): True asks kmgpu's torch engines for the "
@@ -212,6 +218,9 @@ READS = [
      "flat_optim: its index of them"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer._get_variable_index",
      "flat_optim: a variable's slot position"),
+    ("keras.src.backend.torch.core", "Variable._initialize",
+     "layer_fixes.unfilled_variables: a tensor becomes the variable's Parameter (its "
+     "memory shared, not copied)"),
     ("keras.src.optimizers.nadam", "Nadam._u_product",
      "flat_optim, flat_updates: Nadam's running momentum product"),
 ]

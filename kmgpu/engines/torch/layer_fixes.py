@@ -1,9 +1,33 @@
 """Keras layers on torch replicas: BatchNormalization's moments over the global batch
-(``sync_batchnorm=True``), and stateful RNNs run from a copy of their states. Rows of
+(``sync_batchnorm=True``), stateful RNNs run from a copy of their states, and variables
+made without memory (``unfilled_variables``, for ``optim.unfilled``). Rows of
 ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
 from kmgpu.engines import keras_fixes
+
+
+def unfilled_variables(select):
+    """Within the block, a Keras variable made from an initializer that ``select(variable)``
+    picks gets a tensor of its shape and dtype whose memory is freed at once; its
+    initializer is not run (Keras makes every variable with an initializer, a layer's
+    weights and an optimizer's slots, through ``_initialize_with_initializer``)."""
+    import torch
+    from keras.src.backend.common.variables import Variable
+    from keras.src.backend.torch.core import get_device, to_torch_dtype
+
+    def make(initialize):
+        def initialize_unfilled(self, initializer):
+            if not select(self):
+                return initialize(self, initializer)
+            value = torch.empty(tuple(self.shape), dtype=to_torch_dtype(self.dtype),
+                                device=get_device())
+            value.untyped_storage().resize_(0)
+            self._initialize(value)
+
+        return initialize_unfilled
+
+    return keras_fixes.swapped((Variable, "_initialize_with_initializer", make))
 
 
 def global_batch_moments(layer, sum_over_ranks, real_rows, rank, world):

@@ -13,8 +13,6 @@ before anything reads it. The initial values are the user's model's, as before: 
 with one device holds exactly.
 """
 
-import contextlib
-
 import torch
 
 from kmgpu.engines.torch.optim import fsdp
@@ -28,30 +26,15 @@ def trainable_float(variable):
 def float_tensor(variable):
     """A non-scalar floating-point variable (an optimizer slot; not the learning rate,
     not the iteration count)."""
-    return len(variable._shape) > 0 and "float" in str(variable.dtype)
+    return len(variable.shape) > 0 and "float" in str(variable.dtype)
 
 
-@contextlib.contextmanager
 def unfilled(select):
     """Within the block, a Keras variable made from an initializer that ``select(variable)``
-    picks holds no memory (its initializer is not run)."""
-    from keras.src.backend.common.variables import Variable
-    from keras.src.backend.torch.core import get_device, to_torch_dtype
+    picks holds no memory (its initializer is not run: ``layer_fixes.unfilled_variables``)."""
+    from kmgpu.engines.torch import layer_fixes
 
-    made = Variable._initialize_with_initializer
-
-    def initialize(self, initializer):
-        if not select(self):
-            return made(self, initializer)
-        value = torch.empty(self._shape, dtype=to_torch_dtype(self._dtype), device=get_device())
-        fsdp.free(value)
-        self._initialize(value)
-
-    Variable._initialize_with_initializer = initialize
-    try:
-        yield
-    finally:
-        Variable._initialize_with_initializer = made
+    return layer_fixes.unfilled_variables(select)
 
 
 def is_unfilled(variable):
