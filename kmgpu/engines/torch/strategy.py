@@ -34,6 +34,7 @@ from kmgpu.engines.torch.data import inputs, resident
 from kmgpu.engines.torch.launch.messages import Aborted, Predictions
 from kmgpu.engines.torch.launch.relay import Abort, SyncCallback
 from kmgpu.engines.torch.optim import placement
+from kmgpu.engines.torch.steps import ddp as ddp_module
 from kmgpu.engines.torch.steps.rank_steps import RankSteps
 
 
@@ -199,8 +200,6 @@ class DDPStrategy:
         return replica
 
     def _prepare(self, replica):
-        from torch.nn.parallel import DistributedDataParallel
-
         bn_layers = [layer for layer in replica._flatten_layers()
                      if isinstance(layer, keras.layers.BatchNormalization)]
         averaged = []
@@ -239,13 +238,7 @@ class DDPStrategy:
             captured, self.sharded_step = self.steps.captured_step(replica, averaged)
             replica.train_step = captured.train_step
         elif kind == graphs.KERAS and replica.trainable_weights:
-            ddp = DistributedDataParallel(
-                _TrainableWeights(replica),
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copies
-                **_no_buffer_sync(),
-            )
-            ddp.register_comm_hook(None, collectives.sum_gradients)
+            ddp = ddp_module.wrap(replica, self.device)
             replica.train_step = self.steps.keras_step(replica, ddp, averaged)
         else:
             if kind == graphs.OWN and self.rank == 0 and graphs.available(self.device):
@@ -454,36 +447,3 @@ class DDPStrategy:
         finally:
             self.train, self.collective = None, False
         return None  # the History is kept where the callbacks run
-
-
-class _TrainableWeights(torch.nn.Module):
-    """The replica as DDP sees it: its trainable variables' tensors are this module's
-    parameters, its forward pass is the replica's call.
-
-    Keras registers a layer's variables with torch (``torch_params``) through
-    ``nn.Module.__setattr__``; a model class with a ``__setattr__`` of its own (keras-hub's
-    backbones and tasks on torch) stores them where ``parameters()`` does not look, and
-    DDP, given the replica itself, finds no parameter to synchronise."""
-
-    def __init__(self, replica):
-        super().__init__()
-        self.trainable = torch.nn.ParameterList([v.value for v in replica.trainable_weights])
-        object.__setattr__(self, "replica", replica)  # not a submodule: the list holds its weights
-
-    def forward(self, *args, **kwargs):
-        return self.replica(*args, **kwargs)
-
-
-def _no_buffer_sync():
-    """Keras keeps no torch buffers; the argument's name changed in torch 2.13."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    try:
-        params = inspect.signature(DistributedDataParallel.__init__).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "forward_sync_buffers" in params:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
