@@ -87,6 +87,7 @@ class JaxEngine(InProcessEngine):
         return replica
 
     def run(self, method, template, kwargs, lr_scale=(1.0, 0)):
+        self._method = method  # copy_back: after a fit, the heap is trimmed first
         if self.sharded:  # the template's whole state stays off the accelerators
             host.to_host(host.template_variables(template))
             self._template = template
@@ -144,7 +145,9 @@ class JaxEngine(InProcessEngine):
         Sharded: the optimizer's sharded state is held, not gathered (``host.hold``), and
         the weights are gathered to the host a few at a time (``HOST_BATCH_BYTES``), each
         former array given up before the next batch: one whole copy of the weights, not
-        two."""
+        two. After a fit the C heap's free pages go back to the system first
+        (``host.trim_heap``), so the gathered weights do not add to the step's freed
+        buffers."""
         import jax
 
         # the marks hold the template's arrays of the copy-in: let each go as it is replaced
@@ -157,6 +160,8 @@ class JaxEngine(InProcessEngine):
             return
         if self.sharded:
             pairs = self._hold_optimizer_state(pairs)
+            if getattr(self, "_method", None) == "fit":  # not per batch: pages fault back in
+                host.trim_heap()
         values = [zero.gather(r.value) for r, _ in pairs]
         into = _reusable([t.value for _, t in pairs], values)
         done = set(into)
