@@ -10,8 +10,8 @@ devices with ``shard`` (``none``: unsharded), compiles it with Adam in float32 a
 epoch of two steps (batch 8). While it runs, this process samples its host memory as
 ``host_memory.py`` does (every process's PSS plus kmgpu's files in /dev/shm) and stops the
 job once the sum passes ``--limit-gib``: a try passes when the fit ends within the limit.
-The depth doubles from 1 until a try fails, then is bisected. Each row gives the largest
-depth that passed: its parameters, the peak host memory of its fit and that peak per
+The depth doubles from ``--start`` (1) until a try fails, then is bisected. Each row gives
+the largest depth that passed: its parameters, the peak host memory of its fit and that peak per
 parameter (start-up included), and the smallest depth that did not.
 
 Prints a Markdown table; no figure here is asserted by a test.
@@ -100,9 +100,10 @@ def attempt(backend, n, shard, depth, width, limit):
     return ended and not over and proc.returncode == 0, params, peak
 
 
-def largest(backend, n, shard, width, limit, say):
-    """(depth, params, peak) of the largest try that passed, and the smallest failed depth."""
-    best, failed, depth = None, None, 1
+def largest(backend, n, shard, width, limit, say, start=1):
+    """(depth, params, peak) of the largest try that passed, and the smallest failed depth;
+    the depth doubles from ``start``."""
+    best, failed, depth = None, None, start
     while failed is None:
         ok, params, peak = attempt(backend, n, shard, depth, width, limit)
         say(depth, ok, params, peak)
@@ -111,6 +112,8 @@ def largest(backend, n, shard, width, limit, say):
         else:
             failed = depth
     lo = best[0] if best else 0
+    if best is None and start > 1:  # the first try was over: look below it
+        return largest(backend, n, shard, width, limit, say, 1)
     while failed - lo > 1:
         mid = (lo + failed) // 2
         ok, params, peak = attempt(backend, n, shard, mid, width, limit)
@@ -129,6 +132,7 @@ def main():
     p.add_argument("--shards", nargs="+", default=["weights", "none"])
     p.add_argument("--limit-gib", type=float, default=16.0)
     p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--start", type=int, default=1, help="the first depth tried")
     a = p.parse_args()
     if a.job:
         n, shard, depth, width = (int(v) if v.isdigit() else v for v in a.job)
@@ -145,7 +149,7 @@ def main():
                   f"({(params or 0) / 1e6:,.0f} M parameters, peak {peak / gib:.2f} GiB)",
                   flush=True)
 
-        best, failed = largest(backend, a.devices, shard, a.width, limit, say)
+        best, failed = largest(backend, a.devices, shard, a.width, limit, say, a.start)
         if best is None:
             rows.append(f"| {shard} | none fits | - | - | - | 1 |")
             continue
