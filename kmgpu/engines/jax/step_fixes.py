@@ -1,5 +1,6 @@
 """Keras's JAX train, test and predict steps on replicas: predictions every process can
-read, each trace's own loss ids, and a sharded step's XLA CPU options. Rows of ``kmgpu/engines/jax/keras_fixes.py``.
+read, each trace's own loss ids, and a sharded step's XLA CPU options. Rows of
+``kmgpu/engines/jax/keras_fixes.py``.
 """
 
 from kmgpu.engines import keras_fixes
