@@ -16,7 +16,8 @@ one more, timed: its samples/s. The variants are plain Keras on torch and kmgpu 
 and plain Keras on JAX without LoRA. A kmgpu run whose train step is not captured prints
 kmgpu's line "the train step runs eagerly, not captured"; the table's last column says
 whether it did. Runs that would pass ``--budget`` seconds are left out, and the table says
-which.
+which. keras-hub's ``fit`` turns the arrays into a grain or tf.data dataset, so grain or
+TensorFlow must be installed.
 """
 
 import argparse
