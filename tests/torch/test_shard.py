@@ -172,7 +172,9 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
     in use and ``fsdp.PREFETCH`` gathered ahead are whole at any time, every buffer is
     freed afterwards, and the gradients equal the unsharded model's. The second step
     starts each gather ahead of its use in the first step's order (its stand-in fills
-    the buffer only at the wait), and gathers as often as the first."""
+    the buffer only at the wait), and gathers as often as the first; a third step
+    gathers into the memory the steps before freed (host memory: no layer-sized block
+    allocated anew)."""
     from kmgpu.engines.torch.optim import fsdp, zero
 
     ref = tiny()
@@ -193,19 +195,21 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
         k = next(i for i, p in enumerate(shards.flat.pieces) if p.params is piece)
         most.append(sum(not fsdp.is_free(f) for f in flats))
         log.append(("ahead" if async_op else "now", k))
+        memory[-1].add(out.data_ptr())
         if async_op:
             return Deferred(out, lambda: full[k], lambda: log.append("wait"))
         out.copy_(full[k])
 
     shards.gathering.gather = gather
-    steps = []
-    for _ in range(2):
+    steps, memory = [], []
+    for _ in range(3):
         del log[:]
+        memory.append(set())
         with shards.active():
             grads = batch_grads(model)
         steps.append((grads, list(log)))
         assert all(fsdp.is_free(f) for f in flats)
-    (first, log1), (second, log2) = steps
+    (first, log1), (second, log2), _ = steps
     assert max(most) <= fsdp.KEEP + fsdp.PREFETCH
     gathered = [k for _, k in log1]
     assert len(gathered) >= 2 * len(flats) - fsdp.KEEP and all(w == "now" for w, _ in log1)
@@ -214,7 +218,8 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
     assert [k for _, k in (e for e in log2 if e != "wait")] == gathered
     assert [e for e in log2 if e != "wait"][1:] == [("ahead", k) for k in gathered[1:]]
     assert log2.count("wait") == len(gathered) - 1
-    assert shards.gathering.prefetches == len(gathered) - 1
+    assert shards.gathering.prefetches == 2 * (len(gathered) - 1)  # the second and third
+    assert memory[2] <= memory[0] | memory[1]
     for grads in (first, second):
         for a, b in zip(grads_ref, grads):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -116,6 +116,24 @@ def grow(flat):
         st.resize_(need)
 
 
+def trim_heap():
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; a C
+    library without it: nothing)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # glibc's malloc_trim once looked up, False where there is none
+
+
 def is_free(flat):
     return flat.untyped_storage().nbytes() == 0
 
@@ -194,6 +212,14 @@ class Gathering:
         self.order = self.trace = None  # within ``active``: that order, and this block's
         self.gathers = 0  # how many all-gathers ran (for tests)
         self.prefetches = 0  # how many of them were started ahead of their use
+        #: the buffers are in host memory (a CPU device), where the C heap holds them
+        self.host = bool(self.flats) and self.flats[0].device.type == "cpu"
+        # host memory: a freed buffer's memory is kept for the next buffer of its size
+        # (``_grow`` / ``_free``): layer-sized blocks allocated and freed each step fragment
+        # the C heap between the step's smaller tensors, which then grows by hundreds of
+        # MB of free pages; on a GPU the caching allocator reuses them already
+        self.spare = {} if self.host and hasattr(torch.UntypedStorage,
+                                                 "_swap_data_ptr_") else None
 
     def ensure(self, k):
         """Buffer ``k`` whole (gathered now unless it is already, or waited for where
@@ -206,7 +232,7 @@ class Gathering:
             self._wait(k)
         else:
             flat = self.flats[k]
-            grow(flat)
+            self._grow(flat)
             with torch.no_grad():
                 self.gather(flat, self.pieces[k])
             self.gathers += 1
@@ -236,7 +262,7 @@ class Gathering:
         while len(self.ahead) >= PREFETCH:  # a guess that was not used
             self.release(next(iter(self.ahead)))
         flat = self.flats[k]
-        grow(flat)
+        self._grow(flat)
         with torch.no_grad():
             self.ahead[k] = self.gather(flat, self.pieces[k], async_op=True)
         self.whole[k] = None
@@ -254,7 +280,29 @@ class Gathering:
         if k in self.ahead:
             self._wait(k)
         self.whole.pop(k, None)
-        free(self.flats[k])
+        self._free(self.flats[k])
+
+    def _grow(self, flat):
+        """``grow``, with the memory of a freed buffer of the same size where one is kept
+        (``spare``: its storage's memory swapped in, no allocation)."""
+        st = flat.untyped_storage()
+        need = flat.numel() * flat.element_size()
+        kept = self.spare.get(need) if self.spare is not None else None
+        if kept and st.nbytes() == 0:
+            st._swap_data_ptr_(kept.pop())
+        else:
+            grow(flat)
+
+    def _free(self, flat):
+        """``free``, its memory kept in ``spare`` (moved into a storage of its own) where
+        that is on."""
+        st = flat.untyped_storage()
+        if self.spare is None or st.nbytes() == 0:
+            free(flat)
+            return
+        kept = torch.UntypedStorage(0, device=flat.device)
+        kept._swap_data_ptr_(st)  # ``flat`` now holds no memory, ``kept`` its bytes
+        self.spare.setdefault(kept.nbytes(), []).append(kept)
 
     def release_all(self):
         for k in list(self.whole):

@@ -70,6 +70,7 @@ class Scattering:
         self.sent = None  # within ``active``: per buffer, reduce-scattered yet
         self.scratch = None  # within ``active``: {dtype: [[buffer, its handle], ...]}
         self.turn = None  # within ``active``: {dtype: the slot the next layer takes}
+        self.kept = {}  # host memory: the last block's scratch, reused (see ``active``)
         self.scatters = 0  # how many reduce-scatters ran (for tests)
 
     @contextlib.contextmanager
@@ -83,7 +84,8 @@ class Scattering:
         order."""
         self.pending = [{} for _ in self.layout.members]
         self.sent = [False] * len(self.layout.members)
-        self.scratch, self.turn = {}, {}
+        self.scratch, self.kept = self.kept, {}
+        self.turn = {dtype: 0 for dtype in self.scratch}
         handles = [p.register_hook(functools.partial(self._arrived, i))
                    for i, p in enumerate(params)]
         try:
@@ -94,6 +96,10 @@ class Scattering:
             for slots in self.scratch.values():
                 for slot in slots:
                     self._wait(slot)
+            if all(slots[0][0].device.type == "cpu" for slots in self.scratch.values()):
+                # host memory: kept for the next block; a slot made and freed each step
+                # fragments the C heap (on a GPU the caching allocator already reuses)
+                self.kept = self.scratch
         finally:
             for h in handles:
                 h.remove()
