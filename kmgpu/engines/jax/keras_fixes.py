@@ -49,10 +49,11 @@ PATCHES = [
      "every device under DataParallel); add_variable, replaced on the replica's optimizer, "
      "passes a layout sharded over the devices instead"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.add_variable",
-     "optimizer_fixes.lay_out_optimizer, optimizer_fixes.build_holding",
-     "same: what is replaced; and replaced on the user's optimizer while host.built_on_host "
-     "builds it, so each slot starts as the replica's array (its initializer, called "
-     "with (shape, dtype=), returns it) instead of whole zeros on the host"),
+     "optimizer_fixes.lay_out_optimizer",
+     "same: what is replaced; optimizer_fixes.build_holding replaces it too, on the user's "
+     "optimizer while host.built_on_host builds it, so each slot starts as the replica's "
+     "array (its initializer, called with (shape, dtype=), returns it) instead of whole "
+     "zeros on the host"),
     ("keras.src.backend.jax.core", "JaxVariable._direct_assign",
      "optimizer_fixes.lay_out_optimizer",
      "an optimizer variable built before is re-laid by setting its private _layout and "
