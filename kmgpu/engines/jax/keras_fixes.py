@@ -98,7 +98,8 @@ PATCHES = [
 READS = [
     ("keras.src.layers.layer", "Layer._tracker", "layer_fixes.track_states (see PATCHES)"),
     ("keras.src.layers.layer", "Layer._loss_ids", "step_fixes.fresh_loss_ids (see PATCHES)"),
-    ("keras.src.ops.operation", "Operation._remat_mode",
+    # Keras 3.15 sets _remat_mode in Operation.__init__, 3.14 in Layer.__init__.
+    ("keras.src.layers.layer", "Layer._remat_mode",
      "layer_fixes.keep_remat: a layer's keras.RematScope mode, set from the template's "
      "on the replica's layer in its place (read by Layer.stateless_call at every call)"),
     # Keras 3.15 sets _layout in the common Variable (a TensorLayout); 3.14 only in
