@@ -49,6 +49,7 @@ PAGES = {
     "docs/troubleshooting.md": ("jax",),
     "docs/settings.md": ("torch",),
     "docs/design.md": ("jax",),
+    "docs/sharding-design.md": ("jax",),
     "docs/api.md": ("jax",),
     "docs/command.md": ("jax",),
 }
