@@ -57,6 +57,16 @@ def test_options_keep_the_users_disabled_passes():
     assert step_fixes.cpu_options("")["xla_disable_hlo_passes"] == "cpu-all-reduce-combiner"
 
 
+def test_an_option_this_xla_does_not_take_is_left_out(monkeypatch):
+    """An XLA that does not know an option (an older jaxlib) would fail every step's
+    compile: the option is left out, the others kept."""
+    monkeypatch.setitem(step_fixes.SHARDED_CPU_OPTIONS, "xla_no_such_option_here", True)
+    options = step_fixes.cpu_options("")
+    assert "xla_no_such_option_here" not in options
+    assert options == {k: v for k, v in step_fixes.SHARDED_CPU_OPTIONS.items()
+                       if k != "xla_no_such_option_here"}
+
+
 @pytest.mark.parametrize("shard", [None, "gradients", "weights"], ids=str)
 def test_replica_steps_compiled_with_options(shard, monkeypatch):
     import keras

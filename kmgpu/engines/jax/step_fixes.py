@@ -70,13 +70,38 @@ SHARDED_CPU_OPTIONS = {
 
 def cpu_options(flags):
     """``SHARDED_CPU_OPTIONS``, with the passes ``flags`` (an ``XLA_FLAGS`` string)
-    already disables kept disabled (a computation's option replaces the flag)."""
+    already disables kept disabled (a computation's option replaces the flag), less any
+    this jaxlib's XLA does not take (``usable``)."""
     options = dict(SHARDED_CPU_OPTIONS)
     for flag in flags.split():
         name, _, value = flag.partition("=")
         if name == "--xla_disable_hlo_passes" and value:
             options["xla_disable_hlo_passes"] = value + "," + options["xla_disable_hlo_passes"]
-    return options
+    return usable(options)
+
+
+_USABLE = {}  # (option, value) -> whether this process's XLA compiles with it
+
+
+def usable(options):
+    """The entries of ``options`` this jaxlib's XLA takes, each tried once per process on
+    a trivial computation: an option an older XLA does not know would fail the compile of
+    every step, where leaving it out only costs memory."""
+    import jax
+    import numpy as np
+
+    kept = {}
+    for item in options.items():
+        if item not in _USABLE:
+            try:
+                jax.jit(lambda x: x + 1, compiler_options=dict([item])).lower(
+                    np.float32(0)).compile()
+                _USABLE[item] = True
+            except Exception:  # XLA's error for an unknown option or value
+                _USABLE[item] = False
+        if _USABLE[item]:
+            kept[item[0]] = item[1]
+    return kept
 
 
 def compile_with(replica, options):
