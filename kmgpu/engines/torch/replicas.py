@@ -157,7 +157,7 @@ class FromSpec:
 
 # -- weights, optimizer state, learning rate as arrays ----------------------------------
 def state_of(model, with_optimizer):
-    """``model``'s state as arrays, and their layout.
+    """``model``'s state as arrays, and their layout (``layout_of``).
 
     Args:
         model: a built model (its optimizer is built here when it is not yet).
@@ -166,22 +166,15 @@ def state_of(model, with_optimizer):
     Returns:
         (StateLayout, list of arrays).
     """
-    opt = getattr(model, "optimizer", None)
-    n_opt, has_lr = 0, False
-    if with_optimizer and opt is not None:
-        if not opt.built:
-            opt.build(model.trainable_variables)
-        n_opt = len(replication.optimizer_state(opt))
-        has_lr = replication.lr_variable(model) is not None
-    n_weights = len(model.weights)  # what get_weights() returns
-    arrays = model_arrays(model, StateLayout((), n_weights, n_opt, has_lr))
-    return StateLayout(tuple((a.shape, a.dtype.str) for a in arrays), n_weights, n_opt,
-                       has_lr), arrays
+    layout = layout_of(model, with_optimizer)
+    return layout, model_arrays(model, layout)
 
 
 def layout_of(model, with_optimizer):
-    """``state_of``'s layout alone, from the variables' shapes and dtypes: no copy of
-    the state (``write_state`` copies each variable straight into the file)."""
+    """The layout of ``model``'s state (the weights, and with ``with_optimizer`` the
+    optimizer's state and learning rate, its optimizer built first where it is not yet),
+    from the variables' shapes and dtypes: no copy of the state (``write_state`` copies
+    each variable straight into the file)."""
     opt = getattr(model, "optimizer", None)
     n_opt, has_lr = 0, False
     if with_optimizer and opt is not None:
