@@ -75,13 +75,7 @@ def job(n, shard, depth):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
     y = rng.normal(size=(ROWS, WIDTH)).astype("float32")
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        parallel = kmgpu.parallelize(model, gpus=n, shard=None if shard == "none" else shard)
-    parallel.compile(optimizer="adam", loss="mse")
-    print(json.dumps({"params": int(model.count_params())}), flush=True)
+    parallel = parallelized(model, n, shard)
     print("FIT-START", flush=True)
     start = time.perf_counter()
     parallel.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
@@ -90,6 +84,21 @@ def job(n, shard, depth):
     # give the sampler one more look at the state after the fit
     time.sleep(0.3)
     print("AFTER", flush=True)
+
+
+def parallelized(model, n, shard):
+    """``model`` over ``n`` simulated devices with ``shard`` (``none``: unsharded), compiled
+    with Adam and MSE; its parameter count said on stdout, as the sampler reads it."""
+    import warnings
+
+    import kmgpu
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallel = kmgpu.parallelize(model, gpus=n, shard=None if shard == "none" else shard)
+    parallel.compile(optimizer="adam", loss="mse")
+    print(json.dumps({"params": int(model.count_params())}), flush=True)
+    return parallel
 
 
 # -- the sampler ----------------------------------------------------------------------

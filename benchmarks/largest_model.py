@@ -23,11 +23,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from host_memory import Sampler  # noqa: E402
+from host_memory import Sampler, parallelized  # noqa: E402
 
 FEATURES = 16
 BATCH = 8
@@ -35,8 +36,6 @@ BATCH = 8
 
 def job(n, shard, depth, width):
     """Runs in the measured process: one fit of two steps, its start and end said."""
-    import warnings
-
     import numpy as np
 
     import kmgpu
@@ -51,11 +50,7 @@ def job(n, shard, depth, width):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2 * BATCH, FEATURES)).astype("float32")
     y = rng.normal(size=(2 * BATCH, width)).astype("float32")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        parallel = kmgpu.parallelize(model, gpus=n, shard=None if shard == "none" else shard)
-    parallel.compile(optimizer="adam", loss="mse")
-    print(json.dumps({"params": int(model.count_params())}), flush=True)
+    parallel = parallelized(model, n, shard)
     print("FIT-START", flush=True)
     parallel.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     print("FIT-END", flush=True)
@@ -78,8 +73,6 @@ def attempt(backend, n, shard, depth, width, limit):
                 os.killpg(proc.pid, signal.SIGKILL)
                 return
             time.sleep(0.05)
-
-    import threading
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
