@@ -34,6 +34,7 @@ Keras's step is kept.
 import contextlib
 import os
 
+from kmgpu.engines import heap
 from kmgpu.engines.base import InProcessEngine
 from kmgpu.engines.jax import data_fixes, host, layer_fixes, optimizer_fixes, step_fixes, zero
 
@@ -146,7 +147,7 @@ class JaxEngine(InProcessEngine):
         the weights are gathered to the host a few at a time (``HOST_BATCH_BYTES``), each
         former array given up before the next batch: one whole copy of the weights, not
         two. After a fit the C heap's free pages go back to the system first
-        (``host.trim_heap``), so the gathered weights do not add to the step's freed
+        (``heap.trim_heap``), so the gathered weights do not add to the step's freed
         buffers."""
         import jax
 
@@ -161,7 +162,9 @@ class JaxEngine(InProcessEngine):
         if self.sharded:
             pairs = self._hold_optimizer_state(pairs)
             if getattr(self, "_method", None) == "fit":  # not per batch: pages fault back in
-                host.trim_heap()
+                # the step's buffers, freed into the heaps of the threads that ran them,
+                # stay resident; the gathered weights come from another thread's heap
+                heap.trim_heap()
         values = [zero.gather(r.value) for r, _ in pairs]
         into = _reusable([t.value for _, t in pairs], values)
         done = set(into)

@@ -54,21 +54,6 @@ def to_host(variables):
             v.assign(a)
 
 
-def trim_heap():
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``). A fit's
-    step buffers on CPU devices, and the host buffers of its transfers, are freed into
-    the heaps of the threads that ran them, where they stay resident; the copy back's
-    whole weights come from another thread's heap and would add to them (14.7 M
-    parameters on 4 simulated devices: about 7 bytes per parameter). A C library without
-    it: nothing."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def template_variables(template):
     """The template's weights and its optimizer's state (where built): what sharding keeps
     off the accelerators."""

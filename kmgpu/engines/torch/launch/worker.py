@@ -19,6 +19,7 @@ import traceback
 
 # Keras is imported only once the worker has set its environment (KERAS_BACKEND,
 # threads, device): inputs, replicas and strategy, which import it, are imported late.
+from kmgpu.engines import heap
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch import snapshots, timing
 from kmgpu.engines.torch.launch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed, Port,
@@ -181,22 +182,11 @@ def main(rank, world, device, conn, out_conn, settings):
             os._exit(1)
         _end_call()
         conn.send(Done(result))
+        # a call's whole-state buffers and per-step tensors leave hundreds of MB free but
+        # resident in the heap, held between calls for the pool's life; not after a
+        # *_on_batch call, whose loop would fault those pages in again each time
         if isinstance(msg, Call) and msg.method in ("fit", "evaluate", "predict"):
-            _trim_heap()
-
-
-def _trim_heap():
-    """Give the C heap's free pages back to the system after a call (glibc's
-    ``malloc_trim``): a call's whole-state buffers and per-step tensors leave hundreds of MB
-    free but resident in each rank's heap, held between calls for the life of the pool.
-    Not after a ``*_on_batch`` call: a loop of them would fault those pages in again each
-    time. A C library without it: nothing."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+            heap.trim_heap()
 
 
 class Worker:

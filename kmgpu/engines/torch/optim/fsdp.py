@@ -116,22 +116,6 @@ def grow(flat):
         st.resize_(need)
 
 
-def trim_heap():
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; a C
-    library without it: nothing)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None  # glibc's malloc_trim once looked up, False where there is none
 
 
 def is_free(flat):

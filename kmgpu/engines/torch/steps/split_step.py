@@ -15,6 +15,7 @@ import contextlib
 import keras
 import torch
 
+from kmgpu.engines import heap
 from kmgpu.engines.torch import cond_fixes, step_fixes
 from kmgpu.engines.torch.optim import flat_layout, flat_optim, fsdp, zero
 
@@ -196,7 +197,7 @@ class SplitStep:
         the first step. On a GPU those blocks are device memory: nothing."""
         zero = self.zero
         if zero is not None and zero.gathering is not None and zero.gathering.host:
-            fsdp.trim_heap()
+            heap.trim_heap()
 
     def _loss(self, x, y, y_pred, sw, n_real, n_global):
         """(what the loss tracker gets, with weight n_real; this replica's part of the
