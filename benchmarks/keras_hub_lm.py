@@ -2,6 +2,7 @@
 and on JAX, with and without LoRA. Prints a Markdown table; no test asserts its figures.
 
     python benchmarks/keras_hub_lm.py [--quick] [--rounds R] [--steps S] [--budget SECONDS]
+        [--profile DIR]
 
 The model is a Llama-style ``LlamaCausalLM`` from a random config (no download): 16 layers,
 hidden 1024, 16 query heads and 8 key-value heads, MLP 2816, vocabulary 32,000: about 255
@@ -10,8 +11,9 @@ batch 8, the padding mask as sample weights. ``--quick`` shrinks it to run on a 
 
 Every run is a process of its own (``--child``), so no run inherits another's compiled
 code or warm caches, and the runs alternate: each round runs every variant, the order
-reversed every other round. A run fits one epoch of S steps to compile or capture, then
-one more, timed: its samples/s. The variants are plain Keras on torch and kmgpu on torch
+reversed every other round. A run fits 3 epochs of S steps in one call: the first compiles
+or captures, its samples/s is the median of the other two; then one more call of one epoch,
+whose samples/s (the "one call" column) includes what a `fit` call costs around its steps. The variants are plain Keras on torch and kmgpu on torch
 (``parallelize(model, gpus=1)``), each with and without ``backbone.enable_lora(rank=8)``,
 and plain Keras on JAX without LoRA. A kmgpu run whose train step is not captured prints
 kmgpu's line "the train step runs eagerly, not captured"; the table's last column says
@@ -67,21 +69,71 @@ def child(args):
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
     y, w = ids[:, 1:], mask[:, 1:].astype("float32")
     fitter = kmgpu.parallelize(model, gpus=1) if args.variant == "kmgpu" else model
+
+    class EpochTimes(keras.callbacks.Callback):
+        """Wall seconds of each epoch (the epoch's end waits for the device)."""
+        seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.began = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self.began)
+
+    epochs = EpochTimes()
+    start = time.perf_counter()
+    fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=3, shuffle=False, verbose=0,
+               callbacks=[epochs])
+    first = epochs.seconds[0]
     start = time.perf_counter()
     fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    steady = time.perf_counter() - start
+    call = time.perf_counter() - start
+    if args.profile:
+        profile(fitter, (x, y, w), batch, args)
     print("LMRUN " + json.dumps({
         "params": int(model.count_params()),
         "trainable": int(sum(np.prod(v.shape) for v in model.trainable_weights)),
-        "samples_per_s": rows / steady, "first_epoch_s": first}), flush=True)
+        "samples_per_s": rows / statistics.median(epochs.seconds[1:]),
+        "call_samples_per_s": rows / call, "first_epoch_s": first}), flush=True)
 
 
-def run(backend, variant, lora, args):
+def profile(fitter, data, batch, args):
+    """torch only: one more epoch under torch.profiler; the top ops by device and by host
+    time, and the device's busy share of the wall time, into --profile's folder."""
+    import keras
+
+    if keras.backend.backend() != "torch":
+        return
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    x, y, w = data
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                     else [])
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False,
+                   verbose=0)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    device = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    name = f"{args.variant}{'-lora' if args.lora else ''}"
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"profile-{name}.txt"), "w") as f:
+        f.write(f"# {name}: {args.steps} steps, wall {wall:.2f} s, device busy "
+                f"{device:.2f} s (kernels' self time)\n\n")
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                f.write(events.table(sort_by=key, row_limit=30, max_name_column_width=70))
+            except Exception as e:  # no CUDA column on a CPU
+                f.write(f"({key}: {e})\n")
+            f.write("\n")
+
+
+def run(backend, variant, lora, args, profile=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant,
            "--steps", str(args.steps)] + (["--lora"] if lora else []) \
+        + (["--profile", args.profile] if profile and backend == "torch" else []) \
         + (["--quick"] if args.quick else [])
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -106,6 +158,9 @@ def main(argv=None):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="plain", help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="torch runs of round 1: one more epoch under torch.profiler, "
+                        "its top ops written to DIR/profile-<variant>.txt")
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
@@ -116,7 +171,7 @@ def main(argv=None):
             if spent + longest > args.budget:
                 left_out.append(f"round {r + 1} {key[0]} {key[1]}{' LoRA' if key[2] else ''}")
                 continue
-            got, seconds = run(*key, args)
+            got, seconds = run(*key, args, profile=bool(args.profile) and r == 0)
             longest = max(longest, seconds)
             print(f"  round {r + 1} {key}: {got} ({seconds:.0f} s)", flush=True)
             if got:
@@ -124,8 +179,8 @@ def main(argv=None):
     jax_plain = statistics.median(g["samples_per_s"] for g in results.get(VARIANTS[2], [])
                                   ) if results.get(VARIANTS[2]) else None
     print("\n| backend | fit | LoRA | parameters (trainable) | samples/s (runs) | median "
-          "| / Keras-JAX | first epoch s | kmgpu's step captured |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| / Keras-JAX | one call samples/s | first epoch s | kmgpu's step captured |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key in VARIANTS:
         got = results.get(key)
         if not got:
@@ -138,6 +193,7 @@ def main(argv=None):
         print(f"| {key[0]} | {key[1]} | {'yes' if key[2] else 'no'} | "
               f"{got[0]['params'] / 1e6:.1f} M ({got[0]['trainable'] / 1e6:.1f} M) | "
               f"{', '.join(f'{v:,.1f}' for v in rates)} | {median:,.1f} | {ratio} | "
+              f"{statistics.median(g['call_samples_per_s'] for g in got):,.1f} | "
               f"{statistics.median(g['first_epoch_s'] for g in got):.0f} | {captured} |")
     if left_out:
         print(f"\nLeft out to stay within --budget {args.budget:.0f} s: " + "; ".join(left_out))
