@@ -99,6 +99,10 @@ PATCHES = [
 READS = [
     ("keras.src.layers.layer", "Layer._flatten_layers",
      "a model's layers, nested ones included (no public walk)"),
+    ("keras.src.layers.layer", "Layer._called",
+     "replication.identity: set by Layer.__call__, left out of a layer's settings"),
+    ("keras.src.layers.layer", "Layer._parent_path",
+     "replication.identity: set by Layer.__call__, left out of a layer's settings"),
     ("keras.src.layers.layer", "Layer._losses",
      "global_losses: the losses a layer's call added, read and cleared per replica"),
     ("keras.src.trainers.trainer", "Trainer._compile_loss",

@@ -41,10 +41,20 @@ def identity(template):
             _digest(model_fixes.own_state(template)))
 
 
+#: what ``Layer.__call__`` records on a layer at its calls (whether it was called, the
+#: path of the layer that called it): bookkeeping, not settings. A layer whose sublayers
+#: are first called in the first step (keras-hub's decoder blocks, any layer that builds
+#: its sublayers in ``build``) would otherwise look like another model at the next call,
+#: and the engines would make their replicas and captured steps again
+CALL_BOOKKEEPING = ("_called", "_parent_path")
+
+
 def _settings(layer):
-    """A layer's attributes that hold plain values (numbers, strings, flags)."""
+    """A layer's attributes that hold plain values (numbers, strings, flags), Keras's
+    call bookkeeping left out."""
     return tuple((key, value) for key, value in vars(layer).items()
-                 if value is None or type(value) in (bool, int, float, str))
+                 if key not in CALL_BOOKKEEPING
+                 and (value is None or type(value) in (bool, int, float, str)))
 
 
 def _digest(state):

@@ -50,3 +50,33 @@ def test_a_replica_gets_the_adapted_state_through_the_nested_model():
     replication.load_carried(replica, replication.carried(model))
     np.testing.assert_allclose(keras.ops.convert_to_numpy(replica(x)),
                                keras.ops.convert_to_numpy(model(x)), rtol=1e-6, atol=1e-6)
+
+
+class _Outer(keras.layers.Layer):
+    """A layer that builds its sublayer in ``build``: the sublayer's first call is the
+    model's first eager call (as in keras-hub's decoder blocks)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(3)
+
+    def build(self, shape):
+        self.inner.build(shape)
+
+    def call(self, x):
+        return self.inner(x)
+
+    def compute_output_shape(self, shape):
+        return shape[:-1] + (3,)
+
+
+def test_a_first_call_does_not_change_the_identity():
+    """Layer.__call__ marks a layer called and records its caller's path; the engines
+    keep their replicas and captured steps while the identity holds, so a change there
+    made them all again at a model's second kmgpu call. A setting still counts."""
+    model = keras.Sequential([keras.Input((4,)), _Outer(), keras.layers.Dropout(0.1)])
+    before = replication.identity(model)
+    model.predict(np.ones((2, 4), "float32"), verbose=0)
+    assert replication.identity(model) == before
+    model.layers[-1].rate = 0.2
+    assert replication.identity(model) != before
