@@ -102,7 +102,9 @@ class Budget:
     Args:
         seconds: the budget (None: no limit).
         reserve: seconds kept for writing the report at the end.
-        prior: {workload: seconds a run is guessed to take} (missing: unknown).
+        prior: {workload: seconds a run is guessed to take, or {backend: seconds} where
+            the backends differ} (missing: unknown; a backend missing from its dict: the
+            dict's largest).
     """
 
     def __init__(self, seconds=None, reserve=15.0, clock=time.monotonic, prior=None):
@@ -117,10 +119,16 @@ class Budget:
             return None
         return self.seconds - self.reserve - (self.clock() - self.started)
 
+    def _guess(self, run):
+        guess = self.prior.get(run["workload"])
+        if isinstance(guess, dict):
+            return guess.get(run["backend"], max(guess.values()))
+        return guess
+
     def record(self, run, seconds):
         k = (run["backend"], run["workload"])
         self._costs[k] = max(self._costs.get(k, 0.0), float(seconds))
-        guess = self.prior.get(run["workload"])
+        guess = self._guess(run)
         if guess:
             scale = self._scale.setdefault(run["backend"], [0.0, 0.0])
             scale[0] += float(seconds)
@@ -131,7 +139,7 @@ class Budget:
         known = self._costs.get((run["backend"], run["workload"]))
         if known is not None:
             return known
-        guess = self.prior.get(run["workload"])
+        guess = self._guess(run)
         if guess is None:
             return None
         measured, guessed = self._scale.get(run["backend"], (0.0, 0.0))

@@ -401,6 +401,12 @@ def test_time_budget():
     assert guess.estimate(b) == 4.0 and guess.estimate({**a, "backend": "torch"}) == 40.0
     guess.record({"backend": "torch", "workload": "sine"}, 8.0)  # twice its guess
     assert guess.estimate({**a, "backend": "torch"}) == 80.0 and guess.estimate(a) == 40.0
+    # a guess per backend; a backend it does not name gets the largest
+    apart = plan.Budget(100, clock=lambda: 0.0, prior={"xception": {"jax": 34, "torch": 15}})
+    assert [apart.estimate({**a, "backend": b}) for b in ("jax", "torch", "tensorflow")] \
+        == [34, 15, 34]
+    apart.record({"backend": "torch", "workload": "xception"}, 30.0)  # twice its guess
+    assert apart.estimate({"backend": "torch", "workload": "xception"}) == 30.0
 
 
 def test_projection_by_hand():
