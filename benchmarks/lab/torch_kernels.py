@@ -10,9 +10,10 @@ bidirectional GRU; ``--quick``: tiny stand-ins on a CPU), in one process:
 
 keras-torch   kmgpu's split step (``graphs.SplitStep``: stage A forward+loss+gradients into
               the flat buffers, stage B ``optimizer.apply`` + loss tracker), run EAGERLY under
-              ``torch.profiler`` inside kmgpu's ``device_scalars``/``device_random`` blocks:
-              the same kernels that the captured step records into its CUDA graphs (the
-              graphs add only the copies of the batch into the static inputs). Each kernel
+              ``torch.profiler`` inside ``graphs.step_context`` (device scalars and random
+              draws, the fused BatchNorm and the fast ops on CUDA): the same kernels that the
+              captured step records into its CUDA graphs (the graphs add only the copies of
+              the batch into the static inputs). Each kernel
               is put in one category: ``optimizer`` (launched inside ``optimizer.apply``),
               ``batchnorm`` (inside a ``BatchNormalization.call``, or the backward of an op
               made there: autograd's sequence numbers), else by its launching op / kernel
@@ -323,7 +324,6 @@ def keras_torch(name, quick, steps, gpu, tf32=None):
 def _keras_torch(name, quick, steps, gpu, tf32):
     import torch
 
-    from kmgpu.engines.torch import capture_fixes
     from kmgpu.engines.torch.capture import graphs
 
     labelled()
@@ -336,8 +336,8 @@ def _keras_torch(name, quick, steps, gpu, tf32):
     label_optimizer(model.optimizer)
     split = graphs.SplitStep(model)
 
-    def eager():
-        with capture_fixes.device_scalars(), capture_fixes.device_random():
+    def eager():  # within what the captured step runs in: its fused and fast kernels
+        with graphs.step_context(model, dev, tf32):
             split.layout()
             return split.step(x, y, None, n, n)
 
