@@ -51,7 +51,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "lab"))
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import torch_kernels as tk  # noqa: E402 (the models, batches, categories)
+import torch_kernels as tk  # noqa: E402 (the models and batches)
+import torch_profile as tp  # noqa: E402 (the categories, profiling and timing)
 
 SWITCHES = ("KMGPU_TORCH_FAST_LOSS", "KMGPU_TORCH_FAST_DENSE", "KMGPU_TORCH_FAST_CONV",
             "KMGPU_TORCH_FAST_RNN")
@@ -76,12 +77,12 @@ def profile(fn, steps, gpu, top):
     """(per category {name: [kernels, ms]} per step, top kernels [(name, n, ms)] per step)."""
     import torch
 
-    table = {c: [0, 0.0] for c in tk.CATEGORIES}
+    table = {c: [0, 0.0] for c in tp.CATEGORIES}
     names = collections.defaultdict(lambda: [0, 0.0])
-    for e in tk.recorded(fn, steps, gpu):
+    for e in tp.recorded(fn, steps, gpu):
         if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
             continue
-        chain = tk._chain(e)
+        chain = tp._chain(e)
         if gpu:
             kernels = [(k.name, k.duration) for k in e.kernels]
         elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
@@ -89,7 +90,7 @@ def profile(fn, steps, gpu, top):
         else:
             kernels = []
         for name, us in kernels:
-            c = tk.categorise(name, chain, False)
+            c = tp.categorise(name, chain, False)
             table[c][0] += 1
             table[c][1] += us
             key = f"{c}: {chain[0] if chain else '?'} -> {name[:70]}"
@@ -125,7 +126,7 @@ def run_model(name, quick, steps, top, parity_steps=0, parity_only=False, order=
         for _ in range(graphs.WARMUP_STEPS + 2):
             step.train_step((x, y))
         r = {"variant": variant, "captured": bool(step.graphs) and step.reason is None,
-             "ms": tk.blocks(lambda: step.train_step((x, y)), steps, gpu)}
+             "ms": tp.blocks(lambda: step.train_step((x, y)), steps, gpu)}
         runs.append(r)
         log(name, json.dumps(r))
         step.close()
@@ -283,14 +284,14 @@ def markdown(results, gpu):
                 + f" | {r['batch'] / statistics.median(ms) * 1e3:,.0f} "
                 f"({min(rate):,.0f}-{max(rate):,.0f}) |")
     lines += ["", f"Eager split step, {unit} kernels / ms per step by category:", "",
-              "| model | variant | total | " + " | ".join(tk.CATEGORIES) + " |",
-              "|---" * (len(tk.CATEGORIES) + 3) + "|"]
+              "| model | variant | total | " + " | ".join(tp.CATEGORIES) + " |",
+              "|---" * (len(tp.CATEGORIES) + 3) + "|"]
     for r in results.values():
         for variant, (per, _) in r["profiles"].items():
             total = (sum(v[0] for v in per.values()), sum(v[1] for v in per.values()))
             lines.append(f"| {r['desc']} | {variant} | {total[0]:.0f} / {total[1]:.2f} | "
                          + " | ".join(f"{per[c][0]:.0f} / {per[c][1]:.2f}"
-                                      for c in tk.CATEGORIES) + " |")
+                                      for c in tp.CATEGORIES) + " |")
     for r in results.values():
         if "parity" in r:
             p = r["parity"]
