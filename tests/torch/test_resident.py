@@ -94,3 +94,48 @@ def test_a_failed_copy_raises_in_the_caller(monkeypatch):
                                            "out of host memory"):
         source.take(slice(15, 25))
     np.testing.assert_array_equal(source.take(slice(0, 20))[0].numpy(), x[:20])
+
+
+def test_a_host_batch_moves_to_the_step_device():
+    """A DataLoader's batch (CPU tensors) goes to the step's device before the step (the
+    "meta" device stands in for a GPU here); arrays, None and tensors already there stay."""
+    on_meta = torch.zeros(2, device="meta")
+    x = {"ids": torch.ones(4, 3, dtype=torch.int32), "mask": np.ones((4, 3), bool)}
+    moved = resident.batch_on((x, torch.zeros(4), None), "meta")
+    assert moved[0]["ids"].device.type == "meta" and moved[0]["ids"].dtype == torch.int32
+    assert moved[0]["mask"] is x["mask"] and moved[2] is None
+    assert moved[1].device.type == "meta"
+    assert resident.batch_on((on_meta, None, None), "meta")[0] is on_meta
+
+
+def test_every_captured_step_takes_its_batch_through_batch_on(monkeypatch):
+    """A fit on a torch DataLoader through kmgpu's split step on one device
+    (compile(jit_compile=True) on a CPU): each train step's batch passes ``batch_on`` with
+    the model's device, and the fit equals Keras's own on the same DataLoader."""
+    import keras
+
+    import kmgpu
+
+    calls = []
+    batch_on = resident.batch_on
+    monkeypatch.setattr(resident, "batch_on",
+                        lambda batch, device: (calls.append(str(device)),
+                                               batch_on(batch, device))[1])
+    x, y, _ = _arrays(80)  # 10 steps an epoch: no few-steps warning
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y[:, None]
+                                                                              .astype("float32"))),
+        batch_size=8)
+    models = []
+    for jit in (False, True):  # Keras's eager step; kmgpu's split step
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", jit_compile=jit)
+        models.append(model)
+    models[0].fit(loader, epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match="single replica"):
+        parallel = kmgpu.parallelize(models[1], gpus=1)
+    parallel.fit(loader, epochs=2, verbose=0)
+    assert calls == ["cpu"] * 20
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -32,7 +32,9 @@ captured or not. A replay re-runs the recorded device work only: Python side eff
 they were recorded with: when the weights move into new flat buffers or the train step
 remakes its gradient buffers (either moves ``flat_layout.generation``), every graph is
 dropped, to be recorded anew. The graphs and their memory (``graph_bytes``) live as long as the
-step object (on one device, the ParallelModel: ``close()`` frees them). While a step runs
+step object (on one device, the ParallelModel: ``close()`` frees them). A batch that comes
+on the host (a DataLoader's) is copied to the device before the step
+(``resident.batch_on``). While a step runs
 (``step_context``), Keras's ``convert_to_tensor`` makes python scalars on the device
 (``capture_fixes.device_scalars``: capture refuses Keras's blocking scalar copies) and
 Keras's random functions draw from the seed generators' device state
@@ -50,6 +52,7 @@ from kmgpu import environment
 from kmgpu.engines import global_losses
 from kmgpu.engines.torch import capture_fixes, cond_fixes, fast_fixes, precision, step_fixes
 from kmgpu.engines.torch.capture import cuda_graphs
+from kmgpu.engines.torch.data import resident
 from kmgpu.engines.torch.optim import flat_layout
 from kmgpu.engines.torch.steps import split_step
 from kmgpu.engines.torch.steps.split_step import SplitStep
@@ -223,7 +226,7 @@ class CapturedSteps:
 
     def step(self, kind, data):
         """One step of ``kind`` on Keras's ``data``: replayed, captured or eager."""
-        batch = keras.utils.unpack_x_y_sample_weight(data)
+        batch = resident.batch_on(keras.utils.unpack_x_y_sample_weight(data), self.device)
         with step_context(self.model, self.device, self.tf32):
             self._drop_stale()
             rows = self._rows(kind, batch[0])

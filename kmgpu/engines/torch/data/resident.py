@@ -182,3 +182,23 @@ def device_eval_feed(method, kwargs, device):
     out = {k: v for k, v in kwargs.items() if k not in ("y", "sample_weight", "batch_size")}
     out["x"] = RankSlices(source, kwargs.get("batch_size") or 32, 0, 1)
     return out
+
+
+def batch_on(batch, device):
+    """``batch`` (Keras's (x, y, sample_weight), any nesting) with its torch tensors on
+    ``device``. A DataLoader yields its batches on the CPU: torch's own, and the one Keras
+    makes for a grain dataset (keras-hub's ``fit`` makes one where TensorFlow is not
+    installed). Keras's layers would copy them to the GPU inside the step, a copy from
+    pageable host memory that CUDA graph capture refuses: every step of such a fit ran
+    eagerly. Copied before the step instead, the steps replay. Anything else is left as
+    it is (arrays, None, tensors already there)."""
+    import torch
+
+    device = torch.device(device)
+
+    def move(t):
+        if torch.is_tensor(t) and t.device != device:
+            return t.to(device, non_blocking=True)
+        return t
+
+    return keras.tree.map_structure(move, batch)
