@@ -15,12 +15,13 @@ reversed every other round. A run fits 3 epochs of S steps in one call: the firs
 or captures, its samples/s is the median of the other two; then one more call of one epoch,
 whose samples/s (the "one call" column) includes what a `fit` call costs around its steps.
 The variants are plain Keras on torch and kmgpu on torch (``parallelize(model, gpus=1)``),
-each with and without ``backbone.enable_lora(rank=8)``, and plain Keras on JAX without
-LoRA. A kmgpu run whose train step is not captured, or whose capture or replay failed,
-prints a kmgpu line that says it runs eagerly (``FALLBACK``), shown with the run's figures;
-the table's last column says whether it did. Runs that would pass ``--budget`` seconds are
-left out, and the table says which. keras-hub's ``fit`` turns the arrays into a grain or
-tf.data dataset, so grain or TensorFlow must be installed.
+each with and without ``backbone.enable_lora(rank=8)``, and plain Keras on JAX without LoRA.
+A kmgpu run whose train step is not captured, or whose capture or replay failed, prints a
+kmgpu line that says it runs eagerly (``FALLBACK``), shown with the run's figures; the
+table's last column gives, per run, how many of its timed steps (after the first epoch)
+replayed a captured graph, and whether such a line came. Runs that would pass ``--budget``
+seconds are left out, and the table says which. keras-hub's ``fit`` turns the arrays into a
+grain or tf.data dataset, so grain or TensorFlow must be installed.
 """
 
 import argparse
@@ -73,6 +74,8 @@ def child(args):
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
     y, w = ids[:, 1:], mask[:, 1:].astype("float32")
     fitter = kmgpu.parallelize(model, gpus=1) if args.variant == "kmgpu" else model
+    fates = (count_replays() if args.variant == "kmgpu" and keras.backend.backend() == "torch"
+             else None)
 
     class EpochTimes(keras.callbacks.Callback):
         """Wall seconds of each epoch (the epoch's end waits for the device)."""
@@ -96,9 +99,32 @@ def child(args):
         "params": int(model.count_params()),
         "trainable": int(sum(np.prod(v.shape) for v in model.trainable_weights)),
         "samples_per_s": rows / statistics.median(epochs.seconds[1:]),
-        "call_samples_per_s": rows / call, "first_epoch_s": first}), flush=True)
+        "call_samples_per_s": rows / call, "first_epoch_s": first,
+        # the timed steps (after the first epoch) that replayed a captured graph
+        "replayed": None if fates is None else [sum(fates[args.steps:]),
+                                                len(fates[args.steps:])]}), flush=True)
     if args.profile:  # after the timed calls' line: what it prints is not theirs
         profile(fitter, (x, y, w), batch, args)
+
+
+def count_replays():
+    """kmgpu on torch: a list that gets, for every train step, whether it replayed a
+    captured graph (its batch signature was captured before it and still is after)."""
+    from kmgpu.engines.torch.capture import graphs
+
+    fates = []
+    step = graphs.CapturedSteps.step
+
+    def counted(self, kind, data):
+        before = set(self.graphs)
+        out = step(self, kind, data)
+        if kind == "train":
+            key = self.last.get(kind)
+            fates.append(key in before and key in self.graphs)
+        return out
+
+    graphs.CapturedSteps.step = counted
+    return fates
 
 
 def profile(fitter, data, batch, args):
@@ -187,7 +213,7 @@ def main(argv=None):
     jax_plain = statistics.median(g["samples_per_s"] for g in results.get(VARIANTS[2], [])
                                   ) if results.get(VARIANTS[2]) else None
     print("\n| backend | fit | LoRA | parameters (trainable) | samples/s (runs) | median "
-          "| / Keras-JAX | one call samples/s | first epoch s | kmgpu's step captured |")
+          "| / Keras-JAX | one call samples/s | first epoch s | kmgpu's timed steps replayed |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for key in VARIANTS:
         got = results.get(key)
@@ -196,8 +222,9 @@ def main(argv=None):
         rates = [g["samples_per_s"] for g in got]
         median = statistics.median(rates)
         ratio = f"{median / jax_plain:.2f}x" if jax_plain else "-"
-        captured = "-" if key[1] == "plain" else \
-            ("no (fallback line)" if any(g["fallback"] for g in got) else "yes")
+        captured = "-" if key[1] == "plain" else ", ".join(
+            (f"{g['replayed'][0]} of {g['replayed'][1]}" if g.get("replayed") else "?")
+            + (" (fallback line)" if g["fallback"] else "") for g in got)
         print(f"| {key[0]} | {key[1]} | {'yes' if key[2] else 'no'} | "
               f"{got[0]['params'] / 1e6:.1f} M ({got[0]['trainable'] / 1e6:.1f} M) | "
               f"{', '.join(f'{v:,.1f}' for v in rates)} | {median:,.1f} | {ratio} | "
