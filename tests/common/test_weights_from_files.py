@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kmgpu
-from tests.helpers import rel_diff
+from tests.helpers import assert_trained_alike, rel_diff
 
 TOL = 1e-5
 ROWS, BATCH = 84, 8  # 11 steps, the last of 4 rows
@@ -97,14 +97,7 @@ def test_a_keras_hub_preset_trains_as_on_one_device(tmp_path):
     history = parallel.fit(x, y, **fit).history
     assert parallel.num_replicas == 4
     assert rel_diff(before, model.get_weights()) > 1e-3, "the model did not train"
-    # an attention's key bias: zero gradient in exact arithmetic, so Adam turns another
-    # summation order's rounding into steps (tests/common/test_keras_hub.py says more)
-    key_bias = [v.path.endswith("key/bias") for v in model.weights]
-    ours, theirs = model.get_weights(), reference.get_weights()
-    assert rel_diff([a for a, k in zip(theirs, key_bias) if not k],
-                    [b for b, k in zip(ours, key_bias) if not k]) <= TOL
-    assert rel_diff([a for a, k in zip(theirs, key_bias) if k],
-                    [b for b, k in zip(ours, key_bias) if k]) <= 1e-3
+    assert_trained_alike(reference, model, TOL)  # its attention key biases to 1e-3
     assert history.keys() == expected.keys()
     for key, values in expected.items():
         np.testing.assert_allclose(history[key], values, rtol=TOL, atol=1e-6, err_msg=key)
