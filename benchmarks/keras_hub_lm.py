@@ -48,33 +48,44 @@ def config(quick):
                 num_key_value_heads=8, hidden_dim=1024, intermediate_dim=2816), 256, 8
 
 
-def child(args):
-    """One run: build, fit one epoch (compile / capture), fit one more timed; print JSON."""
+def lm(quick, lora, steps):
+    """The compiled model (seeded, in its precision policy), its data of ``steps`` batches
+    and the batch size: (model, (x, y, sample_weight), batch)."""
     import numpy as np
 
     import keras
     import keras_hub
 
-    import kmgpu
-
-    keras.mixed_precision.set_global_policy("float32" if args.quick
-                                            else "mixed_bfloat16")
+    keras.mixed_precision.set_global_policy("float32" if quick else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
-    cfg, length, batch = config(args.quick)
+    cfg, length, batch = config(quick)
     backbone = keras_hub.models.LlamaBackbone(**cfg)
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    if args.lora:
+    if lora:
         model.backbone.enable_lora(rank=8)
     model.compile(optimizer=keras.optimizers.AdamW(1e-4), weighted_metrics=["accuracy"])
-    rows = batch * args.steps
     rng = np.random.default_rng(0)
-    ids = rng.integers(1, cfg["vocabulary_size"], size=(rows, length + 1)).astype("int32")
+    ids = rng.integers(1, cfg["vocabulary_size"], size=(batch * steps, length + 1)
+                       ).astype("int32")
     mask = np.ones_like(ids, dtype=bool)
     mask[::4, -length // 4:] = False
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
-    y, w = ids[:, 1:], mask[:, 1:].astype("float32")
+    return model, (x, ids[:, 1:], mask[:, 1:].astype("float32")), batch
+
+
+def child(args):
+    """One run: build, fit 3 epochs (the first compiles or captures), then one more call
+    of one epoch; print JSON."""
+    import numpy as np
+
+    import keras
+
+    import kmgpu
+
+    model, (x, y, w), batch = lm(args.quick, args.lora, args.steps)
+    rows = batch * args.steps
     fitter = kmgpu.parallelize(model, gpus=1) if args.variant == "kmgpu" else model
-    fates = (count_replays() if args.variant == "kmgpu" and keras.backend.backend() == "torch"
+    fates = (step_fates() if args.variant == "kmgpu" and keras.backend.backend() == "torch"
              else None)
 
     class EpochTimes(keras.callbacks.Callback):
@@ -88,42 +99,45 @@ def child(args):
             self.seconds.append(time.perf_counter() - self.began)
 
     epochs = EpochTimes()
-    start = time.perf_counter()
     fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=3, shuffle=False, verbose=0,
                callbacks=[epochs])
     first = epochs.seconds[0]
     start = time.perf_counter()
     fitter.fit(x, y, sample_weight=w, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     call = time.perf_counter() - start
+    timed = [f == "replayed" for k, f, _ in fates or () if k == "train"][args.steps:]
     print("LMRUN " + json.dumps({
         "params": int(model.count_params()),
         "trainable": int(sum(np.prod(v.shape) for v in model.trainable_weights)),
         "samples_per_s": rows / statistics.median(epochs.seconds[1:]),
         "call_samples_per_s": rows / call, "first_epoch_s": first,
         # the timed steps (after the first epoch) that replayed a captured graph
-        "replayed": None if fates is None else [sum(fates[args.steps:]),
-                                                len(fates[args.steps:])]}), flush=True)
+        "replayed": None if fates is None else [sum(timed), len(timed)]}), flush=True)
     if args.profile:  # after the timed calls' line: what it prints is not theirs
         profile(fitter, (x, y, w), batch, args)
 
 
-def count_replays():
-    """kmgpu on torch: a list that gets, for every train step, whether it replayed a
-    captured graph (its batch signature was captured before it and still is after)."""
+def step_fates():
+    """kmgpu on torch: a list that gets, for every step kmgpu's captured steps run,
+    (kind, fate, graphs dropped): fate "replayed" (its batch signature was captured before
+    it and still is after), "captured", or "eager" with kmgpu's reason where that kind of
+    step was refused; graphs dropped: a flat buffer was made since the step before."""
     from kmgpu.engines.torch.capture import graphs
 
     fates = []
     step = graphs.CapturedSteps.step
 
-    def counted(self, kind, data):
-        before = set(self.graphs)
+    def recorded(self, kind, data):
+        before, generation = set(self.graphs), self._generation
         out = step(self, kind, data)
-        if kind == "train":
-            key = self.last.get(kind)
-            fates.append(key in before and key in self.graphs)
+        key = self.last.get(kind)
+        fate = ("replayed" if key in before and key in self.graphs else
+                "captured" if key in self.graphs else
+                f"eager ({self.refused[kind]})" if kind in self.refused else "eager")
+        fates.append((kind, fate, generation != self._generation))
         return out
 
-    graphs.CapturedSteps.step = counted
+    graphs.CapturedSteps.step = recorded
     return fates
 
 

@@ -27,27 +27,13 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 
-def counting():
-    """Wrap ``CapturedSteps.step`` to count each step's fate; returns the counter."""
-    from kmgpu.engines.torch.capture import graphs
-
-    counts = collections.Counter()
-    step = graphs.CapturedSteps.step
-
-    def counted(self, kind, data):
-        before, generation = set(self.graphs), self._generation
-        out = step(self, kind, data)
-        key = self.last.get(kind)
-        fate = ("replayed" if key in before and key in self.graphs else
-                "captured" if key in self.graphs else
-                f"eager ({self.refused[kind]})" if kind in self.refused else "eager")
-        counts[(kind, fate)] += 1
-        if generation != self._generation:
-            counts[(kind, "graphs dropped: a flat buffer was made")] += 1
-        return out
-
-    graphs.CapturedSteps.step = counted
-    return counts
+def counted(fates):
+    """``keras_hub_lm.step_fates``'s list as "kind fate: count, ...", with the steps after
+    which the graphs were dropped."""
+    counts = collections.Counter((kind, fate) for kind, fate, _ in fates)
+    counts.update((kind, "graphs dropped: a flat buffer was made")
+                  for kind, _, dropped in fates if dropped)
+    return ", ".join(f"{k[0]} {k[1]}: {n}" for k, n in sorted(counts.items()))
 
 
 def main():
@@ -56,47 +42,27 @@ def main():
     p.add_argument("--lora", action="store_true")
     p.add_argument("--steps", type=int, default=12)
     a = p.parse_args()
-    import numpy as np
-
-    import keras
-    import keras_hub
-
     import kmgpu
-    from keras_hub_lm import config
+    from keras_hub_lm import lm, step_fates
 
-    counts = counting()
-    keras.mixed_precision.set_global_policy("float32" if a.quick else "mixed_bfloat16")
-    keras.utils.set_random_seed(0)
-    cfg, length, batch = config(a.quick)
-    model = keras_hub.models.LlamaCausalLM(backbone=keras_hub.models.LlamaBackbone(**cfg),
-                                           preprocessor=None)
-    if a.lora:
-        model.backbone.enable_lora(rank=8)
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4), weighted_metrics=["accuracy"])
-    rows = batch * a.steps
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, cfg["vocabulary_size"], size=(rows, length + 1)).astype("int32")
-    mask = np.ones_like(ids, dtype=bool)
-    mask[::4, -length // 4:] = False
-    x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
-    y, w = ids[:, 1:], mask[:, 1:].astype("float32")
+    fates = step_fates()
+    model, (x, y, w), batch = lm(a.quick, a.lora, a.steps)
     parallel = kmgpu.parallelize(model, gpus=1)
     fit = dict(sample_weight=w, batch_size=batch, shuffle=False, verbose=0)
     for epochs in (2, 1):
-        counts.clear()
+        fates.clear()
         t = time.perf_counter()
         parallel.fit(x, y, epochs=epochs, **fit)
         print(f"fit(epochs={epochs}): {time.perf_counter() - t:.2f} s; steps: "
-              + ", ".join(f"{k[0]} {k[1]}: {n}" for k, n in sorted(counts.items())),
-              flush=True)
-    counts.clear()
+              + counted(fates), flush=True)
+    fates.clear()
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.enable()
     parallel.fit(x, y, epochs=1, **fit)
     prof.disable()
     print(f"profiled fit(epochs=1): {time.perf_counter() - t:.2f} s; steps: "
-          + ", ".join(f"{k[0]} {k[1]}: {n}" for k, n in sorted(counts.items())), flush=True)
+          + counted(fates), flush=True)
     for key in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
