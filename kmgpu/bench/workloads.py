@@ -149,8 +149,7 @@ def prior_seconds(quick, gpu):
     """{workload: a run's guessed seconds} for ``plan.Budget`` (empty: no guess)."""
     if quick:
         return {name: QUICK_SECONDS for name in NAMES}
-    return {k: dict(v) if isinstance(v, dict) else v
-            for k, v in GPU_SECONDS.items()} if gpu else {}
+    return dict(GPU_SECONDS) if gpu else {}
 
 
 def _image(name, quick, batch, epochs, steps, image, classes, builder, args, description):

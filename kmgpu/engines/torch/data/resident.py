@@ -189,9 +189,9 @@ def batch_on(batch, device):
     ``device``. A DataLoader yields its batches on the CPU: torch's own, and the one Keras
     makes for a grain dataset (keras-hub's ``fit`` makes one where TensorFlow is not
     installed). Keras's layers would copy them to the GPU inside the step, a copy from
-    pageable host memory that CUDA graph capture refuses: every step of such a fit ran
-    eagerly. Copied before the step instead, the steps replay. Anything else is left as
-    it is (arrays, None, tensors already there)."""
+    pageable host memory that CUDA graph capture refuses, so such a fit would run every
+    step eagerly; copied before the step, its steps can be captured. Anything else is
+    left as it is (arrays, None, tensors already there)."""
     import torch
 
     device = torch.device(device)
