@@ -53,10 +53,10 @@ BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
 # (the first pays the process's start and the compile; on JAX the later ones load the
 # compiled program), warm-up, epochs, evaluate and predict included, before any run of
 # the workload has been timed: the time budget's first guess (plan.Budget scales it by
-# the backend's finished runs). Per backend where they differ most: Xception compiles for
-# over 30 s on JAX and runs in about 13 s a run on torch (the runs' walls in
-# benchmarks/results/nvidia-h100-80gb-hbm3-x1.log); one guess for both skipped torch's
-# rows there with time enough left to run them.
+# the backend's finished runs). Per backend where they differ most: JAX compiles Xception
+# for much longer than torch takes to run it (the runs' walls in
+# benchmarks/results/nvidia-h100-80gb-hbm3-x1.log), and one guess for both skipped torch's
+# rows with time enough left to run them.
 GPU_SECONDS = {"sine": 10, "lstm": 10, "cnn32": 12, "transformer": 15,
                "resnet50_small": 14, "resnet50": 20, "xception": {"jax": 34, "torch": 15}}
 QUICK_SECONDS = 4  # one --quick run on a 2-core CPU
