@@ -137,3 +137,22 @@ def test_a_freed_slot_gives_its_memory_back_and_reads_empty():
         assert os.stat(state.path).st_blocks * 512 < 64 << 10  # a few partial pages
     finally:
         transport.remove(state.path.rsplit("/", 1)[0])
+
+
+def test_sharded_weights_write_no_snapshot_at_a_plain_epoch_end():
+    """Under shard="weights" a snapshot is a whole copy of the state in host memory, so an
+    epoch end writes one only when the driver's callbacks read the weights; the end of
+    training and a stopped fit always write one. Unsharded, the first epoch end writes
+    one (an interrupted fit keeps a recent epoch's state)."""
+    from kmgpu.engines.torch.launch.snapshots import Snapshots
+
+    def decide(pieces, every_epoch, epoch):
+        snap = Snapshots(None, None, every_epoch, lambda *a, **k: None, pieces)
+        return snap._decide(None, epoch, now=0.0)
+
+    pieces = (object(), 0, "cpu")  # (zero.Shards, rank, device): only its presence counts
+    assert decide(pieces, False, 0) == Snapshots.SKIP
+    assert decide(pieces, True, 0) == Snapshots.WRITE
+    assert decide(pieces, False, -1) == Snapshots.WRITE  # end of training
+    assert decide(pieces, False, -2) == Snapshots.WRITE  # stopped early
+    assert decide(None, False, 0) == Snapshots.WRITE

@@ -23,7 +23,8 @@ Where a pool call's state lives (weights, optimizer state, learning rate):
 - the snapshot slots: the state at an epoch end, at the end of training and where a
   fit stopped. Gathered whole into rank 0 first (``zero.Shards.materialize``) except
   under shard="weights", where every rank writes its own pieces and no process but
-  the driver ever holds the state whole. The older snapshot is given back once a
+  the driver ever holds the state whole; there, an epoch end writes one only when the
+  driver's callbacks read the weights. The older snapshot is given back once a
   newer one is complete (at most two, for the moment one is written), every slot
   once the driver has loaded the call's state.
 """
@@ -65,7 +66,11 @@ class Snapshots:
     Always at the end of training and when the driver's callbacks will look at
     the weights after this epoch; otherwise at an epoch end only once the time
     since the last snapshot is 20x what one costs (so at most ~5% of the time),
-    which still leaves an interrupted fit the state of a recent epoch end. The end
+    which still leaves an interrupted fit the state of a recent epoch end. Never
+    otherwise under shard="weights" (``pieces``): a snapshot there is a whole copy of the
+    state in host memory (12 bytes per parameter with Adam, counted twice while the
+    ranks map it), the copy that sharding exists to avoid; a fit whose worker dies
+    leaves your model the state it had when the call started. The end
     of training writes nothing when the state is still the last epoch end's (a
     one-epoch fit: one copy of the state per call, not two): that snapshot is
     relabelled.
@@ -117,8 +122,9 @@ class Snapshots:
 
     def _decide(self, model, epoch, now):
         """Rank 0: skip, relabel the newest snapshot (done here) or write one."""
-        if (epoch >= 0 and not self.every_epoch and self.last is not None
-                and now - self.last < 20 * self.cost):
+        if epoch >= 0 and not self.every_epoch and (
+                self.pieces is not None
+                or (self.last is not None and now - self.last < 20 * self.cost)):
             return self.SKIP
         if epoch < 0 and self._relabel(model, epoch):
             return self.RELABELLED
