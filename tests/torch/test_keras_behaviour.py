@@ -421,3 +421,31 @@ def test_weights_and_optimizer_slots_are_made_through_initialize_with_initialize
     kernel.assign(np.ones((3, 4), "float32"))
     np.testing.assert_array_equal(kernel.numpy(), np.ones((3, 4)))
     assert keras.layers.Dense(2).add_weight(shape=(2,)).value.untyped_storage().nbytes() == 8
+
+
+@relies_on(("keras.src.backend.torch.core", "Variable.value"),
+           ("keras.src.backend.torch.core", "Variable._direct_assign"))
+def test_a_variable_is_read_through_value_and_assigned_through_direct_assign():
+    """kmgpu's held optimizer slots (optim.held) fetch on the first read of ``value`` and
+    let go on ``_direct_assign``: numpy(), np.asarray, an op and Keras's optimizer update
+    read through the property, and assign goes through the method."""
+    from kmgpu.engines.torch.optim import held
+
+    v = keras.Variable(np.ones((2, 2), "float32"))
+    fetched = []
+
+    def fetch():
+        fetched.append(1)
+        held.let_go(v)
+        v.assign(np.full((2, 2), 3.0, "float32"))
+
+    for read in (lambda: v.numpy(), lambda: np.asarray(v), lambda: keras.ops.add(v, 1.0),
+                 lambda: keras.optimizers.SGD(1.0).apply([keras.ops.ones((2, 2))], [v])):
+        held.hold([v], fetch)
+        assert held.raw(v) is v._value and len(fetched) == 0
+        read()
+        assert fetched == [1] and not held.held(v)
+        fetched.clear()
+    held.hold([v], fetch)
+    v.assign(np.zeros((2, 2), "float32"))
+    assert not fetched and not held.held(v) and float(v.numpy().sum()) == 0.0

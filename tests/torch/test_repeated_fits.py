@@ -156,3 +156,72 @@ def test_sharded_weights_write_no_snapshot_at_a_plain_epoch_end():
     assert decide(pieces, False, -1) == Snapshots.WRITE  # end of training
     assert decide(pieces, False, -2) == Snapshots.WRITE  # stopped early
     assert decide(None, False, 0) == Snapshots.WRITE
+
+
+def _held(model):
+    from kmgpu.engines.torch.optim import held
+
+    return [held.held(v) for v in model.optimizer.variables]
+
+
+def test_sharded_weights_keep_the_optimizer_slots_in_the_ranks_until_read(tmp_path):
+    """shard="weights": after a fit your model holds the trained weights, and its
+    optimizer's slots stay in the ranks (no copy in a snapshot, none in your model) until
+    read. Each way of reading brings them back exactly as plain Keras's: a read of one
+    variable (every slot comes), a later kmgpu fit that sends nothing, ``model.save``, a
+    plain Keras ``fit`` on your model, closing the pool. A callback that may read the
+    state gets them at its epoch end. Where the workers are gone, the slots keep what they
+    had, with a warning."""
+    import warnings
+
+    import keras
+
+    x, y = data("mlp", 32)
+    ref, model = mlp(), mlp()
+    for m in (ref, model):
+        m.compile(optimizer="adam", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallel = kmgpu.parallelize(model, gpus=4, shard="weights")
+        _fit(ref, parallel, x, y)
+    slots = _held(model)
+    assert sum(slots) == 8 and not slots[0] and not slots[1]  # 2 moments of 4 weights
+    assert rel_diff(ref.get_weights(), model.get_weights()) <= TOL
+    assert rel_diff(_state(ref), _state(model)) <= TOL  # the first read brings every slot
+    assert not any(_held(model))
+
+    _fit(ref, parallel, x, y)  # the ranks still hold them: nothing sent, held again
+    assert parallel._engine.copied_in == 0 and sum(_held(model)) == 8
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert rel_diff(_state(ref), _state(loaded)) <= TOL
+
+    _fit(ref, parallel, x, y)
+    assert sum(_held(model)) == 8
+    for m in (ref, model):  # plain Keras on your model reads them itself
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert rel_diff(_state(ref), _state(model)) <= TOL
+
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "c.keras"))
+    ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    parallel.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
+    assert not any(_held(model))
+    assert rel_diff(_state(ref), _state(keras.saving.load_model(tmp_path / "c.keras"))) <= TOL
+
+    _fit(ref, parallel, x, y)
+    assert sum(_held(model)) == 8
+    parallel.close()  # the workers go: the slots come first
+    assert not any(_held(model)) and rel_diff(_state(ref), _state(model)) <= TOL
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallel = kmgpu.parallelize(model, gpus=4, shard="weights")
+        _fit(ref, parallel, x, y)
+    before = [v.numpy() for v in model.optimizer.variables]  # fetched: the ranks' slots
+    _fit(ref, parallel, x, y)
+    parallel._engine.launcher.pool.kill()  # a worker pool that died between calls
+    with pytest.warns(RuntimeWarning, match="could not be read back"):
+        after = [v.numpy() for v in model.optimizer.variables]
+    assert not any(_held(model))
+    assert all(np.array_equal(a, b) for a, b in list(zip(before, after))[2:])
+    parallel.close()

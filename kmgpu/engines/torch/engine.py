@@ -24,7 +24,7 @@ from kmgpu.engines.torch.data import feeds, inputs, resident, shuffle
 from kmgpu.engines.torch.fast import layers as fast_layers
 from kmgpu.engines.torch.launch import launchers, relay, timing
 from kmgpu.engines.torch.launch.messages import Aborted, Call
-from kmgpu.engines.torch.optim import sizes, zero
+from kmgpu.engines.torch.optim import held, sizes, zero
 
 
 class TorchEngine(Engine):
@@ -86,6 +86,7 @@ class TorchEngine(Engine):
                              config),
                         kwargs=kwargs, rng=shuffle.state(), lr_scale=lr_scale,
                         hooks=tuple(sorted(driver.hooks)), epoch_weights=driver.needs_weights,
+                        slots_back=driver.reads_state,
                         rnn_states=replicas.states_of(template), reset_states=resets)
             try:
                 answers = launcher.launch(call, template, driver, clock)
@@ -196,7 +197,7 @@ def to_host(template):
                                           and opt.built else [])
     with torch.no_grad():
         for v in variables:
-            value = v.value
+            value = held.raw(v)  # a slot the ranks keep stays there (``optim.held``)
             if torch.is_tensor(value) and value.device.type != "cpu":
                 value.data = value.data.cpu()
 

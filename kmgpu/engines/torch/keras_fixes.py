@@ -90,6 +90,13 @@ PATCHES = [
      "trainable weight or optimizer slot gets a tensor whose memory is freed, its "
      "initializer not run; Keras makes every variable that has an initializer (add_weight, "
      "the optimizer's slots) here, computing the value and handing it to _initialize"),
+    ("keras.src.backend.torch.core", "Variable.value", "kmgpu.engines.torch.optim.held",
+     "shard='weights' in a worker pool: after a fit your optimizer's slot variables stay in "
+     "the ranks, their class swapped for a subclass whose value property fetches them "
+     "first; Keras reads a variable through this property (ops, numpy(), np.asarray, "
+     "saving, its own torch trainer)"),
+    ("keras.src.backend.torch.core", "Variable._direct_assign", "kmgpu.engines.torch.optim.held",
+     "the same subclass: every assign goes through it, and lets a held variable go unread"),
     # -- the captured step (capture_fixes) ------------------------------------------------
     ("keras.src.trainers.trainer", "Trainer.jit_compile", "capture_fixes.wants_captured_step",
      "read on a compiled model (graphs.choose_step): True asks kmgpu's torch engines for the "
@@ -205,6 +212,9 @@ PATCHES = [
 
 #: (module, attribute, what for): private Keras attributes read, or set as Keras does
 READS = [
+    ("keras.src.backend.common.variables", "Variable._value",
+     "optim.held: a held slot's tensor, for bookkeeping that must not fetch it (which "
+     "tensor it is, its version, its device)"),
     ("keras.src.trainers.trainer", "Trainer._initial_epoch",
      "relay: the epoch Keras's fit resumes from (BackupAndRestore sets it), read from the "
      "template and set on it as Keras's fit does"),

@@ -23,6 +23,7 @@ import numpy as np
 from kmgpu.engines import replication, user_objects
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch.messages import ModelSpec, StateLayout
+from kmgpu.engines.torch.optim import held
 
 
 def replica_key(template, sync_batchnorm, lr_scale):
@@ -264,7 +265,7 @@ def _file_dtype(array, dtype):
     return array
 
 
-def _copy_in(variable, array):
+def copy_in(variable, array):
     """``variable.assign(array)`` without Keras's extra copy of the array (``copy_``
     from a tensor sharing the array's memory, as Keras's torch assign does)."""
     import torch
@@ -286,25 +287,38 @@ def load_arrays(model, arrays, layout):
 
     The optimizer is built first when it is not yet; its state is left alone when
     its variables do not match (another optimizer). The arrays may be views of the
-    state file: each is copied once, straight into its variable.
+    state file: each is copied once, straight into its variable. An optimizer array
+    that is None (a snapshot without the slots the ranks keep: ``write_pieces``) leaves
+    its variable as it is.
+
+    Returns:
+        The optimizer variables whose arrays were None (the caller holds them:
+        ``launch.held``).
     """
     nw, no = layout.n_weights, layout.n_optimizer
-    weights = model.weights
+    weights, missing = model.weights, []
+    if any(a is None for a in arrays[:nw]):
+        raise ValueError("kmgpu: a snapshot without the model's weights")
     if len(weights) != nw or any(tuple(v.shape) != tuple(np.shape(a))
                                  for v, a in zip(weights, arrays)):
         model.set_weights(arrays[:nw])  # Keras's own error
     for v, a in zip(weights, arrays[:nw]):
-        _copy_in(v, a)
+        copy_in(v, a)
     opt = getattr(model, "optimizer", None)
     if no and opt is not None:
         if not opt.built:
             opt.build(model.trainable_variables)
         variables = replication.optimizer_state(opt)
-        if [tuple(v.shape) for v in variables] == [tuple(a.shape) for a in arrays[nw:nw + no]]:
-            for v, a in zip(variables, arrays[nw:nw + no]):
-                _copy_in(v, a)
+        given = arrays[nw:nw + no]
+        if [tuple(v.shape) for v in variables] == [
+                tuple(v.shape) if a is None else tuple(a.shape) for v, a in zip(variables, given)]:
+            for v, a in zip(variables, given):
+                if a is not None:
+                    copy_in(v, a)
+            missing = [v for v, a in zip(variables, given) if a is None]
     if layout.has_lr and opt is not None:
         opt._learning_rate.assign(arrays[-1])
+    return missing
 
 
 def load_pieces(model, arrays, layout, zero):
@@ -329,30 +343,41 @@ def load_pieces(model, arrays, layout, zero):
     held = placement.sharded_ids(zero)
     for v, a in zip(variables, arrays):
         if id(v) not in held:
-            _copy_in(v, a)
+            copy_in(v, a)
     return True
 
 
-def write_pieces(state, slot, model, layout, zero, rank):
+def write_pieces(state, slot, model, layout, zero, rank, slots=True, rest=True):
     """``write_state`` on every rank of a replica whose trainable weights and optimizer
     slots ``zero`` holds in pieces: each rank writes its own pieces of them
     (``piece_state.give``), rank 0 every other variable whole. Each rank marks ``slot``
     incomplete before it writes; the caller marks it complete once every rank has
-    written (``StateFile.complete``)."""
+    written (``StateFile.complete``).
+
+    ``slots=False`` leaves out the optimizer's slots (they stay in the ranks: 8 of the 12
+    bytes per parameter with Adam); ``rest=False`` writes only those.
+
+    Returns:
+        The indices of the layout's arrays not written (the same on every rank), for
+        ``StateFile.complete``'s ``missing``.
+    """
     from kmgpu.engines.torch.optim import piece_state, placement
 
     variables = transfer_variables(model, layout)
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
-    by_id = {id(v): view for v, view in zip(variables, views)}
+    held = placement.sharded_ids(zero)
+    kept = {id(v) for v in variables[layout.n_weights:] if id(v) in held}
+    written = {id(v) for v in variables if (slots if id(v) in kept else rest)}
+    by_id = {id(v): view for v, view in zip(variables, views) if id(v) in written}
     piece_state.give(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
                      if id(v) in by_id else None)
     if rank == 0:
-        held = placement.sharded_ids(zero)
         for v, view in zip(variables, views):
-            if id(v) not in held:
+            if id(v) not in held and id(v) in written:
                 _copy_out(v, view)
+    return [i for i, v in enumerate(variables) if id(v) not in written]
 
 
 def _host_tensor(array, dtype):
@@ -374,7 +399,7 @@ def state_versions(model):
     opt = getattr(model, "optimizer", None)
     if opt is not None and opt.built:
         variables += list(opt.variables)
-    return [(t, t._version) for t in (v.value for v in variables)]
+    return [(t, t._version) for t in (held.raw(v) for v in variables)]
 
 
 def unchanged(model, old):

@@ -200,7 +200,9 @@ class StateFile:
     Slot 0 carries the driver's state in; slots 1 and 2 take the ranks' snapshots in
     turn. A slot's header (sequence number, complete flag, epoch) is written after
     its data (after every rank's, where each writes its pieces), so a reader never
-    takes a half-written slot. Slot 0's header also holds
+    takes a half-written slot. A slot may hold only some of the arrays (``complete``'s
+    ``missing``: under shard="weights" the optimizer's slots stay in the ranks); its
+    mask, after the arrays, says which, and ``read`` gives None for the others. Slot 0's header also holds
     a stop request (the driver's Ctrl-C) and the step every rank stops before
     (``request_stop``, ``stop_before``).
 
@@ -227,6 +229,8 @@ class StateFile:
         for shape, dtype in self.layout:
             self.offsets.append(size)
             size += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 64) * 64
+        self.mask_offset = size  # one byte per array: 1 where the slot holds it
+        size += -(-len(self.layout) // 64) * 64
         self.slot_size = size
         self.mm = None
         if path is not None:
@@ -278,11 +282,19 @@ class StateFile:
         self._header(slot)[1] = 0
         return self._views(slot)
 
-    def complete(self, slot, seq=1, epoch=-1):
-        """Mark ``slot`` complete: snapshot number ``seq``, the state at ``epoch``."""
+    def complete(self, slot, seq=1, epoch=-1, missing=()):
+        """Mark ``slot`` complete: snapshot number ``seq``, the state at ``epoch``, holding
+        every array but those whose indices are in ``missing``."""
+        mask = self._mask(slot)
+        mask[:] = 1
+        mask[list(missing)] = 0
         head = self._header(slot)
         head[0], head[2] = seq, epoch
         head[1] = 1
+
+    def _mask(self, slot):
+        start = slot * self.slot_size + self.mask_offset
+        return self.mm[start: start + len(self.layout)]
 
     def _views(self, slot):
         base = slot * self.slot_size
@@ -304,13 +316,13 @@ class StateFile:
         self._header(slot)[2] = epoch
 
     def read(self, slot, copy=True):
-        """The arrays of ``slot``, or None when it is not complete. ``copy=False``: views
-        of the file, valid until the next call writes it (for a reader that copies them
-        at once, e.g. into a model's variables)."""
+        """The arrays of ``slot`` (None for an array it does not hold), or None when it is
+        not complete. ``copy=False``: views of the file, valid until the next call writes
+        it (for a reader that copies them at once, e.g. into a model's variables)."""
         if self._header(slot)[1] != 1:
             return None
-        views = self._views(slot)
-        return [np.array(v) for v in views] if copy else views
+        views = [v if held else None for v, held in zip(self._views(slot), self._mask(slot))]
+        return [v if v is None else np.array(v) for v in views] if copy else views
 
     def latest(self, copy=True):
         """(arrays, epoch) of the newest complete snapshot, or None (``copy``: as

@@ -83,6 +83,9 @@ class Call:
         layout: the arrays in that file.
         state_in: False when the ranks' replicas hold the template's state already
             (nothing written to slot 0: the replicas stay as they are).
+        slots_back: under shard="weights", the snapshots carry the optimizer's slots
+            too (the user's callbacks may read or set the state); else they stay in the
+            ranks until the driver asks for them (``SlotsQuery``).
     """
 
     method: str
@@ -99,6 +102,18 @@ class Call:
     state_path: Optional[str] = None
     layout: Optional[StateLayout] = None
     state_in: bool = True
+    slots_back: bool = True
+
+
+@dataclass(frozen=True)
+class SlotsQuery:
+    """shard="weights": every rank writes its pieces of the optimizer's slots into
+    ``slot`` of the state file at ``state_path`` (``layout``), rank 0 marks it complete;
+    the driver copies them into the user's optimizer (``launch.held``)."""
+
+    state_path: str
+    layout: StateLayout
+    slot: int = 1
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class WorkerError(RuntimeError):
 
 
 _POOLS = weakref.WeakSet()
+_EXITING = False  # set at interpreter exit
 
 
 def start_method(cuda_workers):
@@ -108,6 +109,9 @@ class WorkerPool:
         self.output = RankOutputs(self.world)
         self.model_key = None
         self.synced = None  # the token of the launcher whose template the replicas hold
+        # the launcher whose template's optimizer slots the ranks keep (``optim.held``),
+        # and what copies them there before the workers go (``close``)
+        self.holder = self.before_close = None
         self.closed = False
         self._state = None  # kept between calls: its pages are mapped already
         self.method = None
@@ -333,9 +337,14 @@ class WorkerPool:
 
     # -- ending --------------------------------------------------------------------
     def close(self, timeout=10.0):
-        """Ask the workers to leave the group and exit; kill what does not."""
+        """Ask the workers to leave the group and exit; kill what does not. What the
+        ranks keep of a template's state goes to it first (``before_close``), unless
+        the interpreter is exiting."""
         if self.closed:
             return
+        fetch, self.before_close = self.before_close, None
+        if fetch is not None and not _EXITING:
+            fetch()
         for conn in self.conns:
             try:
                 conn.send(Exit())
@@ -379,6 +388,8 @@ class WorkerPool:
 @atexit.register
 def _close_all():
     # runs before transport's own atexit (registered first), which removes what is left
+    global _EXITING
+    _EXITING = True  # no model outlives the interpreter: nothing to copy back
     for pool in list(_POOLS):
         try:
             pool.close(timeout=5.0)

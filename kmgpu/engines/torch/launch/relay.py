@@ -271,6 +271,9 @@ class CallbackDriver:
         self.may_set_weights = any(
             not _weight_free(cb) and "on_train_begin" in implemented_hooks([cb])
             for cb in callbacks)
+        # ... and, where a callback may read or set the state at all, the optimizer's
+        # slots travel with the weights (``launch.held``: else they stay in the ranks)
+        self.reads_state = any(not _weight_free(cb) for cb in callbacks)
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=(method == "fit"), model=template)
         self.history = self.callbacks._history

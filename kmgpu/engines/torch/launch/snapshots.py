@@ -77,16 +77,17 @@ class Snapshots:
 
     Rank 0 writes the whole state, or with ``pieces`` (shard="weights": the
     ``zero.Shards``, this rank, its device) every rank writes its own pieces
-    (``replicas.write_pieces``): rank 0 decides and tells the others (a broadcast), and
+    (``replicas.write_pieces``; with ``slots=False`` not those of the optimizer's slots,
+    which stay in the ranks until the driver asks: ``launch.held``): rank 0 decides and tells the others (a broadcast), and
     marks the slot complete once every rank has written (an all-reduce), so a slot
     is complete only with every rank's pieces and the older one stays until then.
     """
 
     SKIP, RELABELLED, WRITE = 0, 1, 2
 
-    def __init__(self, state, layout, every_epoch, clock, pieces=None):
+    def __init__(self, state, layout, every_epoch, clock, pieces=None, slots=True):
         self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
-        self.pieces = pieces
+        self.pieces, self.slots = pieces, slots
         self.rank = pieces[1] if pieces is not None else 0
         self.seq, self.cost, self.last, self.versions = 0, 0.0, None, None
 
@@ -109,10 +110,11 @@ class Snapshots:
             replicas.write_state(self.state, slot, model, self.layout, seq=self.seq, epoch=epoch)
         else:
             zero, rank, _ = self.pieces
-            replicas.write_pieces(self.state, slot, model, self.layout, zero, rank)
+            missing = replicas.write_pieces(self.state, slot, model, self.layout, zero, rank,
+                                            slots=self.slots)
             _everywhere(self.pieces[2], 0, sum_=True)  # every rank has written its pieces
             if rank == 0:
-                self.state.complete(slot, self.seq, epoch)
+                self.state.complete(slot, self.seq, epoch, missing)
         if self.rank == 0:
             self.state.free(3 - slot)  # the older snapshot: this one is complete
         self.versions = self._versions(model)
@@ -162,6 +164,19 @@ class Snapshots:
             self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
         self.state.relabel(slot, epoch)
         return True
+
+
+def send_slots(state, query, model, zero, rank, device):
+    """A ``messages.SlotsQuery`` on one rank: its pieces of the optimizer's slots (kept
+    here under shard="weights") into the query's slot of the state file, which rank 0
+    marks complete once every rank has written. Nothing is gathered."""
+    from kmgpu.engines.torch import replicas
+
+    missing = replicas.write_pieces(state, query.slot, model, query.layout, zero, rank,
+                                    rest=False)
+    _everywhere(device, 0, sum_=True)
+    if rank == 0:
+        state.complete(query.slot, missing=missing)
 
 
 def _everywhere(device, value, sum_=False):

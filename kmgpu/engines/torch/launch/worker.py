@@ -23,7 +23,8 @@ from kmgpu.engines import heap
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch import snapshots, timing
 from kmgpu.engines.torch.launch.messages import (END_MARK, Aborted, Call, Done, Exit, Failed, Port,
-                                                 RankResult, Ready, Reply, WeightsQuery)
+                                                 RankResult, Ready, Reply, SlotsQuery,
+                                                 WeightsQuery)
 
 
 def _redirect(out_conn):
@@ -263,6 +264,10 @@ class Worker:
             if msg.what == "held":
                 return self.strategy.held_bytes() if self.strategy is not None else None
             return None if self.replica is None else self.replica.get_weights()
+        if isinstance(msg, SlotsQuery):  # the optimizer's slots, kept here, to the driver
+            snapshots.send_slots(self._state_file(msg), msg, self.replica,
+                                 self.strategy.sharded_step.zero, self.rank, self.device)
+            return None
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
         from kmgpu.engines.torch import replicas
@@ -292,7 +297,8 @@ class Worker:
         # shard="weights": every rank writes its own pieces of the state, none gathers it
         pieces = (s.sharded_step.zero, self.rank, self.device) if s.pieces_out else None
         if call.method == "fit" and (self.rank == 0 or pieces):
-            snapshot = snapshots.Snapshots(state, call.layout, call.epoch_weights, clock, pieces)
+            snapshot = snapshots.Snapshots(state, call.layout, call.epoch_weights, clock, pieces,
+                                           slots=call.slots_back)
         shuffle.set_state(call.rng)  # the driver's: the same order on every rank
         result = s.run(replica, call.method, kwargs, hooks=call.hooks,
                        relay=self.relay, snapshot=snapshot,
@@ -304,7 +310,8 @@ class Worker:
         if isinstance(result, Aborted) and snapshot is not None:
             snapshot(replica, -2)  # stopped: the last completed step's state goes back
         if call.method == "train_on_batch" and (self.rank == 0 or pieces):
-            snapshots.Snapshots(state, call.layout, True, clock, pieces)(replica, -1)  # the new state
+            snapshots.Snapshots(state, call.layout, True, clock, pieces,
+                                slots=call.slots_back)(replica, -1)  # the new state
         if call.method in ("fit", "train_on_batch"):
             s.let_go()  # written out: rank 0's whole copy of a sharded state freed
         clock(call.method)
