@@ -23,16 +23,14 @@ import abc
 import dataclasses
 import os
 import sys
-import warnings
 
 from kmgpu.engines import replication
 from kmgpu.engines.base import ON_BATCH
 from kmgpu.engines.torch import collectives, replicas, runtime, transport
 from kmgpu.engines.torch.data import feeds, inputs, shuffle
-from kmgpu.engines.torch.launch import relay
-from kmgpu.engines.torch.launch.messages import Aborted, RankResult, SlotsQuery, WeightsQuery
+from kmgpu.engines.torch.launch import held_slots, relay
+from kmgpu.engines.torch.launch.messages import Aborted, RankResult, WeightsQuery
 from kmgpu.engines.torch.launch.pool import WorkerPool, start_method
-from kmgpu.engines.torch.optim import held
 from kmgpu.engines.torch.strategy import DDPStrategy
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
@@ -156,10 +154,8 @@ class PoolLauncher(Launcher):
         # while the template's tensors are unchanged (``unchanged``)
         self._synced = None
         self._candidate = None  # (versions, layout) of this call, once they are equal
-        # shard="weights": (template, layout, [(variable, index in layout)], pool) of the
-        # template's optimizer slots that the pool's ranks keep (``optim.held``)
-        self._held = None
-        self._in_call = False
+        self._held = held_slots.HeldSlots(self)  # shard="weights": the slots the ranks keep
+        self.in_call = False
 
     @property
     def _key(self):
@@ -209,9 +205,9 @@ class PoolLauncher(Launcher):
         state_in = not (synced is not None and synced[0] is pool and pool.synced is synced[1]
                         and pool.model_key == call.key and replicas.unchanged(template, synced[2]))
         holder = pool.holder
-        if holder is not None and (holder is not self or state_in or call.slots_back):
+        if holder is not None and (holder is not self._held or state_in or call.slots_back):
             # the ranks are about to take other state, or the callbacks may read it
-            holder.fetch_slots()
+            holder.fetch()
             synced = self._synced
         clock("pool")
         if call.method in ON_BATCH:  # one batch: through the pipe, no files
@@ -233,7 +229,7 @@ class PoolLauncher(Launcher):
         self._candidate = (replicas.state_versions(template), layout)
         self._state = (state, layout)
         self.copied_in = len(layout.arrays) if state_in else 0
-        self._in_call = True
+        self.in_call = True
         clock("state out")
         call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
                                    model=None if pool.model_key == call.key else spec,
@@ -256,66 +252,19 @@ class PoolLauncher(Launcher):
         if latest is None:
             return False
         arrays, layout = latest[0], self._state[1]
-        if self._held is not None and all(arrays[i] is not None for _, i in self._held[2]):
-            self._let_go_held()  # the snapshot brings them: loaded below, unread
+        self._held.replaced_by(arrays)
         missing = replicas.load_arrays(template, arrays, layout)
         if missing:  # the optimizer's slots the ranks keep (shard="weights")
-            index = {id(v): i for i, v in enumerate(replicas.transfer_variables(template, layout))}
-            self._held = (template, layout, [(v, index[id(v)]) for v in missing], self.pool)
-            held.hold(missing, self.fetch_slots)
-            self.pool.holder, self.pool.before_close = self, self.fetch_slots
+            self._held.hold(template, layout, missing, self.pool)
         self._candidate = (replicas.state_versions(template), layout)  # rank 0's, as loaded
         return True
-
-    def _let_go_held(self):
-        found, self._held = self._held, None
-        for v, _ in found[2]:
-            held.let_go(v)
-        if found[3].holder is self:
-            found[3].holder = found[3].before_close = None
-
-    def fetch_slots(self):
-        """Copy the optimizer's slots the ranks keep (shard="weights") into the
-        template's held variables (``optim.held``): each rank writes its pieces into the
-        state file, nothing is gathered on a rank. Where the workers are gone, the
-        variables keep what they held, with a warning."""
-        if self._held is None:
-            return
-        if self._in_call:
-            raise RuntimeError(
-                "kmgpu (torch): your model's optimizer state stays in the worker processes "
-                "under shard='weights' and cannot be read while a call runs. Read "
-                "model.optimizer.variables after the call, or in a callback that is not "
-                "known to leave the weights alone (such a callback makes them come back).")
-        template, layout, pairs, pool = self._held
-        try:
-            if pool.closed or not pool.alive():
-                raise RuntimeError("the worker processes have ended")
-            state = pool.state_file(layout.arrays)
-            pool.call([SlotsQuery(state.path, layout)] * pool.world)
-            arrays = state.read(1, copy=False)
-            self._let_go_held()
-            for v, i in pairs:
-                replicas.copy_in(v, arrays[i])
-            state.free()
-        except Exception as e:
-            if self._held is not None:
-                self._let_go_held()
-            warnings.warn(
-                f"kmgpu (torch): your model's optimizer state could not be read back from the "
-                f"worker processes, where shard='weights' keeps it ({e}); its optimizer keeps "
-                "the state it had before its last kmgpu call.", RuntimeWarning, stacklevel=3)
-            return
-        if self._synced is not None and self._synced[0] is pool:  # the ranks hold it still
-            self._synced = self._synced[:2] + (replicas.state_versions(template),) \
-                + self._synced[3:]
 
     def push_state(self, template):
         state, layout = self._state
         replicas.write_state(state, 0, template, layout)
 
     def end_call(self, failed, touched=False):
-        self._in_call = False
+        self.in_call = False
         self._synced = None
         candidate, self._candidate = self._candidate, None
         if not failed and not touched and candidate is not None and self.pool is not None \

@@ -1,0 +1,88 @@
+"""A pool launcher's side of the optimizer slots its ranks keep under shard="weights".
+
+Where a fit's state lives then (``launch.snapshots`` says the rest):
+
+- the trainable weights and the optimizer's slots: 1/N on each rank, for the pool's life;
+- your model: the whole weights, copied from the snapshot at the call's end (and at the
+  epoch ends where its callbacks read them); its optimizer's slots are *held*
+  (``optim.held``): they keep the tensors they had, and the ranks keep the current
+  values;
+- when they are gathered: at the first read of any held slot, before a call that sends
+  your model's state to the ranks or whose callbacks may read or set the state
+  (``messages.Call.slots_back``), before another model's call on the pool, and before
+  the pool closes (``WorkerPool.before_close``). Each rank writes its pieces into the
+  state file (``messages.SlotsQuery``); your model copies them and the file gives the
+  pages back. Nothing is gathered on a rank.
+"""
+
+import warnings
+
+from kmgpu.engines.torch import replicas
+from kmgpu.engines.torch.launch.messages import SlotsQuery
+from kmgpu.engines.torch.optim import held
+
+
+class HeldSlots:
+    """The template's optimizer slots that the pool's ranks keep, for one launcher.
+
+    Args:
+        launcher: the ``launchers.PoolLauncher`` (its ``in_call`` and ``_synced``).
+    """
+
+    def __init__(self, launcher):
+        self.launcher = launcher
+        self.found = None  # (template, layout, [(variable, index in layout)], pool)
+
+    def hold(self, template, layout, variables, pool):
+        """``variables`` (the template's slots a snapshot left out) held until read."""
+        index = {id(v): i for i, v in enumerate(replicas.transfer_variables(template, layout))}
+        self.found = (template, layout, [(v, index[id(v)]) for v in variables], pool)
+        held.hold(variables, self.fetch)
+        pool.holder, pool.before_close = self, self.fetch
+
+    def replaced_by(self, arrays):
+        """A snapshot that holds the slots comes: they are let go unread (its values
+        are loaded into them)."""
+        if self.found is not None and all(arrays[i] is not None for _, i in self.found[2]):
+            self._let_go()
+
+    def _let_go(self):
+        found, self.found = self.found, None
+        for v, _ in found[2]:
+            held.let_go(v)
+        if found[3].holder is self:
+            found[3].holder = found[3].before_close = None
+
+    def fetch(self):
+        """Copy the slots the ranks keep into the template's held variables. Where the
+        workers are gone, the variables keep what they held, with a warning."""
+        if self.found is None:
+            return
+        if self.launcher.in_call:
+            raise RuntimeError(
+                "kmgpu (torch): your model's optimizer state stays in the worker processes "
+                "under shard='weights' and cannot be read while a call runs. Read "
+                "model.optimizer.variables after the call, or in a callback that is not "
+                "known to leave the weights alone (such a callback makes them come back).")
+        template, layout, pairs, pool = self.found
+        try:
+            if pool.closed or not pool.alive():
+                raise RuntimeError("the worker processes have ended")
+            state = pool.state_file(layout.arrays)
+            pool.call([SlotsQuery(state.path, layout)] * pool.world)
+            arrays = state.read(1, copy=False)
+            self._let_go()
+            for v, i in pairs:
+                replicas.copy_in(v, arrays[i])
+            state.free()
+        except Exception as e:
+            if self.found is not None:
+                self._let_go()
+            warnings.warn(
+                f"kmgpu (torch): your model's optimizer state could not be read back from the "
+                f"worker processes, where shard='weights' keeps it ({e}); its optimizer keeps "
+                "the state it had before its last kmgpu call.", RuntimeWarning, stacklevel=3)
+            return
+        synced = self.launcher._synced
+        if synced is not None and synced[0] is pool:  # the ranks hold this state still
+            self.launcher._synced = synced[:2] + (replicas.state_versions(template),) + synced[3:]
