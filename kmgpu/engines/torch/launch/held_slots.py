@@ -17,6 +17,8 @@ Where a fit's state lives then (``launch.snapshots`` says the rest):
 
 import warnings
 
+import keras
+
 from kmgpu.engines.torch import replicas
 from kmgpu.engines.torch.launch.messages import SlotsQuery
 from kmgpu.engines.torch.optim import held
@@ -34,10 +36,12 @@ class HeldSlots:
         self.found = None  # (template, layout, [(variable, index in layout)], pool)
 
     def hold(self, template, layout, variables, pool):
-        """``variables`` (the template's slots a snapshot left out) held until read."""
+        """``variables`` (the template's slots a snapshot left out) held until read; their
+        values go (``held.empty``): the ranks have the current ones."""
         index = {id(v): i for i, v in enumerate(replicas.transfer_variables(template, layout))}
         self.found = (template, layout, [(v, index[id(v)]) for v in variables], pool)
         held.hold(variables, self.fetch)
+        held.empty(variables)
         pool.holder, pool.before_close = self, self.fetch
 
     def replaced_by(self, arrays):
@@ -55,7 +59,8 @@ class HeldSlots:
 
     def fetch(self):
         """Copy the slots the ranks keep into the template's held variables. Where the
-        workers are gone, the variables keep what they held, with a warning."""
+        workers are gone, the variables start again from zeros, as a new optimizer's
+        slots do, with a warning."""
         if self.found is None:
             return
         if self.launcher.in_call:
@@ -78,10 +83,13 @@ class HeldSlots:
         except Exception as e:
             if self.found is not None:
                 self._let_go()
+            for v, _ in pairs:
+                v.assign(keras.ops.zeros(v.shape, v.dtype))
             warnings.warn(
                 f"kmgpu (torch): your model's optimizer state could not be read back from the "
-                f"worker processes, where shard='weights' keeps it ({e}); its optimizer keeps "
-                "the state it had before its last kmgpu call.", RuntimeWarning, stacklevel=3)
+                f"worker processes, where shard='weights' keeps it ({e}); its optimizer's "
+                "slots (Adam's moments, say) start again from zeros, as a new optimizer's "
+                "do.", RuntimeWarning, stacklevel=3)
             return
         synced = self.launcher._synced
         if synced is not None and synced[0] is pool:  # the ranks hold this state still

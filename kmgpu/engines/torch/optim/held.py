@@ -4,12 +4,12 @@ After a sharded fit in a worker pool, the ranks hold the optimizer's slots (Adam
 moments: 8 of the 12 bytes per parameter of the state) in pieces. Copying them into your
 model at every call's end would put a whole copy of them in a snapshot file and another in
 your model, the host memory sharding exists to save. So your model's slot variables are
-*held*: they keep the tensors they had, and the first read of any of them (``value``:
-``numpy()``, ``np.asarray``, ``model.save``, a plain Keras ``fit``, an op) fetches every
-held slot from the ranks first (``fetch``: each rank writes its pieces into the state
-file, nothing is gathered on a rank), then reads it. Assigning a held variable lets it go
-unread. The class of a held variable is swapped for a subclass overriding the two
-(a row of ``kmgpu/engines/torch/keras_fixes.py``).
+*held*: they keep their tensor objects, whose memory is given back (``empty``), and the
+first read of any of them (``value``: ``numpy()``, ``np.asarray``, ``model.save``, a plain
+Keras ``fit``, an op) fetches every held slot from the ranks first (``fetch``: each rank
+writes its pieces into the state file, nothing is gathered on a rank), then reads it.
+Assigning a held variable lets it go unread. The class of a held variable is swapped for
+a subclass overriding the two (a row of ``kmgpu/engines/torch/keras_fixes.py``).
 """
 
 _HOLDING = {}  # a variable class -> its holding subclass
@@ -22,6 +22,23 @@ def hold(variables, fetch):
         let_go(v)
         v._kmgpu_fetch = fetch
         v.__class__ = _holding(type(v))
+
+
+def empty(variables):
+    """Give the memory of held ``variables`` back: each keeps its tensor object (its
+    dtype, shape and device), over fresh storage nothing has written (the allocator maps
+    large blocks untouched, so they cost no memory until the fetch fills them)."""
+    import torch
+
+    from kmgpu.engines import heap
+
+    with torch.no_grad():
+        for v in variables:
+            v._value.data = torch.empty(0, dtype=v._value.dtype, device=v._value.device)
+        heap.trim_heap()  # the freed values' pages, before fresh storage is taken
+        for v in variables:
+            v._value.data = torch.empty(tuple(v.shape),
+                                        dtype=v._value.dtype, device=v._value.device)
 
 
 def held(variable):
