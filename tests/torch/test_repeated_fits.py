@@ -225,3 +225,32 @@ def test_sharded_weights_keep_the_optimizer_slots_in_the_ranks_until_read(tmp_pa
     assert all(not a.any() for a in after[2:])  # a new Adam's slots
     assert all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
     parallel.close()
+
+
+@pytest.mark.parametrize("shard", [None, "weights"])
+def test_zero_slots_are_not_sent_and_the_ranks_make_them(shard):
+    """A new optimizer's slots are zeros: slot 0 leaves them out and every rank makes them
+    (its pieces, or its whole replica's), also on a replica that held other values, after
+    your model's slots were set to zeros between fits. Slots that start elsewhere
+    (Adagrad's accumulators at 0.1) travel."""
+    import warnings
+
+    import keras
+
+    x, y = data("mlp", 32)
+    for make in (lambda: keras.optimizers.Adagrad(0.1), lambda: keras.optimizers.Adam(0.01)):
+        ref, model = mlp(), mlp()
+        for m in (ref, model):
+            m.compile(optimizer=make(), loss="mse")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parallel = kmgpu.parallelize(model, gpus=4, shard=shard)
+            _fit(ref, parallel, x, y)
+        assert rel_diff(_state(ref), _state(model)) <= TOL
+        for m in (ref, model):
+            for v in m.optimizer.variables[2:]:
+                v.assign(np.zeros(v.shape, "float32"))
+        _fit(ref, parallel, x, y)
+        assert parallel._engine.copied_in > 0
+        assert rel_diff(_state(ref), _state(model)) <= TOL
+        parallel.close()

@@ -227,20 +227,31 @@ def _as_torch(array):
         return None
 
 
-def write_state(state, slot, model, layout, seq=1, epoch=-1):
+def write_state(state, slot, model, layout, seq=1, epoch=-1, zeros_out=False):
     """``model``'s state into ``slot`` of the ``transport.StateFile``, then marked complete.
 
     Each variable's tensor is copied once, straight into the file (``get_weights``
     would first copy it into a new array: 400 MB of fresh pages per call for a 34M
-    model with Adam).
+    model with Adam). ``zeros_out``: an optimizer variable that is all zeros (a new
+    optimizer's slots) is left out, the slot marked without it; a rank reads it as
+    zeros (``load_arrays``' ``absent_zero``, ``load_pieces``).
+
+    Returns:
+        The optimizer variables left out.
     """
     variables = transfer_variables(model, layout)
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
-    for v, view in zip(variables, views):
-        _copy_out(v, view)
-    state.complete(slot, seq, epoch)
+    nw = layout.n_weights
+    out = [i for i in range(nw, nw + layout.n_optimizer)  # slots, not counters
+           if zeros_out and variables[i].value.is_floating_point()
+           and not variables[i].value.any()]
+    for i, (v, view) in enumerate(zip(variables, views)):
+        if i not in out:
+            _copy_out(v, view)
+    state.complete(slot, seq, epoch, out)
+    return [variables[i] for i in out]
 
 
 def _copy_out(variable, view):
@@ -282,14 +293,15 @@ def copy_in(variable, array):
         value.copy_(src)
 
 
-def load_arrays(model, arrays, layout):
+def load_arrays(model, arrays, layout, absent_zero=False):
     """Set ``model``'s weights (+ optimizer state and learning rate) from ``arrays``.
 
     The optimizer is built first when it is not yet; its state is left alone when
     its variables do not match (another optimizer). The arrays may be views of the
     state file: each is copied once, straight into its variable. An optimizer array
     that is None (a snapshot without the slots the ranks keep: ``write_pieces``) leaves
-    its variable as it is.
+    its variable as it is, or with ``absent_zero`` (slot 0 without a new optimizer's
+    zeros: ``write_state``) sets it to zeros.
 
     Returns:
         The optimizer variables whose arrays were None (the caller holds them:
@@ -315,7 +327,9 @@ def load_arrays(model, arrays, layout):
             for v, a in zip(variables, given):
                 if a is not None:
                     copy_in(v, a)
-            missing = [v for v, a in zip(variables, given) if a is None]
+                elif absent_zero:
+                    v.assign(keras.ops.zeros(v.shape, v.dtype))
+            missing = [v for v, a in zip(variables, given) if a is None and not absent_zero]
     if layout.has_lr and opt is not None:
         opt._learning_rate.assign(arrays[-1])
     return missing
@@ -325,7 +339,8 @@ def load_pieces(model, arrays, layout, zero):
     """``load_arrays`` for a replica whose trainable weights and optimizer slots ``zero``
     (a ``zero.Shards`` with weights) holds in pieces: those take only this rank's pieces
     of their arrays (``piece_state.take``: slices of the state file's views, so no rank
-    reads or copies the whole state), every other variable its array whole.
+    reads or copies the whole state), every other variable its array whole. An array
+    the file does not hold (None: ``write_state``'s ``zeros_out``) is zeros.
 
     Returns:
         False, loading nothing, when the arrays do not match the model's variables
@@ -335,27 +350,30 @@ def load_pieces(model, arrays, layout, zero):
 
     variables = transfer_variables(model, layout)
     if arrays is None or len(variables) != len(arrays) or any(
-            tuple(v.shape) != tuple(np.shape(a)) for v, a in zip(variables, arrays)):
+            a is not None and tuple(v.shape) != tuple(np.shape(a))
+            for v, a in zip(variables, arrays)):
         return False
-    by_id = {id(v): a for v, a in zip(variables, arrays)}
+    by_id = {id(v): a for v, a in zip(variables, arrays) if a is not None}
     piece_state.take(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
                      if id(v) in by_id else None)
     held = placement.sharded_ids(zero)
     for v, a in zip(variables, arrays):
         if id(v) not in held:
-            copy_in(v, a)
+            copy_in(v, a) if a is not None else v.assign(keras.ops.zeros(v.shape, v.dtype))
     return True
 
 
-def write_pieces(state, slot, model, layout, zero, rank, slots=True, rest=True):
+def write_pieces(state, slot, model, layout, zero, rank, slots=True, indices=None):
     """``write_state`` on every rank of a replica whose trainable weights and optimizer
     slots ``zero`` holds in pieces: each rank writes its own pieces of them
-    (``piece_state.give``), rank 0 every other variable whole. Each rank marks ``slot``
-    incomplete before it writes; the caller marks it complete once every rank has
-    written (``StateFile.complete``).
+    (``piece_state.give``), rank 0 every other variable whole (``zero`` None: a replica
+    that holds nothing in pieces, rank 0 writes all). Each rank marks ``slot`` incomplete
+    before it writes; the caller marks it complete once every rank has written
+    (``StateFile.complete``).
 
-    ``slots=False`` leaves out the optimizer's slots (they stay in the ranks: 8 of the 12
-    bytes per parameter with Adam); ``rest=False`` writes only those.
+    ``slots=False`` leaves out the optimizer's slots held in pieces (they stay in the
+    ranks: 8 of the 12 bytes per parameter with Adam); ``indices`` writes only those of
+    the layout's arrays.
 
     Returns:
         The indices of the layout's arrays not written (the same on every rank), for
@@ -367,12 +385,14 @@ def write_pieces(state, slot, model, layout, zero, rank, slots=True, rest=True):
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
-    held = placement.sharded_ids(zero)
+    held = placement.sharded_ids(zero) if zero is not None else set()
     kept = {id(v) for v in variables[layout.n_weights:] if id(v) in held}
-    written = {id(v) for v in variables if (slots if id(v) in kept else rest)}
+    written = {id(v) for i, v in enumerate(variables)
+               if (i in indices if indices is not None else slots or id(v) not in kept)}
     by_id = {id(v): view for v, view in zip(variables, views) if id(v) in written}
-    piece_state.give(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
-                     if id(v) in by_id else None)
+    if zero is not None:
+        piece_state.give(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
+                         if id(v) in by_id else None)
     if rank == 0:
         for v, view in zip(variables, views):
             if id(v) not in held and id(v) in written:

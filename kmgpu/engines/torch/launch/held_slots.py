@@ -74,7 +74,8 @@ class HeldSlots:
             if pool.closed or not pool.alive():
                 raise RuntimeError("the worker processes have ended")
             state = pool.state_file(layout.arrays)
-            pool.call([SlotsQuery(state.path, layout)] * pool.world)
+            query = SlotsQuery(state.path, layout, tuple(i for _, i in pairs))
+            pool.call([query] * pool.world)
             arrays = state.read(1, copy=False)
             self._let_go()
             for v, i in pairs:

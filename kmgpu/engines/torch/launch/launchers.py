@@ -222,7 +222,9 @@ class PoolLauncher(Launcher):
             # each variable copied once, straight into the file (no whole copy first)
             layout = replicas.layout_of(template, with_optimizer=True)
             state = pool.state_file(layout.arrays)
-            replicas.write_state(state, 0, template, layout)
+            zeros = replicas.write_state(state, 0, template, layout, zeros_out=True)
+            if zeros and not call.slots_back:  # a new optimizer's slots: the ranks make them
+                self._held.hold(template, layout, zeros, pool)
         else:  # the replicas hold this state already
             layout = synced[3]
             state = pool.state_file(layout.arrays)

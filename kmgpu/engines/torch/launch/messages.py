@@ -107,12 +107,14 @@ class Call:
 
 @dataclass(frozen=True)
 class SlotsQuery:
-    """shard="weights": every rank writes its pieces of the optimizer's slots into
-    ``slot`` of the state file at ``state_path`` (``layout``), rank 0 marks it complete;
-    the driver copies them into the user's optimizer (``launch.held``)."""
+    """Every rank writes its pieces (or rank 0 the whole values) of the optimizer
+    variables at ``indices`` of ``layout`` into ``slot`` of the state file at
+    ``state_path``, rank 0 marks it complete; the driver copies them into the user's
+    optimizer (``launch.held_slots``)."""
 
     state_path: str
     layout: StateLayout
+    indices: tuple
     slot: int = 1
 
 

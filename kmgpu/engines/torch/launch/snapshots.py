@@ -42,7 +42,8 @@ class SlotZero:
     def __call__(self, model):
         from kmgpu.engines.torch import replicas
 
-        replicas.load_arrays(model, self.state.read(0, copy=False), self.layout)
+        replicas.load_arrays(model, self.state.read(0, copy=False), self.layout,
+                             absent_zero=True)
 
     def taken(self, rank, device, everyone):
         """Once the state is in the replicas (``everyone``: every rank read its pieces, an
@@ -167,13 +168,14 @@ class Snapshots:
 
 
 def send_slots(state, query, model, zero, rank, device):
-    """A ``messages.SlotsQuery`` on one rank: its pieces of the optimizer's slots (kept
-    here under shard="weights") into the query's slot of the state file, which rank 0
+    """A ``messages.SlotsQuery`` on one rank: its pieces of the optimizer variables the
+    query names (``zero``: the replica's ``zero.Shards`` under shard="weights"; None:
+    rank 0 writes them whole) into the query's slot of the state file, which rank 0
     marks complete once every rank has written. Nothing is gathered."""
     from kmgpu.engines.torch import replicas
 
     missing = replicas.write_pieces(state, query.slot, model, query.layout, zero, rank,
-                                    rest=False)
+                                    indices=set(query.indices))
     _everywhere(device, 0, sum_=True)
     if rank == 0:
         state.complete(query.slot, missing=missing)

@@ -265,8 +265,10 @@ class Worker:
                 return self.strategy.held_bytes() if self.strategy is not None else None
             return None if self.replica is None else self.replica.get_weights()
         if isinstance(msg, SlotsQuery):  # the optimizer's slots, kept here, to the driver
+            s = self.strategy
             snapshots.send_slots(self._state_file(msg), msg, self.replica,
-                                 self.strategy.sharded_step.zero, self.rank, self.device)
+                                 s._weight_shards() if s.pieces_out else None, self.rank,
+                                 self.device)
             return None
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
