@@ -227,12 +227,13 @@ def test_sharded_weights_keep_the_optimizer_slots_in_the_ranks_until_read(tmp_pa
     parallel.close()
 
 
-@pytest.mark.parametrize("shard", [None, "weights"])
+@pytest.mark.parametrize("shard", [None, "optimizer", "weights"])
 def test_zero_slots_are_not_sent_and_the_ranks_make_them(shard):
     """A new optimizer's slots are zeros: slot 0 leaves them out and every rank makes them
     (its pieces, or its whole replica's), also on a replica that held other values, after
     your model's slots were set to zeros between fits. Slots that start elsewhere
-    (Adagrad's accumulators at 0.1) travel."""
+    (Adagrad's accumulators at 0.1) travel. A call that writes no snapshot (evaluate,
+    before any fit) leaves your model's new slots readable."""
     import warnings
 
     import keras
@@ -245,6 +246,9 @@ def test_zero_slots_are_not_sent_and_the_ranks_make_them(shard):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             parallel = kmgpu.parallelize(model, gpus=4, shard=shard)
+            parallel.evaluate(x, y, batch_size=8, verbose=0)
+            ref.optimizer.build(ref.trainable_variables)
+            assert rel_diff(_state(ref), _state(model)) <= TOL
             _fit(ref, parallel, x, y)
         assert rel_diff(_state(ref), _state(model)) <= TOL
         for m in (ref, model):

@@ -223,7 +223,10 @@ class PoolLauncher(Launcher):
             layout = replicas.layout_of(template, with_optimizer=True)
             state = pool.state_file(layout.arrays)
             zeros = replicas.write_state(state, 0, template, layout, zeros_out=True)
-            if zeros and not call.slots_back:  # a new optimizer's slots: the ranks make them
+            if zeros and not call.slots_back and call.config.shard == "weights":
+                # a new optimizer's slots: the ranks make them (pieces, or rank 0 whole
+                # where its step keeps them so; the other shard values keep them on no
+                # rank whole between calls)
                 self._held.hold(template, layout, zeros, pool)
         else:  # the replicas hold this state already
             layout = synced[3]
