@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from kmgpu.engines import heap
 from kmgpu.engines.torch.optim.fsdp import reduce_scatter
 
 
@@ -118,6 +119,13 @@ class Scattering:
         slot), its reduce-scatter into this rank's piece started; the gradients let
         go."""
         got, piece = self.pending[k], self.out[k]
+        if piece.device.type == "cpu":
+            # host memory: the layers' gradient blocks autograd freed so far go back to
+            # the system; each is split by the pass's smaller tensors before the next
+            # layer's gradient asks for one, so a pass would otherwise hold one block per
+            # layer until its end (about 4 bytes per parameter on each rank; measured:
+            # a fit about 7% slower). On a GPU the caching allocator reuses them.
+            heap.trim_heap()
         slot = self._slot(piece)
         flat = slot[0][:self.layout.flats[k].numel()]
         flat.zero_()
