@@ -244,14 +244,14 @@ def write_state(state, slot, model, layout, seq=1, epoch=-1, zeros_out=False):
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
     nw = layout.n_weights
-    out = [i for i in range(nw, nw + layout.n_optimizer)  # slots, not counters
+    out = {i for i in range(nw, nw + layout.n_optimizer)  # slots, not counters
            if zeros_out and variables[i].value.is_floating_point()
-           and not variables[i].value.any()]
+           and not variables[i].value.any()}
     for i, (v, view) in enumerate(zip(variables, views)):
         if i not in out:
             _copy_out(v, view)
-    state.complete(slot, seq, epoch, out)
-    return [variables[i] for i in out]
+    state.complete(slot, seq, epoch, sorted(out))
+    return [variables[i] for i in sorted(out)]
 
 
 def _copy_out(variable, view):
@@ -305,7 +305,7 @@ def load_arrays(model, arrays, layout, absent_zero=False):
 
     Returns:
         The optimizer variables whose arrays were None (the caller holds them:
-        ``launch.held``).
+        ``launch.held_slots``).
     """
     nw, no = layout.n_weights, layout.n_optimizer
     weights, missing = model.weights, []

@@ -202,9 +202,9 @@ class StateFile:
     its data (after every rank's, where each writes its pieces), so a reader never
     takes a half-written slot. A slot may hold only some of the arrays (``complete``'s
     ``missing``: under shard="weights" the optimizer's slots stay in the ranks); its
-    mask, after the arrays, says which, and ``read`` gives None for the others. Slot 0's header also holds
-    a stop request (the driver's Ctrl-C) and the step every rank stops before
-    (``request_stop``, ``stop_before``).
+    mask, after the arrays, says which, and ``read`` gives None for the others. Slot 0's
+    header also holds a stop request (the driver's Ctrl-C) and the step every rank stops
+    before (``request_stop``, ``stop_before``).
 
     Args:
         path: the file (None: only compute the slot size).

@@ -10,7 +10,7 @@ Where a fit's state lives then (``launch.snapshots`` says the rest):
 - when they are gathered: at the first read of any held slot, before a call that sends
   your model's state to the ranks or whose callbacks may read or set the state
   (``messages.Call.slots_back``), before another model's call on the pool, and before
-  the pool closes (``WorkerPool.before_close``). Each rank writes its pieces into the
+  the pool closes (``WorkerPool.holder``). Each rank writes its pieces into the
   state file (``messages.SlotsQuery``); your model copies them and the file gives the
   pages back. Nothing is gathered on a rank.
 """
@@ -42,7 +42,7 @@ class HeldSlots:
         self.found = (template, layout, [(v, index[id(v)]) for v in variables], pool)
         held.hold(variables, self.fetch)
         held.empty(variables)
-        pool.holder, pool.before_close = self, self.fetch
+        pool.holder = self
 
     def replaced_by(self, arrays):
         """A snapshot that holds the slots comes: they are let go unread (its values
@@ -55,7 +55,7 @@ class HeldSlots:
         for v, _ in found[2]:
             held.let_go(v)
         if found[3].holder is self:
-            found[3].holder = found[3].before_close = None
+            found[3].holder = None
 
     def fetch(self):
         """Copy the slots the ranks keep into the template's held variables. Where the

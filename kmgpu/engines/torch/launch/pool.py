@@ -109,9 +109,9 @@ class WorkerPool:
         self.output = RankOutputs(self.world)
         self.model_key = None
         self.synced = None  # the token of the launcher whose template the replicas hold
-        # the launcher whose template's optimizer slots the ranks keep (``optim.held``),
-        # and what copies them there before the workers go (``close``)
-        self.holder = self.before_close = None
+        # the ``held_slots.HeldSlots`` whose template's optimizer slots the ranks keep
+        # (``optim.held``): its ``fetch`` copies them there before the workers go (``close``)
+        self.holder = None
         self.closed = False
         self._state = None  # kept between calls: its pages are mapped already
         self.method = None
@@ -338,13 +338,12 @@ class WorkerPool:
     # -- ending --------------------------------------------------------------------
     def close(self, timeout=10.0):
         """Ask the workers to leave the group and exit; kill what does not. What the
-        ranks keep of a template's state goes to it first (``before_close``), unless
-        the interpreter is exiting."""
+        ranks keep of a template's state goes to it first (``holder``), unless the
+        interpreter is exiting."""
         if self.closed:
             return
-        fetch, self.before_close = self.before_close, None
-        if fetch is not None and not _EXITING:
-            fetch()
+        if self.holder is not None and not _EXITING:
+            self.holder.fetch()  # it lets the pool go (``holder`` None)
         for conn in self.conns:
             try:
                 conn.send(Exit())

@@ -272,7 +272,7 @@ class CallbackDriver:
             not _weight_free(cb) and "on_train_begin" in implemented_hooks([cb])
             for cb in callbacks)
         # ... and, where a callback may read or set the state at all, the optimizer's
-        # slots travel with the weights (``launch.held``: else they stay in the ranks)
+        # slots travel with the weights (``launch.held_slots``: else they stay in the ranks)
         self.reads_state = any(not _weight_free(cb) for cb in callbacks)
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=(method == "fit"), model=template)

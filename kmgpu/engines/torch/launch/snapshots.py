@@ -79,9 +79,10 @@ class Snapshots:
     Rank 0 writes the whole state, or with ``pieces`` (shard="weights": the
     ``zero.Shards``, this rank, its device) every rank writes its own pieces
     (``replicas.write_pieces``; with ``slots=False`` not those of the optimizer's slots,
-    which stay in the ranks until the driver asks: ``launch.held``): rank 0 decides and tells the others (a broadcast), and
-    marks the slot complete once every rank has written (an all-reduce), so a slot
-    is complete only with every rank's pieces and the older one stays until then.
+    which stay in the ranks until the driver asks: ``launch.held_slots``): rank 0 decides
+    and tells the others (a broadcast), and marks the slot complete once every rank has
+    written (an all-reduce), so a slot is complete only with every rank's pieces and the
+    older one stays until then.
     """
 
     SKIP, RELABELLED, WRITE = 0, 1, 2
