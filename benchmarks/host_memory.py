@@ -1,8 +1,11 @@
 """Host memory of a ``fit``: the bytes per parameter the host pays, measured.
 
 ``KERAS_BACKEND=<jax|torch> python benchmarks/host_memory.py [--devices 2 4 8]
-[--shards weights none] [--depths 3 15] [--rounds 1] [--remat full]`` on CPU with
-simulated devices (``--remat``: the stack built under ``keras.RematScope``).
+[--shards weights none] [--depths 3 15] [--rounds 1] [--remat full]
+[--checkpoint sharded|keras]`` on CPU with simulated devices (``--remat``: the stack built
+under ``keras.RematScope``; ``--checkpoint``: the fit saves at each epoch end with
+``kmgpu.ShardedCheckpoint``, or with Keras's ``ModelCheckpoint`` and the optimizer, into a
+directory on disk, whose size is said).
 
 Each row is a fresh process (the "job") that builds a Dense stack (width 1024, ``depth``
 layers: 2.1 M parameters at depth 3, 14.7 M at 15), parallelizes it over N simulated
@@ -42,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,10 +80,22 @@ def job(n, shard, depth):
     x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
     y = rng.normal(size=(ROWS, WIDTH)).astype("float32")
     parallel = parallelized(model, n, shard)
+    saves = os.environ.get("HOST_MEMORY_CHECKPOINT")  # --checkpoint
+    where = tempfile.mkdtemp(prefix="host-memory-", dir=os.getcwd()) if saves else None
+    callbacks = {None: [],
+                 "sharded": lambda: [kmgpu.ShardedCheckpoint(where)],
+                 "keras": lambda: [keras.callbacks.ModelCheckpoint(
+                     os.path.join(where, "model.keras"))]}[saves]
     print("FIT-START", flush=True)
     start = time.perf_counter()
-    parallel.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    parallel.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                 callbacks=callbacks() if saves else callbacks)
     print(json.dumps({"fit_s": time.perf_counter() - start}), flush=True)
+    if where is not None:
+        size = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(where)
+                   for f in fs)
+        shutil.rmtree(where)
+        print(json.dumps({"checkpoint_bytes": size}), flush=True)
     print("FIT-END", flush=True)
     # give the sampler one more look at the state after the fit
     time.sleep(0.3)
@@ -206,12 +222,14 @@ def measure(backend, n, shard, depth):
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     sampler = Sampler(proc.pid)
     params = fit_s = None
+    saved = 0
     for line in proc.stdout:
         line = line.strip()
         if line.startswith("{"):
             said = json.loads(line)
             params = said.get("params", params)
-            fit_s = said.get("fit_s")
+            fit_s = said.get("fit_s", fit_s)
+            saved = said.get("checkpoint_bytes", saved)
         elif line == "FIT-START":
             sampler.mark("fit")
         elif line == "FIT-END":
@@ -223,7 +241,7 @@ def measure(backend, n, shard, depth):
     if proc.returncode or params is None:
         raise RuntimeError(f"the job {backend} N={n} {shard} depth={depth} failed")
     return {"params": params, "fit_s": fit_s, "at_fit": sampler.at_fit, "fit": sampler.peak["fit"],
-            "after": sampler.peak.get("after", sampler.peak["fit"])}
+            "after": sampler.peak.get("after", sampler.peak["fit"]), "checkpoint": saved}
 
 
 def main():
@@ -235,9 +253,14 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="runs of each row; the median")
     p.add_argument("--remat", choices=["full", "activations"],
                    help="build the stack under keras.RematScope(mode=REMAT)")
+    p.add_argument("--checkpoint", choices=["sharded", "keras"],
+                   help="save at each epoch end: kmgpu.ShardedCheckpoint, or Keras's "
+                        "ModelCheckpoint (a .keras file with the optimizer)")
     a = p.parse_args()
     if a.remat:  # the jobs read it
         os.environ["HOST_MEMORY_REMAT"] = a.remat
+    if a.checkpoint:
+        os.environ["HOST_MEMORY_CHECKPOINT"] = a.checkpoint
     if a.job:
         n, shard, depth = a.job
         return job(int(n), shard, int(depth))
@@ -263,7 +286,9 @@ def main():
                       f"MiB (PSS {r['fit'][1] / mib:.0f}, files {r['fit'][2] / mib:.0f}, "
                       f"shm mapped {r['fit'][3] / mib:.0f}, {r['fit'][4]} processes: "
                       f"{' + '.join(f'{b / mib:.0f}' for b in r['fit'][5])}), after "
-                      f"{r['after'][0] / mib:.0f} MiB; fit {r['fit_s']:.1f} s", flush=True)
+                      f"{r['after'][0] / mib:.0f} MiB; fit {r['fit_s']:.1f} s"
+                      + (f"; checkpoint on disk {r['checkpoint'] / mib:.0f} MiB"
+                         if r["checkpoint"] else ""), flush=True)
             lo, hi = (runs[d] for d in a.depths)
             dp = hi["params"] - lo["params"]
 

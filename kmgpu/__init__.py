@@ -16,7 +16,8 @@ from kmgpu.hardware import devices, simulate_devices
 
 __version__ = "0.1.0"
 __all__ = ["devices", "simulate_devices", "parallelize", "ParallelModel", "rebatch",
-           "process_index", "process_count", "is_main_process", "main_process_only"]
+           "process_index", "process_count", "is_main_process", "main_process_only",
+           "ShardedCheckpoint", "checkpoints"]
 
 
 def __getattr__(name):
@@ -24,4 +25,9 @@ def __getattr__(name):
         from kmgpu import api
 
         return getattr(api, name)
+    if name in ("ShardedCheckpoint", "checkpoints"):  # they import Keras
+        import importlib
+
+        module = importlib.import_module("kmgpu.checkpoints")
+        return module if name == "checkpoints" else module.ShardedCheckpoint
     raise AttributeError(f"module 'kmgpu' has no attribute {name!r}")

@@ -127,6 +127,9 @@ READS = [
     ("keras.src.optimizers.base_optimizer",
      "BaseOptimizer._exclude_from_weight_decay_pattern",
      "model_fixes.optimizer_settings: read, and set on a replica's optimizer"),
+    ("keras.src.trainers.trainer", "Trainer._initial_epoch",
+     "checkpoints.ShardedCheckpoint: the epoch fit resumes from, set as Keras's "
+     "BackupAndRestore sets it"),
 ]
 
 

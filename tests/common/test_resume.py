@@ -1,7 +1,8 @@
-"""``BackupAndRestore`` across processes: a process on 4 simulated devices is killed after
-epoch 2 of 3 (tests/launch/resume.py), and a new process resumes from its backup on 4
-devices, another on 2: under every ``shard`` value the backend takes, each ends equal to
-3 uninterrupted epochs on one device (weights within 1e-5, the resumed History)."""
+"""``BackupAndRestore`` and ``kmgpu.ShardedCheckpoint`` across processes: a process on 4
+simulated devices is killed after epoch 2 of 3 (tests/launch/resume.py), and a new process
+resumes from its checkpoint on 4 devices, another on 2: under every ``shard`` value the
+backend takes, each ends equal to 3 uninterrupted epochs on one device (weights within
+1e-5, the resumed History)."""
 
 import json
 import os
@@ -43,9 +44,10 @@ def resumed(tmp_path_factory):
 
 @pytest.mark.parametrize("n", [4, 2])
 @pytest.mark.parametrize("shard", shard_values(), ids=str)
-def test_a_killed_fit_resumes_in_a_new_process_exactly(resumed, shard, n):
+@pytest.mark.parametrize("callback", ["backup", "sharded"])
+def test_a_killed_fit_resumes_in_a_new_process_exactly(resumed, callback, shard, n):
     r = resumed[n]
-    s = r["shards"][str(shard)]
+    s = r["shards"][f"{callback}-{shard}"]
     assert s["replicas"] == n
     assert s["epoch"] == [2]  # epochs 1 and 2 were done by the killed process
     assert s["rel_diff"] <= TOL, s

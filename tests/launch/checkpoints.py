@@ -3,13 +3,15 @@ x 1 process: Keras's checkpoint callbacks in a job of several processes, under e
 ``shard`` value the backend takes.
 
 ``KMGPU_TEST_PHASE=save``: for each ``shard`` value, a 2-epoch fit with
-``ModelCheckpoint`` (weights only, and whole ``.keras`` files, one per epoch) and
+``ModelCheckpoint`` (weights only, and whole ``.keras`` files, one per epoch),
 ``BackupAndRestore`` keeping its backup (``delete_checkpoint=False``: what a job killed
-after epoch 2 leaves). ``KMGPU_TEST_PHASE=resume``: a new job, for each ``shard`` value a
-fresh model fitted for 3 epochs with the same ``BackupAndRestore``, which resumes after
-epoch 2. Each process writes ``$KMGPU_TEST_OUT/<phase><r>.json``: per ``shard`` value the
-History and the largest relative difference of its model's weights to a one-process fit
-(made here before kmgpu starts).
+after epoch 2 leaves) and ``kmgpu.ShardedCheckpoint``. ``KMGPU_TEST_PHASE=resume``: a new
+job, for each ``shard`` value a fresh model fitted for 3 epochs with the same
+``BackupAndRestore``, which resumes after epoch 2, and another with the same
+``ShardedCheckpoint``. Each process writes ``$KMGPU_TEST_OUT/<phase><r>.json``: per
+``shard`` value (``sharded-<shard>``: the resume from ``ShardedCheckpoint``) the History
+and the largest relative difference of its model's weights to a one-process fit (made
+here before kmgpu starts).
 """
 
 import json
@@ -34,17 +36,20 @@ def reference(epochs):
 
 
 def callbacks(out, shard, phase):
+    """The fits' callbacks: {name: list}."""
     import keras
 
     where = os.path.join(out, str(shard))
     backup = keras.callbacks.BackupAndRestore(os.path.join(where, "backup"),
                                               delete_checkpoint=False)
+    sharded = kmgpu.ShardedCheckpoint(os.path.join(where, "sharded"))
     if phase == "resume":
-        return [backup]
-    return [keras.callbacks.ModelCheckpoint(os.path.join(where, "ep{epoch}.weights.h5"),
-                                            save_weights_only=True),
-            keras.callbacks.ModelCheckpoint(os.path.join(where, "ep{epoch}.keras")),
-            backup]
+        return {str(shard): [backup], f"sharded-{shard}": [sharded]}
+    return {str(shard): [
+        keras.callbacks.ModelCheckpoint(os.path.join(where, "ep{epoch}.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(os.path.join(where, "ep{epoch}.keras")),
+        backup, sharded]}
 
 
 def main():
@@ -59,15 +64,17 @@ def main():
     ref, ref_history = reference(epochs)
     x, y = data("mlp", ROWS)
     found = {}
-    for shard in shard_values():
+    runs = [(name, shard, fit_callbacks) for shard in shard_values()
+            for name, fit_callbacks in callbacks(out, shard, phase).items()]
+    for name, shard, fit_callbacks in runs:
         model = mlp()
         parallel = kmgpu.parallelize(model, shard=shard)
         parallel.compile(optimizer="adam", loss="mse")
         history = parallel.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
-                               verbose=0, callbacks=callbacks(out, shard, phase))
-        found[str(shard)] = {"epoch": history.epoch, "loss": history.history["loss"],
-                             "rel_diff": rel_diff(ref.get_weights(), model.get_weights()),
-                             "replicas": parallel.num_replicas}
+                               verbose=0, callbacks=fit_callbacks)
+        found[name] = {"epoch": history.epoch, "loss": history.history["loss"],
+                       "rel_diff": rel_diff(ref.get_weights(), model.get_weights()),
+                       "replicas": parallel.num_replicas}
     result = {"rank": environment.process_index(), "ref_loss": ref_history["loss"],
               "shards": found}
     with open(os.path.join(out, f"{phase}{environment.process_index()}.json"), "w") as f:

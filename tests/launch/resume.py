@@ -1,14 +1,15 @@
-"""What tests/common/test_resume.py runs in processes of its own: ``BackupAndRestore`` of a
-process that is killed, resumed by a new process on the same or another device count.
+"""What tests/common/test_resume.py runs in processes of its own: ``BackupAndRestore`` and
+``kmgpu.ShardedCheckpoint`` of a process that is killed, resumed by a new process on the
+same or another device count.
 
 ``python resume.py kill N OUT``: on N simulated devices, for each ``shard`` value the
-backend takes, a 3-epoch fit with ``BackupAndRestore(OUT/<shard>)`` that stops at the
-start of epoch 3 (raising: the backup on disk is what a kill then leaves); then the
-process kills itself (SIGKILL). ``python resume.py resume N OUT``: on N devices, for
-each ``shard`` value, a fresh model's 3-epoch fit with the same ``BackupAndRestore``,
-which resumes after epoch 2; writes ``OUT/resume<N>.json``: per ``shard`` value the
-History and the largest relative difference of the weights to a 3-epoch one-device
-fit made here.
+backend takes and each of the two callbacks, a 3-epoch fit with the callback saving in
+``OUT/<callback>-<shard>`` that stops at the start of epoch 3 (raising: the checkpoint on
+disk is what a kill then leaves); then the process kills itself (SIGKILL). ``python
+resume.py resume N OUT``: on N devices, for each, a fresh model's 3-epoch fit with the
+same callback, which resumes after epoch 2; writes ``OUT/resume<N>.json``: per
+callback and ``shard`` value the History and the largest relative difference of the
+weights to a 3-epoch one-device fit made here.
 """
 
 import json
@@ -39,12 +40,13 @@ def main(phase, n, out):
             if epoch == 2:
                 raise RuntimeError("stopped before epoch 3")
 
+    callbacks = {"backup": keras.callbacks.BackupAndRestore, "sharded": kmgpu.ShardedCheckpoint}
     found = {}
-    for shard in shard_values():
+    for (name, callback), shard in [(c, s) for c in callbacks.items() for s in shard_values()]:
         model = mlp()
         parallel = kmgpu.parallelize(model, shard=shard)
         parallel.compile(optimizer="adam", loss="mse")
-        backup = keras.callbacks.BackupAndRestore(os.path.join(out, str(shard)))
+        backup = callback(os.path.join(out, f"{name}-{shard}"))
         fit = dict(batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         if phase == "kill":
             try:
@@ -53,7 +55,7 @@ def main(phase, n, out):
                 assert "stopped before epoch 3" in str(e), e
             continue
         history = parallel.fit(x, y, callbacks=[backup], **fit)
-        found[str(shard)] = {"epoch": history.epoch, "loss": history.history["loss"],
+        found[f"{name}-{shard}"] = {"epoch": history.epoch, "loss": history.history["loss"],
                              "rel_diff": rel_diff(ref.get_weights(), model.get_weights()),
                              "replicas": parallel.num_replicas}
     if phase == "kill":

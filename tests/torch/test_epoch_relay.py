@@ -7,6 +7,8 @@ state: ~280 MB for ResNet-50 with Adam) at every epoch end, and rank 0 snapshott
 for that: ~0.5 s per epoch on 2 H200s, the captured step's 2-GPU gain lost in the bench.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,21 @@ def test_a_callback_that_may_read_weights_still_sees_each_epochs(loads):
     assert len(seen) == EPOCHS
     assert rel_diff(seen[-1], model.get_weights()) == 0.0
     assert rel_diff(seen[0], seen[-1]) > 0.0  # they moved: each epoch's own weights
+
+
+def test_a_sharded_checkpoint_moves_no_state_to_the_driver(loads, tmp_path):
+    """The ranks write a ShardedCheckpoint's saves: the driver loads rank 0's state once
+    per fit (its end), as without it, and the checkpoint holds the trained weights."""
+    from kmgpu import checkpoints
+    from kmgpu.engines.torch.launch import relay
+
+    callback = kmgpu.ShardedCheckpoint(tmp_path)
+    d = relay.CallbackDriver([callback], conv_bn(), "fit", load_state=lambda: None)
+    assert not (d.needs_weights or d.may_set_weights or d.reads_state)
+    loads["n"] = 0
+    model = _fit([callback])
+    assert loads["n"] == 1
+    assert sorted(os.listdir(tmp_path)) == [f"epoch-{EPOCHS - 1:05d}", "latest"]
+    fresh = conv_bn(seed=4)
+    assert checkpoints.load(tmp_path, fresh, optimizer=False) == EPOCHS - 1
+    assert rel_diff(model.get_weights(), fresh.get_weights()) == 0.0

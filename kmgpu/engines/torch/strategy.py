@@ -31,6 +31,7 @@ from kmgpu.engines import batch_checks
 from kmgpu.engines.base import ON_BATCH
 from kmgpu.engines.torch import collectives, data_fixes, layer_fixes, step_fixes
 from kmgpu.engines.torch.data import inputs, resident
+from kmgpu.engines.torch.launch import checkpoint_io
 from kmgpu.engines.torch.launch.messages import Aborted, Predictions
 from kmgpu.engines.torch.launch.relay import Abort, SyncCallback
 from kmgpu.engines.torch.optim import placement
@@ -340,9 +341,13 @@ class DDPStrategy:
         def reload_everywhere(model):  # the driver's callbacks changed the model
             self.receive_state(model, reload, shared=reload is not None)
 
+        def checkpoint(model, request):  # a ShardedCheckpoint's save or restore
+            checkpoint_io.carry_out(self, model, request, shared=reload is not None)
+
         sync = SyncCallback(self.rank, self.device, hooks, relay,
                             snapshot if method == "fit" else None, reload_everywhere,
-                            batch_logs=replica._get_metrics_result_or_logs)
+                            batch_logs=replica._get_metrics_result_or_logs,
+                            checkpoint=checkpoint)
         callbacks = [sync] + (list(fit_callbacks) if method == "fit" else [])
         if method == "fit" and self.sharded_step is not None and not self.pieces_out:
             # whole, before sync's snapshots

@@ -153,6 +153,8 @@ class Reply:
         reload: the callbacks changed the model's state (BackupAndRestore): load it.
         initial_epoch: the epoch fit resumes from, when a callback set one.
         logs: the logs as the callbacks left them (for rank 0's progress bar).
+        checkpoints: what ``kmgpu.checkpoints.ShardedCheckpoint`` callbacks ask the ranks
+            to do at this hook: ("save", folder, extra) / ("restore", folder, manifest).
     """
 
     stop: bool = False
@@ -161,6 +163,7 @@ class Reply:
     reload: bool = False
     initial_epoch: Optional[int] = None
     logs: Any = None
+    checkpoints: tuple = ()
 
 
 # -- worker -> driver -----------------------------------------------------------------

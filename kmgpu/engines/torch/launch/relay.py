@@ -96,14 +96,16 @@ class SyncCallback(keras.callbacks.Callback):
         batch_logs: ``batch_logs(logs)`` on every rank: a step's logs as the metrics
             summed over ranks (the model's ``_get_metrics_result_or_logs``); a relayed
             batch-end hook gets them (in place, so the progress bar shows them too).
+        checkpoint: ``checkpoint(model, request)`` on every rank for each request of
+            the reply's ``checkpoints`` (``launch.checkpoint_io``).
     """
 
     def __init__(self, rank, device, relayed=(), relay=None, snapshot=None, reload=None,
-                 batch_logs=None):
+                 batch_logs=None, checkpoint=None):
         super().__init__()
         self.rank, self.device = rank, device
         self.relayed, self.relay, self.snapshot = set(relayed), relay, snapshot
-        self.reload, self.batch_logs = reload, batch_logs
+        self.reload, self.batch_logs, self.checkpoint = reload, batch_logs, checkpoint
         self.epoch, self.saved_epoch = None, None
         hooks = set(self.relayed)
         if snapshot is not None:
@@ -146,8 +148,9 @@ class SyncCallback(keras.callbacks.Callback):
             # the step returned this rank's running means: one device's are the sums
             # over ranks (a collective on every rank, as the epoch's logs)
             logs.update(plain_logs(self.batch_logs(logs)))
-        # stop, has lr, lr, abort, reload the state, initial epoch (-1: None)
-        values = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
+        # stop, has lr, lr, abort, reload the state, initial epoch (-1: None), checkpoints
+        values = [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0]
+        requests = []
         if self.rank == 0:
             reply = self.relay(Event(hook, index, plain_logs(logs), dict(self.params or {})))
             values[0] = float(bool(reply.stop))
@@ -159,11 +162,18 @@ class SyncCallback(keras.callbacks.Callback):
                 values[5] = float(reply.initial_epoch)
             if isinstance(logs, dict) and isinstance(reply.logs, dict):
                 logs.update(reply.logs)  # what the callbacks added, for the progress bar
+            requests = list(reply.checkpoints)
+            values[6] = float(len(requests))
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.broadcast(t, 0)
-        stop, has_lr, lr_value, abort, reload, initial_epoch = t.tolist()
+        stop, has_lr, lr_value, abort, reload, initial_epoch, n_requests = t.tolist()
         if abort:
             raise Abort(hook)
+        if n_requests:  # where to save or restore from: to every rank
+            box = [requests]
+            dist.broadcast_object_list(box, 0, device=self.device)
+            for request in box[0]:
+                self.checkpoint(self.model, request)
         if hook == "on_train_begin":
             # what the user's callbacks set on their model (BackupAndRestore: the
             # restored weights and optimizer state, and the epoch to resume from)
@@ -274,6 +284,9 @@ class CallbackDriver:
         # ... and, where a callback may read or set the state at all, the optimizer's
         # slots travel with the weights (``launch.held_slots``: else they stay in the ranks)
         self.reads_state = any(not _weight_free(cb) for cb in callbacks)
+        # ShardedCheckpoint: the ranks save and restore the state, as the callbacks ask
+        self.checkpointers = [cb for cb in callbacks
+                              if getattr(type(cb), "_kmgpu_sharded_checkpoint", False)]
         self.callbacks = keras.callbacks.CallbackList(
             callbacks, add_history=(method == "fit"), model=template)
         self.history = self.callbacks._history
@@ -293,9 +306,16 @@ class CallbackDriver:
                 self.final_loaded = hook == "on_train_end"
             if hook == "on_train_begin":
                 self.template.stop_training = False
-            for callback in self.callbacks.callbacks:
-                fn = getattr(callback, hook)
-                fn(logs) if index is None else fn(index, logs)
+            for cb in self.checkpointers:
+                cb.requests = []
+            try:
+                for callback in self.callbacks.callbacks:
+                    fn = getattr(callback, hook)
+                    fn(logs) if index is None else fn(index, logs)
+            finally:
+                requests = tuple(r for cb in self.checkpointers for r in cb.requests)
+                for cb in self.checkpointers:
+                    cb.requests = None  # outside this relay it saves its model itself
         except BaseException as e:
             # KeyboardInterrupt too (raised by a callback, or Ctrl-C while one runs): the
             # workers wait for this reply, so they leave the call together at this hook
@@ -312,4 +332,5 @@ class CallbackDriver:
         lr = getattr(getattr(self.template, "optimizer", None), "_learning_rate", None)
         return Reply(stop=bool(getattr(self.template, "stop_training", False)),
                      lr=float(lr.numpy()) if isinstance(lr, keras.Variable) else None,
-                     reload=reload, initial_epoch=initial_epoch, logs=logs)
+                     reload=reload, initial_epoch=initial_epoch, logs=logs,
+                     checkpoints=requests)

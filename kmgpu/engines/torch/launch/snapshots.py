@@ -51,7 +51,7 @@ class SlotZero:
         no one reads it again unless the driver writes it again first (its callbacks
         changed the model), so a fit does not hold the state it was sent."""
         if everyone:
-            _everywhere(device, 0, sum_=True)
+            everywhere(device, 0, sum_=True)
         if rank == 0:
             self.state.free(0)
 
@@ -101,7 +101,7 @@ class Snapshots:
         now = time.perf_counter()
         what = self._decide(model, epoch, now) if self.rank == 0 else None
         if self.pieces is not None:
-            what = _everywhere(self.pieces[2], what)
+            what = everywhere(self.pieces[2], what)
         if what != self.WRITE:
             if what == self.RELABELLED:
                 self.clock("snapshots", since=now)
@@ -114,7 +114,7 @@ class Snapshots:
             zero, rank, _ = self.pieces
             missing = replicas.write_pieces(self.state, slot, model, self.layout, zero, rank,
                                             slots=self.slots)
-            _everywhere(self.pieces[2], 0, sum_=True)  # every rank has written its pieces
+            everywhere(self.pieces[2], 0, sum_=True)  # every rank has written its pieces
             if rank == 0:
                 self.state.complete(slot, self.seq, epoch, missing)
         if self.rank == 0:
@@ -177,12 +177,12 @@ def send_slots(state, query, model, zero, rank, device):
 
     missing = replicas.write_pieces(state, query.slot, model, query.layout, zero, rank,
                                     indices=set(query.indices))
-    _everywhere(device, 0, sum_=True)
+    everywhere(device, 0, sum_=True)
     if rank == 0:
         state.complete(query.slot, missing=missing)
 
 
-def _everywhere(device, value, sum_=False):
+def everywhere(device, value, sum_=False):
     """Rank 0's ``value`` on every rank (a broadcast), or with ``sum_`` an all-reduce
     (it returns once every rank has called it)."""
     import torch

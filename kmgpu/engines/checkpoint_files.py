@@ -1,0 +1,203 @@
+"""The files of a sharded checkpoint (``kmgpu.checkpoints``, which says what it is), for the
+front and the engines alike: the arrays of a model's state in their order, the data file
+mapped (``Arrays``), making, completing and finding a checkpoint.
+
+A checkpoint directory holds one folder per saved epoch (``epoch-00003``) and a file
+``latest`` naming the newest complete one (replaced atomically once every writer is
+done, so a process that dies while saving leaves the previous checkpoint). A folder
+holds:
+
+- ``state.bin``: every array whole at its own offset (64-byte aligned), in the order
+  Keras lists them on every backend: the model's weights (``model.weights``), its
+  optimizer's state (``optimizer.variables`` but the learning rate), the learning rate
+  where a variable holds it. A writer maps the file and writes only its parts, so the
+  file does not depend on the device count or the shard value: a checkpoint loads into
+  any N.
+- ``manifest.json``: each array's path, shape, dtype and offset; the epoch; the best
+  value of ``monitor`` so far.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+FORMAT = 1
+DATA, MANIFEST, LATEST = "state.bin", "manifest.json", "latest"
+_ALIGN = 64
+
+
+# -- the arrays of a model's state ----------------------------------------------------
+def numpy_dtype(dtype):
+    """The NumPy dtype of a Keras dtype name (ml_dtypes' for those NumPy lacks)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype))
+
+
+def state_variables(model):
+    """The variables a checkpoint holds, in its order (the optimizer built first where
+    it is not yet), and (weights, optimizer state, has a learning-rate variable)
+    counts."""
+    from kmgpu.engines import replication
+
+    variables = list(model.weights)
+    n_weights, n_optimizer, has_lr = len(variables), 0, False
+    opt = getattr(model, "optimizer", None)
+    if opt is not None:
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        state = replication.optimizer_state(opt)
+        variables += state
+        n_optimizer = len(state)
+        lr = replication.lr_variable(model)
+        if lr is not None:
+            variables.append(lr)
+            has_lr = True
+    return variables, (n_weights, n_optimizer, has_lr)
+
+
+def entries_of(variables):
+    """Each variable's (path, shape, Keras dtype name), for a manifest."""
+    return [(getattr(v, "path", v.name), tuple(int(d) for d in v.shape), str(v.dtype))
+            for v in variables]
+
+
+class Arrays:
+    """A checkpoint's ``state.bin``, memory-mapped: a view per array.
+
+    ``begin``/``read`` take a slot argument so that a torch rank's writers and readers
+    of a pool's state file (``replicas.write_pieces``, ``load_pieces``) work on it as
+    on that file's slot 0.
+
+    Args:
+        path: the file.
+        entries: [(path, shape, dtype name), ...].
+        create: make the file (its size set, its pages not yet written).
+        writable: open an existing file to write parts of it (another writer made it).
+    """
+
+    def __init__(self, path, entries, create=False, writable=False):
+        self.entries = [(p, tuple(s), d) for p, s, d in entries]
+        self.offsets, size = [], 0
+        for _, shape, dtype in self.entries:
+            self.offsets.append(size)
+            n = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
+            size += -(-n // _ALIGN) * _ALIGN
+        self.size = size
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        self.mm = (np.memmap(path, dtype=np.uint8, mode="r+" if create or writable else "c",
+                             shape=(size,)) if size else np.zeros(0, np.uint8))
+
+    def views(self):
+        out = []
+        for (_, shape, dtype), off in zip(self.entries, self.offsets):
+            dt = numpy_dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            out.append(np.asarray(self.mm[off: off + n]).view(dt).reshape(shape))
+        return out
+
+    def begin(self, slot=0):
+        return self.views()
+
+    def read(self, slot=0, copy=False):
+        return [np.array(v) for v in self.views()] if copy else self.views()
+
+    def flush(self):
+        if isinstance(self.mm, np.memmap):
+            self.mm.flush()
+
+    def close(self):
+        self.mm = None
+
+
+# -- the directory --------------------------------------------------------------------
+def folder_for(directory, epoch):
+    return os.path.join(os.fspath(directory), f"epoch-{epoch:05d}")
+
+
+def create(directory, epoch, entries):
+    """A new folder for ``epoch``'s checkpoint, its data file sized, nothing written yet
+    (a folder of that name left by a save that did not finish is replaced).
+
+    Returns:
+        The folder and its ``Arrays`` (writable).
+    """
+    folder = folder_for(directory, epoch)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    return folder, Arrays(os.path.join(folder, DATA), entries, create=True)
+
+
+def finish(directory, folder, arrays, counts, epoch, extra=None, keep=1):
+    """Complete a checkpoint once every writer has written its parts: the data flushed,
+    the manifest written, ``latest`` pointed at it (atomically), then all but the newest
+    ``keep`` folders removed."""
+    arrays.flush()
+    n_weights, n_optimizer, has_lr = counts
+    manifest = {"format": FORMAT, "epoch": int(epoch), "n_weights": n_weights,
+                "n_optimizer": n_optimizer, "has_lr": bool(has_lr),
+                "arrays": [{"path": p, "shape": list(s), "dtype": d, "offset": o}
+                           for (p, s, d), o in zip(arrays.entries, arrays.offsets)]}
+    manifest.update(extra or {})
+    _write_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1))
+    _write_atomic(os.path.join(os.fspath(directory), LATEST), os.path.basename(folder))
+    folders = sorted(f for f in os.listdir(directory) if f.startswith("epoch-"))
+    newest = os.path.basename(folder)
+    for old in [f for f in folders if f != newest][:max(0, len(folders) - keep)]:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def _write_atomic(path, text):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest(directory):
+    """(folder, manifest) of ``directory``'s newest complete checkpoint, or None."""
+    pointer = os.path.join(os.fspath(directory), LATEST)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        folder = os.path.join(os.fspath(directory), f.read().strip())
+    with open(os.path.join(folder, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"kmgpu: {folder} is a checkpoint of format "
+                         f"{manifest.get('format')}; this kmgpu reads format {FORMAT}")
+    return folder, manifest
+
+
+def open_arrays(folder, manifest):
+    """The ``Arrays`` of a complete checkpoint, read-only."""
+    entries = [(a["path"], tuple(a["shape"]), a["dtype"]) for a in manifest["arrays"]]
+    return Arrays(os.path.join(folder, DATA), entries)
+
+
+def check_matches(manifest, variables, counts, where):
+    """Raise a ValueError that says what differs when the checkpoint's arrays are not
+    ``variables``' (the same count of weights and optimizer variables, and shapes)."""
+    arrays = manifest["arrays"]
+    got = (manifest["n_weights"], manifest["n_optimizer"], manifest["has_lr"])
+    if got[:2] != tuple(counts[:2]) or len(arrays) != len(variables):
+        raise ValueError(
+            f"kmgpu: the checkpoint in {where} holds {got[0]} weights and {got[1]} "
+            f"optimizer variables; this model has {counts[0]} and {counts[1]}. Restore it "
+            "into the model (and optimizer) it was saved from, or pass resume=False.")
+    for a, v in zip(arrays, variables):
+        if tuple(a["shape"]) != tuple(v.shape):
+            raise ValueError(
+                f"kmgpu: the checkpoint in {where} holds {a['path']} of shape "
+                f"{tuple(a['shape'])}; this model's {getattr(v, 'path', v.name)} has shape "
+                f"{tuple(v.shape)}. Restore it into the model it was saved from.")
