@@ -76,8 +76,8 @@ def save(model, directory, epoch, extra=None, keep=1):
         _barrier("kmgpu-checkpoint-made")
         if index != 0:
             arrays = Arrays(os.path.join(folder, DATA), entries, writable=True)
-    for v, view in zip(variables, arrays.views()):
-        write_value(v, view, whole=index == 0)
+    for i, v in enumerate(variables):  # one array mapped at a time
+        write_value(v, arrays.view(i), whole=index == 0)
     if every:
         arrays.flush()
         _barrier("kmgpu-checkpoint-written")
@@ -122,11 +122,16 @@ def load(directory, model, optimizer=True):
         counts = (len(variables), manifest["n_optimizer"], manifest["has_lr"])
     check_matches(dict(manifest, arrays=manifest["arrays"][:len(variables)]), variables,
                   counts, folder)
-    arrays = open_arrays(folder, manifest)
-    for v, view in zip(variables, arrays.views()):
-        read_value(v, view)
-    arrays.close()
+    _read_into(variables, folder, manifest)
     return manifest["epoch"]
+
+
+def _read_into(variables, folder, manifest):
+    """The checkpoint's first ``len(variables)`` arrays into ``variables``, one array
+    mapped at a time."""
+    arrays = open_arrays(folder, manifest)
+    for i, v in enumerate(variables):
+        read_value(v, arrays.view(i))
 
 
 # -- the callback ---------------------------------------------------------------------
@@ -205,10 +210,7 @@ class ShardedCheckpoint(_callback_base()):
         else:
             variables, counts = state_variables(self.model)
             check_matches(manifest, variables, counts, folder)
-            arrays = open_arrays(folder, manifest)
-            for v, view in zip(variables, arrays.views()):
-                read_value(v, view)
-            arrays.close()
+            _read_into(variables, folder, manifest)
         self.model._initial_epoch = manifest["epoch"] + 1
 
     def on_epoch_end(self, epoch, logs=None):

@@ -68,8 +68,12 @@ def entries_of(variables):
 
 
 class Arrays:
-    """A checkpoint's ``state.bin``, memory-mapped: a view per array.
+    """A checkpoint's ``state.bin``: each array mapped on its own when it is used.
 
+    ``views()`` (and ``begin``/``read``) is a sequence whose item ``i`` maps array ``i``
+    afresh; the mapping goes when that view does. So a writer or reader that takes one
+    array at a time holds the pages of that array only: a process's memory (its
+    proportional set size counts the file pages it maps) never holds the file whole.
     ``begin``/``read`` take a slot argument so that a torch rank's writers and readers
     of a pool's state file (``replicas.write_pieces``, ``load_pieces``) work on it as
     on that file's slot 0.
@@ -82,6 +86,7 @@ class Arrays:
     """
 
     def __init__(self, path, entries, create=False, writable=False):
+        self.path = path
         self.entries = [(p, tuple(s), d) for p, s, d in entries]
         self.offsets, size = [], 0
         for _, shape, dtype in self.entries:
@@ -92,29 +97,58 @@ class Arrays:
         if create:
             with open(path, "wb") as f:
                 f.truncate(size)
-        self.mm = (np.memmap(path, dtype=np.uint8, mode="r+" if create or writable else "c",
-                             shape=(size,)) if size else np.zeros(0, np.uint8))
+        # read-only opens map copy-on-write: writable arrays (torch wants them), the file
+        # left as it is
+        self.mode = "r+" if create or writable else "c"
+
+    def view(self, i):
+        """Array ``i``, mapped now."""
+        _, shape, dtype = self.entries[i]
+        dt = numpy_dtype(dtype)
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            return np.zeros(shape, dt)
+        return np.memmap(self.path, dtype=dt, mode=self.mode, offset=self.offsets[i],
+                         shape=shape)
 
     def views(self):
-        out = []
-        for (_, shape, dtype), off in zip(self.entries, self.offsets):
-            dt = numpy_dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            out.append(np.asarray(self.mm[off: off + n]).view(dt).reshape(shape))
-        return out
+        return _Views(self)
 
     def begin(self, slot=0):
         return self.views()
 
     def read(self, slot=0, copy=False):
-        return [np.array(v) for v in self.views()] if copy else self.views()
+        return [np.array(self.view(i)) for i in range(len(self.entries))] if copy \
+            else self.views()
 
     def flush(self):
-        if isinstance(self.mm, np.memmap):
-            self.mm.flush()
+        """What the writers wrote, on disk."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self):
-        self.mm = None
+        pass  # nothing stays mapped
+
+
+class _Views:
+    """``Arrays.views()``: a sequence of the arrays, each mapped when it is taken."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __len__(self):
+        return len(self.arrays.entries)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.arrays.view(k) for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.arrays.view(i)
 
 
 # -- the directory --------------------------------------------------------------------

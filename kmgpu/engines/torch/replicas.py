@@ -353,12 +353,18 @@ def load_pieces(model, arrays, layout, zero):
             a is not None and tuple(v.shape) != tuple(np.shape(a))
             for v, a in zip(variables, arrays)):
         return False
-    by_id = {id(v): a for v, a in zip(variables, arrays) if a is not None}
-    piece_state.take(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
-                     if id(v) in by_id else None)
+    # by index, each view taken where it is read (as ``write_pieces``)
+    index = {id(v): i for i, v in enumerate(variables)}
+
+    def source(v):
+        a = arrays[index[id(v)]] if id(v) in index else None
+        return None if a is None else _host_tensor(a, v.value.dtype)
+
+    piece_state.take(zero, source)
     held = placement.sharded_ids(zero)
-    for v, a in zip(variables, arrays):
+    for i, v in enumerate(variables):
         if id(v) not in held:
+            a = arrays[i]
             copy_in(v, a) if a is not None else v.assign(keras.ops.zeros(v.shape, v.dtype))
     return True
 
@@ -389,14 +395,16 @@ def write_pieces(state, slot, model, layout, zero, rank, slots=True, indices=Non
     kept = {id(v) for v in variables[layout.n_weights:] if id(v) in held}
     written = {id(v) for i, v in enumerate(variables)
                if (i in indices if indices is not None else slots or id(v) not in kept)}
-    by_id = {id(v): view for v, view in zip(variables, views) if id(v) in written}
+    # by index: a view is taken where it is written and let go after (a checkpoint's
+    # ``Arrays`` maps each array then, so a rank never maps all its pages at once)
+    index = {id(v): i for i, v in enumerate(variables) if id(v) in written}
     if zero is not None:
-        piece_state.give(zero, lambda v: _host_tensor(by_id[id(v)], v.value.dtype)
-                         if id(v) in by_id else None)
+        piece_state.give(zero, lambda v: _host_tensor(views[index[id(v)]], v.value.dtype)
+                         if id(v) in index else None)
     if rank == 0:
-        for v, view in zip(variables, views):
+        for i, v in enumerate(variables):
             if id(v) not in held and id(v) in written:
-                _copy_out(v, view)
+                _copy_out(v, views[i])
     return [i for i, v in enumerate(variables) if id(v) not in written]
 
 
