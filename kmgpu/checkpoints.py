@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from kmgpu.engines import replication
 from kmgpu.engines.checkpoint_files import (DATA, LATEST, Arrays, check_matches, create,
                                             entries_of, finish, folder_for, latest,
                                             open_arrays, state_variables)
@@ -118,7 +119,7 @@ def load(directory, model, optimizer=True):
     if optimizer:
         variables, counts = state_variables(model)
     else:
-        variables = list(model.weights)
+        variables = replication.weights(model)
         counts = (len(variables), manifest["n_optimizer"], manifest["has_lr"])
     check_matches(dict(manifest, arrays=manifest["arrays"][:len(variables)]), variables,
                   counts, folder)
@@ -203,7 +204,7 @@ class ShardedCheckpoint(_callback_base()):
             # the workers restore it; a checkpoint of another model is refused here
             # first, before any of them reads it (the optimizer, not yet built in this
             # process, is checked by the workers)
-            weights = list(self.model.weights)
+            weights = replication.weights(self.model)
             check_matches(dict(manifest, arrays=manifest["arrays"][:len(weights)]),
                           weights, (len(weights), manifest["n_optimizer"]), folder)
             self.requests.append(("restore", folder, manifest))

@@ -45,7 +45,7 @@ def state_variables(model):
     counts."""
     from kmgpu.engines import replication
 
-    variables = list(model.weights)
+    variables = replication.weights(model)  # stateful RNN rows are not the model's state
     n_weights, n_optimizer, has_lr = len(variables), 0, False
     opt = getattr(model, "optimizer", None)
     if opt is not None:

@@ -155,3 +155,22 @@ def test_resuming_another_models_checkpoint_is_refused(saved):
                      callbacks=[kmgpu.ShardedCheckpoint(directory)])
     assert rel_diff(before, other.get_weights()) == 0.0
     parallel.fit(x, x[:, :1], batch_size=BATCH, epochs=1, verbose=0)  # still usable
+
+
+def test_a_stateful_models_checkpoint_holds_its_state_not_its_rows(tmp_path):
+    """The stateful RNN rows an engine may track beside the weights stay out (as they stay
+    out of Keras's own weights files): the checkpoint loads into the plain model."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3, 2), batch_size=8),
+                              keras.layers.LSTM(4, stateful=True), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(32, 3, 2)).astype("float32")
+    with few_steps():
+        kmgpu.parallelize(model, gpus=2).fit(
+            x, x.sum(axis=(1, 2))[:, None], batch_size=8, epochs=1, shuffle=False,
+            verbose=0, callbacks=[kmgpu.ShardedCheckpoint(tmp_path)])
+    plain = keras.Sequential([keras.Input((3, 2), batch_size=8),
+                              keras.layers.LSTM(4, stateful=True), keras.layers.Dense(1)])
+    plain.compile(optimizer="adam", loss="mse")
+    assert checkpoints.load(tmp_path, plain) == 0
+    assert rel_diff(model.get_weights(), plain.get_weights()) <= TOL

@@ -34,10 +34,20 @@ def carry_out(strategy, model, request, shared):
         raise ValueError(f"kmgpu: a checkpoint request {kind!r}")
 
 
+def _layout(model, variables):
+    """The replica's ``StateLayout``, whose arrays must be the checkpoint's."""
+    layout = replicas.layout_of(model, True)
+    if len(layout.arrays) != len(variables):
+        raise ValueError(f"kmgpu: a checkpoint of {len(variables)} arrays, a state of "
+                         f"{len(layout.arrays)}: this model's variables are not its weights "
+                         "and optimizer state alone")
+    return layout
+
+
 def save(strategy, model, folder, extra):
     rank, device = strategy.rank, strategy.device
     variables, counts = checkpoint_files.state_variables(model)
-    layout = replicas.layout_of(model, True)
+    layout = _layout(model, variables)
     entries = checkpoint_files.entries_of(variables)
     pieces = strategy.pieces_out
     epoch, keep = extra["epoch"], extra["keep"]
@@ -64,7 +74,7 @@ def save(strategy, model, folder, extra):
 def restore(strategy, model, folder, manifest, shared):
     variables, counts = checkpoint_files.state_variables(model)
     checkpoint_files.check_matches(manifest, variables, counts, folder)
-    layout = replicas.layout_of(model, True)
+    layout = _layout(model, variables)
     load = None
     if shared or strategy.rank == 0:
         load = snapshots.SlotZero(checkpoint_files.open_arrays(folder, manifest), layout)
