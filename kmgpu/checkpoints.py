@@ -21,8 +21,9 @@ import numpy as np
 
 from kmgpu.engines import replication
 from kmgpu.engines.checkpoint_files import (DATA, LATEST, Arrays, check_matches, create,
-                                            entries_of, finish, folder_for, latest,
-                                            open_arrays, state_variables)
+                                            entries_of, finish, folder_for,
+                                            host_random_state, latest, open_arrays,
+                                            set_host_random_state, state_variables)
 
 __all__ = ["ShardedCheckpoint", "load", "save", "latest"]
 
@@ -212,6 +213,7 @@ class ShardedCheckpoint(_callback_base()):
             variables, counts = state_variables(self.model)
             check_matches(manifest, variables, counts, folder)
             _read_into(variables, folder, manifest)
+            set_host_random_state(manifest.get("random"))
         self.model._initial_epoch = manifest["epoch"] + 1
 
     def on_epoch_end(self, epoch, logs=None):
@@ -228,6 +230,8 @@ class ShardedCheckpoint(_callback_base()):
                 return
             self.best = float(value)
         extra = {"best": self.best, "monitor": self.monitor}
+        if self.requests is None:  # else the rank that draws the orders adds its own
+            extra["random"] = host_random_state()
         if self.requests is not None:
             self.requests.append(("save", folder_for(self.directory, epoch),
                                   dict(extra, epoch=epoch, keep=self.keep)))

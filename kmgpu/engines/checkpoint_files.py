@@ -235,3 +235,40 @@ def check_matches(manifest, variables, counts, where):
                 f"kmgpu: the checkpoint in {where} holds {a['path']} of shape "
                 f"{tuple(a['shape'])}; this model's {getattr(v, 'path', v.name)} has shape "
                 f"{tuple(v.shape)}. Restore it into the model it was saved from.")
+
+
+# -- the host's random states ---------------------------------------------------------
+def host_random_state():
+    """The host random states Keras's shuffles draw from, for a manifest: NumPy's global
+    generator (the batches of arrays on JAX), Python's ``random`` (a PyDataset's order)
+    and, where torch is imported, its default CPU generator (torch's data loaders). A
+    fit resumed with them draws the orders the uninterrupted fit drew. TensorFlow's
+    ``tf.data`` shuffles draw from the graph's own generators, which this leaves out."""
+    import random
+    import sys
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, py_gauss = random.getstate()
+    state = {"numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+             "python": [version, list(internal), py_gauss]}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state().numpy().tobytes().hex()
+    return state
+
+
+def set_host_random_state(state):
+    """Put back what ``host_random_state`` gave (None: nothing)."""
+    import random
+    import sys
+
+    if not state:
+        return
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, py_gauss = state["python"]
+    random.setstate((version, tuple(internal), py_gauss))
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in state:
+        torch.set_rng_state(torch.frombuffer(bytearray.fromhex(state["torch"]),
+                                             dtype=torch.uint8))

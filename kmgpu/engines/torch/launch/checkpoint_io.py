@@ -66,6 +66,8 @@ def save(strategy, model, folder, extra):
         replicas.write_pieces(arrays, 0, model, layout, None, rank)
     if rank == 0:
         info = {k: v for k, v in extra.items() if k not in ("epoch", "keep")}
+        # the random states every rank draws the next epoch's order from (the same)
+        info["random"] = checkpoint_files.host_random_state()
         checkpoint_files.finish(directory, folder, arrays, counts, epoch, info, keep)
     if arrays is not None:
         arrays.close()
@@ -79,3 +81,4 @@ def restore(strategy, model, folder, manifest, shared):
     if shared or strategy.rank == 0:
         load = snapshots.SlotZero(checkpoint_files.open_arrays(folder, manifest), layout)
     strategy.receive_state(model, load, shared=shared)
+    checkpoint_files.set_host_random_state(manifest.get("random"))
