@@ -2,7 +2,7 @@
 A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/lab/torch_kernels.py [--quick] [--models resnet50,...]
-        [--steps 5] [--tf32] [--cudnn-benchmark] [--out FILE.md]
+        [--steps 5] [--tf32] [--cudnn-benchmark] [--top 20] [--out FILE.md]
 
 Per model (ResNet-50 64x64 batch 256, EfficientNetB0 224 batch 64, a BERT-style encoder
 batch 64; ``--models transformer,gru``: backends_balanced.py's bench transformer and masked
@@ -44,9 +44,10 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 from torch_profile import (CATEGORIES, label_optimizer, labelled,  # noqa: E402
-                           profile_torch, timed)
+                           profile_torch, timed, top_kernels)
 
 MODELS = ("resnet50", "efficientnetb0", "bert")
+TOP = 0  # --top
 T0 = time.perf_counter()
 
 
@@ -188,6 +189,8 @@ def _keras_torch(name, quick, steps, gpu, tf32):
         eager()
     res = {"trainable variables": len(model.trainable_weights)}
     res["eager"], _, _ = profile_torch(eager, steps, gpu)
+    if TOP:  # --top: the elementwise kernels that take the most time, by launching op
+        res["top elementwise"] = top_kernels(eager, steps, gpu, "elementwise", TOP)
     res["eager ms"] = timed(eager, steps, gpu)
     if gpu:
         step = graphs.local_step(model, tf32=tf32)
@@ -303,6 +306,13 @@ def markdown(results, gpu):
             lines.append(f"| {r['desc']}: torchvision resnet50, channels-last, hand-captured "
                          f"whole step | {v['captured kernels']:.0f} / "
                          f"{v['captured kernel ms']:.2f} | {v['captured ms']:.2f} |")
+    for name, r in results.items():
+        top = (r.get("torch") or {}).get("top elementwise")
+        if top:
+            lines += ["", f"{r['desc']}: the elementwise kernels with the most GPU time per "
+                      "step (Keras-torch step, eager)", "",
+                      "| launching op | kernel | kernels | GPU ms |", "|---|---|---|---|"]
+            lines += [f"| {op} | `{k}` | {n:.0f} | {ms:.3f} |" for op, k, n, ms in top]
     return "\n".join(lines)
 
 
@@ -317,8 +327,13 @@ def main():
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="torch.backends.cudnn.benchmark = True for every step (cuDNN times "
                         "its algorithms per shape and keeps the fastest); default off")
+    p.add_argument("--top", type=int, default=0,
+                   help="also list the TOP elementwise kernels of the Keras-torch step by "
+                        "GPU time, with the op that launched each")
     p.add_argument("--out")
     a = p.parse_args()
+    global TOP
+    TOP = a.top
     names = [m for m in a.models.split(",") if m]
     import torch
 

@@ -94,6 +94,35 @@ def profile_torch(fn, steps, gpu):
     return per, dev_n / steps, dev_us / steps / 1e3
 
 
+def top_kernels(fn, steps, gpu, category, top):
+    """The ``top`` (launching op, kernel) pairs of ``category`` by GPU time per step, when
+    ``fn()`` runs ``steps`` times under the profiler: [(op, kernel, count, ms), ...]."""
+    import torch
+
+    events = recorded(fn, steps, gpu)
+    bn_seq = {e.sequence_nr for e in events
+              if e.sequence_nr >= 0 and not e.name.startswith("autograd::")
+              and any("kmgpu::batchnorm" in n for n in _chain(e))}
+    found = {}
+    for e in events:
+        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        chain = _chain(e)
+        bn_back = any(n.startswith("autograd::engine::evaluate_function")
+                      for n in chain) and _backward_seq(e) in bn_seq
+        kernels = ([(k.name, k.duration) for k in e.kernels] if gpu else
+                   [(e.name, e.self_cpu_time_total)] if not e.cpu_children else [])
+        for name, us in kernels:
+            if categorise(name, chain, bn_back) != category:
+                continue
+            op = next((n for n in chain if not n.startswith("autograd::")), "?")
+            key = (op, name[:70])
+            n, t = found.get(key, (0, 0.0))
+            found[key] = (n + 1, t + us)
+    rows = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(op, k, n / steps, us / steps / 1e3) for (op, k), (n, us) in rows]
+
+
 def recorded(fn, steps, gpu):
     """The torch.profiler events of ``fn()`` run ``steps`` times (CUDA activity too on a GPU,
     synchronised before the profile ends)."""
