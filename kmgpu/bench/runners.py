@@ -27,7 +27,9 @@ Every Keras-based run is timed after its own warm-up, so its timed epochs hold n
 compile: at least ``WARMUP_STEPS`` untimed steps (whole epochs of the run's own data)
 through the same ``fit`` (it compiles the step, fills the caches, lets autotuning and the
 GPU's clocks settle), and more untimed epochs, one at a time, until the last two are
-within ``STEADY`` of each other (at most ``WARMUP_EPOCHS_MAX``); then the model's
+within ``STEADY`` of each other and they have run for ``WARMUP_MIN_S`` after that first
+call (at most ``WARMUP_EPOCHS_MAX`` epochs once they have, and ``WARMUP_MAX_S``); then the
+model's
 weights and optimizer state back to where they were (the compiled step stays), then the
 timed epochs. The warm-up's wall time is the run's ``warmup_s`` (the compile included);
 samples/s is the median of the timed epochs.
@@ -49,7 +51,12 @@ from kmgpu.bench.common import collect, global_batch, has_gpu
 
 WARMUP_STEPS = 20
 STEADY = 0.10  # the warm-up ends when its last two epochs are this close
-WARMUP_EPOCHS_MAX = 4  # the warm-up's epochs at most, the first call's included
+# ... and once its epochs after the first call (the compile) have run this long: a model
+# whose epoch takes 0.15 s on a GPU had its first timed epochs 10% slower than its last
+# after a warm-up of two such epochs (the clocks and autotuning still settling)
+WARMUP_MIN_S = 2.0
+WARMUP_EPOCHS_MAX = 4  # the warm-up's epochs at most, the first call's included, once ...
+WARMUP_MAX_S = 10.0  # ... WARMUP_MIN_S is reached; and its seconds after the first call
 INFER_BATCHES = 2
 INFER_REPEATS = 3
 
@@ -103,10 +110,10 @@ def compile_args(workload, lr_scale=1):
 def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
     """Untimed epochs of ``x``, ``y`` through ``fit`` (``steps`` per epoch): at least
     ``WARMUP_STEPS`` steps in one call, then one epoch at a time until the last two
-    epochs are within ``STEADY`` of each other (``quick``: one epoch, a code-path check
-    on a CPU measures nothing); then ``model``'s weights and optimizer state as they
-    were (Adam's slots and step count start at zero; the learning rate is kept).
-    Returns the seconds it took."""
+    epochs are within ``STEADY`` of each other and the epochs after that first call have
+    run ``WARMUP_MIN_S`` (``quick``: one epoch, a code-path check on a CPU measures
+    nothing); then ``model``'s weights and optimizer state as they were (Adam's slots and
+    step count start at zero; the learning rate is kept). Returns the seconds it took."""
     import keras
 
     from kmgpu.callbacks import EpochTimer
@@ -118,10 +125,13 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
     fit(x, y, batch_size=batch_size, epochs=first, shuffle=False, verbose=0,
         callbacks=[timer])
     seconds = list(timer.epoch_seconds)
-    while not quick and not steady(seconds) and len(seconds) < WARMUP_EPOCHS_MAX:
+    settled = 0.0  # wall seconds of the calls after the first
+    while not quick and not warm(seconds, settled):
         timer = EpochTimer()
+        call = time.perf_counter()
         fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
             callbacks=[timer])
+        settled += time.perf_counter() - call
         seconds += timer.epoch_seconds or [float("inf")]
     took = time.perf_counter() - start
     model.set_weights(weights)
@@ -129,6 +139,16 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
         if not v.path.endswith("learning_rate"):
             v.assign(np.zeros(v.shape, dtype=keras.backend.standardize_dtype(v.dtype)))
     return took
+
+
+def warm(seconds, settled):
+    """Whether a warm-up is done whose epochs took ``seconds`` and whose calls after the
+    first took ``settled`` seconds of wall time."""
+    if settled >= WARMUP_MAX_S:
+        return True
+    if settled < WARMUP_MIN_S:
+        return False
+    return steady(seconds) or len(seconds) >= WARMUP_EPOCHS_MAX
 
 
 def steady(seconds):

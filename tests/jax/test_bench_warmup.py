@@ -26,20 +26,29 @@ def test_warm_up_leaves_the_run_as_without_it():
     np.testing.assert_allclose(result["loss"], history.history["loss"][-1], rtol=1e-6)
 
 
-def test_warm_up_ends_when_two_epochs_agree():
+def test_warm_up_ends_when_two_epochs_agree_after_running_long_enough():
     from kmgpu.bench import runners
 
     assert not runners.steady([20.0]) and not runners.steady([20.0, 0.3])  # a compile
     assert runners.steady([20.0, 0.30, 0.32]) and not runners.steady([0.30, 0.40])
+    short, long_ = runners.WARMUP_MIN_S / 2, runners.WARMUP_MIN_S + 0.5
+    assert not runners.warm([20.0, 0.30, 0.32], short)  # agree, but not run long enough
+    assert runners.warm([20.0, 0.30, 0.32], long_)
+    assert not runners.warm([20.0, 0.30, 0.40], long_)  # long enough, not steady
+    assert runners.warm([20.0, 0.3, 0.4, 0.5][:runners.WARMUP_EPOCHS_MAX], long_)  # the cap
+    assert not runners.warm([20.0, 0.3, 0.4, 0.5], short)  # the cap waits for the minimum
+    assert runners.warm([20.0, 0.30, 0.40], runners.WARMUP_MAX_S)
 
 
 @pytest.mark.filterwarnings("ignore:kmgpu. only")  # few steps per epoch, as the bench's
-def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner():
+def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypatch):
     """Full-size rules on a tiny model: the warm-up until steady, evaluate and predict on
     the first INFER_BATCHES batches for plain fit and kmgpu alike, none for the replay."""
     import dataclasses
 
     from kmgpu.bench import runners, workloads
+
+    monkeypatch.setattr(runners, "WARMUP_MIN_S", 0.2)  # a GPU's 2 s: CPU time the suite saves
 
     w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=2, steps=5), batch=4,
                             args=(("steps", 2), ("width", 4)), input_shape=(2, 16),
