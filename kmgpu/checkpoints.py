@@ -85,7 +85,6 @@ def save(model, directory, epoch, extra=None, keep=1):
         _barrier("kmgpu-checkpoint-written")
     if index == 0:
         finish(directory, folder, arrays, counts, epoch, extra, keep)
-    arrays.close()
 
 
 def _jax():
@@ -121,9 +120,8 @@ def load(directory, model, optimizer=True):
         variables, counts = state_variables(model)
     else:
         variables = replication.weights(model)
-        counts = (len(variables), manifest["n_optimizer"], manifest["has_lr"])
-    check_matches(dict(manifest, arrays=manifest["arrays"][:len(variables)]), variables,
-                  counts, folder)
+        counts = (len(variables), None)
+    check_matches(manifest, variables, counts, folder)
     _read_into(variables, folder, manifest)
     return manifest["epoch"]
 
@@ -206,8 +204,7 @@ class ShardedCheckpoint(_callback_base()):
             # first, before any of them reads it (the optimizer, not yet built in this
             # process, is checked by the workers)
             weights = replication.weights(self.model)
-            check_matches(dict(manifest, arrays=manifest["arrays"][:len(weights)]),
-                          weights, (len(weights), manifest["n_optimizer"]), folder)
+            check_matches(manifest, weights, (len(weights), None), folder)
             self.requests.append(("restore", folder, manifest))
         else:
             variables, counts = state_variables(self.model)
@@ -230,10 +227,9 @@ class ShardedCheckpoint(_callback_base()):
                 return
             self.best = float(value)
         extra = {"best": self.best, "monitor": self.monitor}
-        if self.requests is None:  # else the rank that draws the orders adds its own
-            extra["random"] = host_random_state()
-        if self.requests is not None:
+        if self.requests is not None:  # rank 0 adds its random states (it draws the orders)
             self.requests.append(("save", folder_for(self.directory, epoch),
                                   dict(extra, epoch=epoch, keep=self.keep)))
         else:
-            save(self.model, self.directory, epoch, extra, self.keep)
+            save(self.model, self.directory, epoch, dict(extra, random=host_random_state()),
+                 self.keep)

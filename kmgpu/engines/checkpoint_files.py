@@ -20,8 +20,12 @@ holds:
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
+
+from kmgpu.engines import replication
+from kmgpu.engines.replication import numpy_dtype
 
 FORMAT = 1
 DATA, MANIFEST, LATEST = "state.bin", "manifest.json", "latest"
@@ -29,22 +33,10 @@ _ALIGN = 64
 
 
 # -- the arrays of a model's state ----------------------------------------------------
-def numpy_dtype(dtype):
-    """The NumPy dtype of a Keras dtype name (ml_dtypes' for those NumPy lacks)."""
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, dtype))
-
-
 def state_variables(model):
     """The variables a checkpoint holds, in its order (the optimizer built first where
     it is not yet), and (weights, optimizer state, has a learning-rate variable)
     counts."""
-    from kmgpu.engines import replication
-
     variables = replication.weights(model)  # stateful RNN rows are not the model's state
     n_weights, n_optimizer, has_lr = len(variables), 0, False
     opt = getattr(model, "optimizer", None)
@@ -127,9 +119,6 @@ class Arrays:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def close(self):
-        pass  # nothing stays mapped
 
 
 class _Views:
@@ -221,10 +210,14 @@ def open_arrays(folder, manifest):
 
 def check_matches(manifest, variables, counts, where):
     """Raise a ValueError that says what differs when the checkpoint's arrays are not
-    ``variables``' (the same count of weights and optimizer variables, and shapes)."""
+    ``variables``' (the same count of weights and optimizer variables, and shapes).
+    ``counts``: (weights, optimizer variables) of ``variables``; with optimizer None,
+    ``variables`` are the weights alone, matched against the checkpoint's weights."""
     arrays = manifest["arrays"]
-    got = (manifest["n_weights"], manifest["n_optimizer"], manifest["has_lr"])
-    if got[:2] != tuple(counts[:2]) or len(arrays) != len(variables):
+    got = (manifest["n_weights"], manifest["n_optimizer"])
+    if counts[1] is None:
+        counts, arrays = (counts[0], got[1]), arrays[:got[0]]
+    if got != tuple(counts[:2]) or len(arrays) != len(variables):
         raise ValueError(
             f"kmgpu: the checkpoint in {where} holds {got[0]} weights and {got[1]} "
             f"optimizer variables; this model has {counts[0]} and {counts[1]}. Restore it "
@@ -239,36 +232,32 @@ def check_matches(manifest, variables, counts, where):
 
 # -- the host's random states ---------------------------------------------------------
 def host_random_state():
-    """The host random states Keras's shuffles draw from, for a manifest: NumPy's global
-    generator (the batches of arrays on JAX), Python's ``random`` (a PyDataset's order)
-    and, where torch is imported, its default CPU generator (torch's data loaders). A
-    fit resumed with them draws the orders the uninterrupted fit drew. TensorFlow's
-    ``tf.data`` shuffles draw from the graph's own generators, which this leaves out."""
-    import random
-    import sys
-
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, py_gauss = random.getstate()
+    """The host random states Keras's shuffles draw from (``replication.host_random_state``:
+    NumPy's global generator for the batches of arrays on JAX, Python's ``random`` for a
+    PyDataset's order, torch's default CPU generator for torch's data loaders), for a
+    manifest. A fit resumed with them draws the orders the uninterrupted fit drew.
+    TensorFlow's ``tf.data`` shuffles draw from the graph's own generators, which this
+    leaves out."""
+    (version, internal, py_gauss), (name, keys, pos, has_gauss, gauss), torch_state = \
+        replication.host_random_state()
     state = {"numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
              "python": [version, list(internal), py_gauss]}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = torch.get_rng_state().numpy().tobytes().hex()
+    if torch_state is not None:
+        state["torch"] = torch_state.numpy().tobytes().hex()
     return state
 
 
 def set_host_random_state(state):
-    """Put back what ``host_random_state`` gave (None: nothing)."""
-    import random
-    import sys
-
+    """Put back what ``host_random_state`` gave (None: nothing; torch's state where
+    both the manifest and this process have torch)."""
     if not state:
         return
     name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     version, internal, py_gauss = state["python"]
-    random.setstate((version, tuple(internal), py_gauss))
     torch = sys.modules.get("torch")
+    torch_state = None
     if torch is not None and "torch" in state:
-        torch.set_rng_state(torch.frombuffer(bytearray.fromhex(state["torch"]),
-                                             dtype=torch.uint8))
+        torch_state = torch.frombuffer(bytearray.fromhex(state["torch"]), dtype=torch.uint8)
+    replication.set_host_random_state(
+        ((version, tuple(internal), py_gauss),
+         (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss), torch_state))

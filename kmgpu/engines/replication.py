@@ -20,6 +20,7 @@ import random
 import sys
 
 import keras
+import numpy as np
 
 from kmgpu.engines import after_build, global_losses, model_fixes, user_objects
 
@@ -62,8 +63,6 @@ def _digest(state):
     if state is None:
         return None
     import hashlib
-
-    import numpy as np
 
     digest = hashlib.sha1()
 
@@ -115,18 +114,27 @@ def host_random_kept():
     ``fit``: a seeded script's next draws there (a ``PyDataset``'s shuffled batch order,
     the user's own ``random`` / NumPy / torch calls) would come out otherwise. The
     replica's weights are copied from the template, so its draws are of no use."""
-    import numpy as np
-
-    torch = sys.modules.get("torch")
-    saved = (random.getstate(), np.random.get_state(),
-             torch.get_rng_state() if torch is not None else None)
+    saved = host_random_state()
     try:
         yield
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        if saved[2] is not None:
-            torch.set_rng_state(saved[2])
+        set_host_random_state(saved)
+
+
+def host_random_state():
+    """The host random states Keras draws from: Python's ``random``, NumPy's global
+    generator and, where torch is imported, its default CPU generator (None otherwise)."""
+    torch = sys.modules.get("torch")
+    return (random.getstate(), np.random.get_state(),
+            torch.get_rng_state() if torch is not None else None)
+
+
+def set_host_random_state(saved):
+    """Put back what ``host_random_state`` gave."""
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    if saved[2] is not None:
+        sys.modules["torch"].set_rng_state(saved[2])
 
 
 def clone(template):
@@ -292,6 +300,17 @@ def scale_schedule(args, lr_scale):
         optimizer.learning_rate = lr.ScaledSchedule(optimizer._learning_rate, factor,
                                                     warmup_steps)
     return args
+
+
+def numpy_dtype(dtype):
+    """The NumPy dtype of a Keras dtype name (ml_dtypes' for those NumPy lacks): how a
+    state array of that variable is held outside Keras."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype))
 
 
 def optimizer_state(optimizer):

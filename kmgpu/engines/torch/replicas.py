@@ -184,19 +184,9 @@ def layout_of(model, with_optimizer):
         n_opt = len(replication.optimizer_state(opt))
         has_lr = replication.lr_variable(model) is not None
     layout = StateLayout((), len(model.weights), n_opt, has_lr)
-    arrays = tuple((tuple(v.shape), _numpy_dtype(v.dtype).str)
+    arrays = tuple((tuple(v.shape), replication.numpy_dtype(v.dtype).str)
                    for v in transfer_variables(model, layout))
     return StateLayout(arrays, layout.n_weights, n_opt, has_lr)
-
-
-def _numpy_dtype(dtype):
-    """The NumPy dtype of a Keras dtype name (ml_dtypes' for those NumPy lacks)."""
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, dtype))
 
 
 def model_arrays(model, layout):
@@ -284,9 +274,7 @@ def copy_in(variable, array):
     src, value = _as_torch(array), variable.value
     if src is None or src.dtype != value.dtype or tuple(src.shape) != tuple(value.shape):
         if np.asarray(array).dtype.kind == "V":  # raw bytes of a dtype numpy lacks
-            import ml_dtypes
-
-            array = np.asarray(array).view(getattr(ml_dtypes, variable.dtype))
+            array = np.asarray(array).view(replication.numpy_dtype(variable.dtype))
         variable.assign(array)
         return
     with torch.no_grad():

@@ -52,14 +52,13 @@ def save(strategy, model, folder, extra):
     pieces = strategy.pieces_out
     epoch, keep = extra["epoch"], extra["keep"]
     directory = os.path.dirname(folder)
-    arrays = None
     if rank == 0:
         folder, arrays = checkpoint_files.create(directory, epoch, entries)
     if pieces:
         snapshots.everywhere(device, 0, sum_=True)  # the file exists
         if rank != 0:
-            arrays = checkpoint_files.Arrays(os.path.join(folder, checkpoint_files.DATA), entries,
-                                        writable=True)
+            arrays = checkpoint_files.Arrays(os.path.join(folder, checkpoint_files.DATA),
+                                             entries, writable=True)
         replicas.write_pieces(arrays, 0, model, layout, strategy._weight_shards(), rank)
         snapshots.everywhere(device, 0, sum_=True)  # every rank has written
     elif rank == 0:
@@ -69,8 +68,6 @@ def save(strategy, model, folder, extra):
         # the random states every rank draws the next epoch's order from (the same)
         info["random"] = checkpoint_files.host_random_state()
         checkpoint_files.finish(directory, folder, arrays, counts, epoch, info, keep)
-    if arrays is not None:
-        arrays.close()
 
 
 def restore(strategy, model, folder, manifest, shared):
