@@ -82,14 +82,14 @@ def job(n, shard, depth):
     parallel = parallelized(model, n, shard)
     saves = os.environ.get("HOST_MEMORY_CHECKPOINT")  # --checkpoint
     where = tempfile.mkdtemp(prefix="host-memory-", dir=os.getcwd()) if saves else None
-    callbacks = {None: [],
-                 "sharded": lambda: [kmgpu.ShardedCheckpoint(where)],
-                 "keras": lambda: [keras.callbacks.ModelCheckpoint(
-                     os.path.join(where, "model.keras"))]}[saves]
+    callbacks = []
+    if saves == "sharded":
+        callbacks = [kmgpu.ShardedCheckpoint(where)]
+    elif saves == "keras":
+        callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(where, "model.keras"))]
     print("FIT-START", flush=True)
     start = time.perf_counter()
-    parallel.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
-                 callbacks=callbacks() if saves else callbacks)
+    parallel.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
     print(json.dumps({"fit_s": time.perf_counter() - start}), flush=True)
     if where is not None:
         size = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(where)

@@ -65,17 +65,41 @@ def profile_torch(fn, steps, gpu):
     import torch
 
     events = recorded(fn, steps, gpu)
+    table = {c: [0, 0.0] for c in CATEGORIES}
+    for _, _, us, c in _kernels(events, gpu):
+        table[c][0] += 1
+        table[c][1] += us
+    device = [e for e in events if gpu and e.device_type == torch.autograd.DeviceType.CUDA]
+    dev_us = sum(e.time_range.elapsed_us() for e in device)
+    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
+    return per, len(device) / steps, dev_us / steps / 1e3
+
+
+def top_kernels(fn, steps, gpu, category, top):
+    """The ``top`` (launching op, kernel) pairs of ``category`` by GPU time per step, when
+    ``fn()`` runs ``steps`` times under the profiler: [(op, kernel, count, ms), ...]."""
+    found = {}
+    for chain, name, us, c in _kernels(recorded(fn, steps, gpu), gpu):
+        if c == category:
+            op = next((n for n in chain if not n.startswith("autograd::")), "?")
+            n, t = found.get((op, name[:70]), (0, 0.0))
+            found[(op, name[:70])] = (n + 1, t + us)
+    rows = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(op, k, n / steps, us / steps / 1e3) for (op, k), (n, us) in rows]
+
+
+def _kernels(events, gpu):
+    """(launching op's chain, kernel name, us, category) of each kernel the host events
+    launched (on a CPU: each leaf aten op, standing for a kernel)."""
+    import torch
+
     bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
     for e in events:
         if e.sequence_nr >= 0 and not e.name.startswith("autograd::") and any(
                 "kmgpu::batchnorm" in n for n in _chain(e)):
             bn_seq.add(e.sequence_nr)
-    table = {c: [0, 0.0] for c in CATEGORIES}
-    dev_n, dev_us = 0, 0.0
     for e in events:
         if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
-            dev_n += 1
-            dev_us += e.time_range.elapsed_us()
             continue
         chain = _chain(e)
         bn_back = any(n.startswith("autograd::engine::evaluate_function")
@@ -83,44 +107,11 @@ def profile_torch(fn, steps, gpu):
         if gpu:
             kernels = [(k.name, k.duration) for k in e.kernels]
         elif not e.cpu_children and not e.name.startswith(("kmgpu::", "autograd::")):
-            kernels = [(e.name, e.self_cpu_time_total)]  # CPU: a leaf op stands for a kernel
+            kernels = [(e.name, e.self_cpu_time_total)]
         else:
             kernels = []
         for name, us in kernels:
-            c = categorise(name, chain, bn_back)
-            table[c][0] += 1
-            table[c][1] += us
-    per = {c: [n / steps, us / steps / 1e3] for c, (n, us) in table.items()}
-    return per, dev_n / steps, dev_us / steps / 1e3
-
-
-def top_kernels(fn, steps, gpu, category, top):
-    """The ``top`` (launching op, kernel) pairs of ``category`` by GPU time per step, when
-    ``fn()`` runs ``steps`` times under the profiler: [(op, kernel, count, ms), ...]."""
-    import torch
-
-    events = recorded(fn, steps, gpu)
-    bn_seq = {e.sequence_nr for e in events
-              if e.sequence_nr >= 0 and not e.name.startswith("autograd::")
-              and any("kmgpu::batchnorm" in n for n in _chain(e))}
-    found = {}
-    for e in events:
-        if gpu and e.device_type == torch.autograd.DeviceType.CUDA:
-            continue
-        chain = _chain(e)
-        bn_back = any(n.startswith("autograd::engine::evaluate_function")
-                      for n in chain) and _backward_seq(e) in bn_seq
-        kernels = ([(k.name, k.duration) for k in e.kernels] if gpu else
-                   [(e.name, e.self_cpu_time_total)] if not e.cpu_children else [])
-        for name, us in kernels:
-            if categorise(name, chain, bn_back) != category:
-                continue
-            op = next((n for n in chain if not n.startswith("autograd::")), "?")
-            key = (op, name[:70])
-            n, t = found.get(key, (0, 0.0))
-            found[key] = (n + 1, t + us)
-    rows = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
-    return [(op, k, n / steps, us / steps / 1e3) for (op, k), (n, us) in rows]
+            yield chain, name, us, categorise(name, chain, bn_back)
 
 
 def recorded(fn, steps, gpu):

@@ -52,8 +52,8 @@ from kmgpu.bench.common import collect, global_batch, has_gpu
 WARMUP_STEPS = 20
 STEADY = 0.10  # the warm-up ends when its last two epochs are this close
 # ... and once its epochs after the first call (the compile) have run this long: a model
-# whose epoch takes 0.15 s on a GPU had its first timed epochs 10% slower than its last
-# after a warm-up of two such epochs (the clocks and autotuning still settling)
+# whose epochs take a fraction of a second is otherwise timed while the GPU's clocks and
+# autotuning still settle (its first timed epochs slower than its last)
 WARMUP_MIN_S = 2.0
 WARMUP_EPOCHS_MAX = 4  # the warm-up's epochs at most, the first call's included, once ...
 WARMUP_MAX_S = 10.0  # ... WARMUP_MIN_S is reached; and its seconds after the first call

@@ -123,8 +123,9 @@ class Scattering:
             # host memory: the layers' gradient blocks autograd freed so far go back to
             # the system; each is split by the pass's smaller tensors before the next
             # layer's gradient asks for one, so a pass would otherwise hold one block per
-            # layer until its end (about 4 bytes per parameter on each rank; measured:
-            # a fit about 7% slower). On a GPU the caching allocator reuses them.
+            # layer until its end, at the price of a slower fit on CPU devices
+            # (benchmarks/results/host-memory-cpu.md). On a GPU the caching allocator
+            # reuses them.
             heap.trim_heap()
         slot = self._slot(piece)
         flat = slot[0][:self.layout.flats[k].numel()]
