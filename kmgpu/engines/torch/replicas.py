@@ -233,15 +233,22 @@ def write_state(state, slot, model, layout, seq=1, epoch=-1, zeros_out=False):
     views = state.begin(slot)
     if len(variables) != len(views):
         raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
-    nw = layout.n_weights
-    out = {i for i in range(nw, nw + layout.n_optimizer)  # slots, not counters
-           if zeros_out and variables[i].value.is_floating_point()
-           and not variables[i].value.any()}
+    out = set(zero_slots(model, layout)[0]) if zeros_out else set()
     for i, (v, view) in enumerate(zip(variables, views)):
         if i not in out:
             _copy_out(v, view)
     state.complete(slot, seq, epoch, sorted(out))
     return [variables[i] for i in sorted(out)]
+
+
+def zero_slots(model, layout):
+    """The optimizer variables of ``layout`` that are all zeros (a new optimizer's
+    slots, not its counters), which need not travel: (their indices, the variables)."""
+    variables = transfer_variables(model, layout)
+    nw = layout.n_weights
+    out = [i for i in range(nw, nw + layout.n_optimizer)
+           if variables[i].value.is_floating_point() and not variables[i].value.any()]
+    return tuple(out), [variables[i] for i in out]
 
 
 def _copy_out(variable, view):
@@ -359,41 +366,57 @@ def load_pieces(model, arrays, layout, zero):
 
 def write_pieces(state, slot, model, layout, zero, rank, slots=True, indices=None):
     """``write_state`` on every rank of a replica whose trainable weights and optimizer
-    slots ``zero`` holds in pieces: each rank writes its own pieces of them
-    (``piece_state.give``), rank 0 every other variable whole (``zero`` None: a replica
-    that holds nothing in pieces, rank 0 writes all). Each rank marks ``slot`` incomplete
+    slots ``zero`` holds in pieces: each rank writes its own pieces of them, rank 0
+    every other variable whole (``pieces_out``). Each rank marks ``slot`` incomplete
     before it writes; the caller marks it complete once every rank has written
     (``StateFile.complete``).
-
-    ``slots=False`` leaves out the optimizer's slots held in pieces (they stay in the
-    ranks: 8 of the 12 bytes per parameter with Adam); ``indices`` writes only those of
-    the layout's arrays.
 
     Returns:
         The indices of the layout's arrays not written (the same on every rank), for
         ``StateFile.complete``'s ``missing``.
     """
+    views = state.begin(slot)
+    if len(layout.arrays) != len(views):
+        raise ValueError(f"state has {len(layout.arrays)} arrays, the file {len(views)}")
+    found, missing = pieces_out(model, layout, zero, rank, slots, indices)
+    for i, lo, hi, tensor in found:
+        # a view is taken where it is written and let go after (a checkpoint's ``Arrays``
+        # maps each array then, so a rank never maps all its pages at once)
+        _host_tensor(views[i], tensor.dtype).reshape(-1)[lo:hi].copy_(tensor)
+    return missing
+
+
+def pieces_out(model, layout, zero, rank, slots=True, indices=None):
+    """What this rank sends of ``model``'s state (``layout``'s arrays), where ``zero`` (a
+    ``zero.Shards`` with weights) holds the trainable weights and optimizer slots in
+    pieces: its own pieces of those (``piece_state.spans``), and on rank 0 every other
+    variable whole (``zero`` None: a replica that holds nothing in pieces, rank 0 all).
+
+    ``slots=False`` leaves out the optimizer's slots held in pieces (they stay in the
+    ranks: 8 of the 12 bytes per parameter with Adam); ``indices`` sends only those of
+    the layout's arrays.
+
+    Returns:
+        ([(array index, start, stop, tensor)], the flat elements ``[start, stop)`` of
+        that array), the indices of the arrays no rank sends (the same on every rank).
+    """
     from kmgpu.engines.torch.optim import piece_state, placement
 
     variables = transfer_variables(model, layout)
-    views = state.begin(slot)
-    if len(variables) != len(views):
-        raise ValueError(f"state has {len(variables)} arrays, the file {len(views)}")
+    if len(variables) != len(layout.arrays):
+        raise ValueError(f"state has {len(variables)} arrays, the layout {len(layout.arrays)}")
     held = placement.sharded_ids(zero) if zero is not None else set()
     kept = {id(v) for v in variables[layout.n_weights:] if id(v) in held}
-    written = {id(v) for i, v in enumerate(variables)
-               if (i in indices if indices is not None else slots or id(v) not in kept)}
-    # by index: a view is taken where it is written and let go after (a checkpoint's
-    # ``Arrays`` maps each array then, so a rank never maps all its pages at once)
-    index = {id(v): i for i, v in enumerate(variables) if id(v) in written}
+    index = {id(v): i for i, v in enumerate(variables)
+             if (i in indices if indices is not None else slots or id(v) not in kept)}
+    found = []
     if zero is not None:
-        piece_state.give(zero, lambda v: _host_tensor(views[index[id(v)]], v.value.dtype)
-                         if id(v) in index else None)
+        found += [(index[id(v)], lo, hi, own) for v, lo, hi, own in piece_state.spans(zero)
+                  if id(v) in index]
     if rank == 0:
-        for i, v in enumerate(variables):
-            if id(v) not in held and id(v) in written:
-                _copy_out(v, views[i])
-    return [i for i, v in enumerate(variables) if id(v) not in written]
+        found += [(i, 0, int(v.value.numel()), v.value.detach().reshape(-1))
+                  for i, v in enumerate(variables) if id(v) not in held and id(v) in index]
+    return found, [i for i, v in enumerate(variables) if id(v) not in index]
 
 
 def _host_tensor(array, dtype):

@@ -3,10 +3,11 @@
 - ``CallFiles`` hands a call's arrays to the workers once, as memory-mapped ``.npy``
   files in ``/dev/shm`` (every worker maps the same pages; removed after the call);
   a worker gets them back with ``resolve``.
-- ``StateFile`` carries weights and optimizer state in and back: the driver writes
-  slot 0; the ranks write snapshots at epoch ends (rank 0 the whole state, or with
-  shard="weights" each rank its own pieces: ``launch.snapshots``), so an interrupted
-  fit still leaves the last consistent state. A slot nothing will read gives its memory back
+- ``StateFile`` carries weights and optimizer state in and back where the state is not
+  sharded (shard="weights" sends it over the pipes: ``launch.state_pipe``): the driver
+  writes slot 0; rank 0 writes snapshots at epoch ends (``launch.snapshots``), so an
+  interrupted fit still leaves the last consistent state. Its first page carries the
+  driver's stop request (Ctrl-C) in every call. A slot nothing will read gives its memory back
   (``free``): an older snapshot once a newer one is complete, and every slot once the
   driver has loaded the call's state, so between calls the file holds no state.
 - Every file kmgpu writes lives in a private directory of its own (``mkdtemp``: mode

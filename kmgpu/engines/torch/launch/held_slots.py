@@ -10,9 +10,9 @@ Where a fit's state lives then (``launch.snapshots`` says the rest):
 - when they are gathered: at the first read of any held slot, before a call that sends
   your model's state to the ranks or whose callbacks may read or set the state
   (``messages.Call.slots_back``), before another model's call on the pool, and before
-  the pool closes (``WorkerPool.holder``). Each rank writes its pieces into the
-  state file (``messages.SlotsQuery``); your model copies them and the file gives the
-  pages back. Nothing is gathered on a rank.
+  the pool closes (``WorkerPool.holder``). Each rank sends its pieces over its pipe
+  straight into the held variables' tensors (``messages.SlotsQuery``,
+  ``launch.state_pipe``). Nothing is gathered on a rank or copied into a file.
 """
 
 import warnings
@@ -20,6 +20,7 @@ import warnings
 import keras
 
 from kmgpu.engines.torch import replicas
+from kmgpu.engines.torch.launch import state_pipe
 from kmgpu.engines.torch.launch.messages import SlotsQuery
 from kmgpu.engines.torch.optim import held
 
@@ -44,10 +45,11 @@ class HeldSlots:
         held.empty(variables)
         pool.holder = self
 
-    def replaced_by(self, arrays):
-        """A snapshot that holds the slots comes: they are let go unread (its values
-        are loaded into them)."""
-        if self.found is not None and all(arrays[i] is not None for _, i in self.found[2]):
+    def replaced_by(self, holds):
+        """A snapshot that holds the slots comes (``holds``: per array of the layout,
+        whether the snapshot holds it): they are let go unread (its values are loaded
+        into them)."""
+        if self.found is not None and all(holds[i] for _, i in self.found[2]):
             self._let_go()
 
     def _let_go(self):
@@ -73,14 +75,13 @@ class HeldSlots:
         try:
             if pool.closed or not pool.alive():
                 raise RuntimeError("the worker processes have ended")
-            state = pool.state_file(layout.arrays)
-            query = SlotsQuery(state.path, layout, tuple(i for _, i in pairs))
-            pool.call([query] * pool.world)
-            arrays = state.read(1, copy=False)
+            # each rank's pieces straight into the held variables' tensors
+            pipe = state_pipe.DriverPipe(template, layout)
+            pool.call([SlotsQuery(None, layout, tuple(i for _, i in pairs))] * pool.world,
+                      on_state=pipe)
+            if not pipe.complete:
+                raise RuntimeError("not every worker sent its pieces")
             self._let_go()
-            for v, i in pairs:
-                replicas.copy_in(v, arrays[i])
-            state.free()
         except Exception as e:
             if self.found is not None:
                 self._let_go()

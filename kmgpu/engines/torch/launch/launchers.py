@@ -9,29 +9,30 @@ from it, ``DDPStrategy(device, call.config)``, when it makes a replica for the c
 - ``PoolLauncher``: kmgpu starts one worker process per device (gloo on CPU and
   simulated devices, NCCL on GPUs) and reuses it between calls and engines
   (``pool.WorkerPool``). The model travels as config, the data once as
-  memory-mapped files, the state through the pool's state file; rank 0's
-  progress bar streams to this process's stdout.
-- ``InProcessLauncher``: torchrun (or ``kmgpu launch``, or the user's own
+  memory-mapped files, the state through the pool's state file (under
+  shard="weights" over the pipes: ``state_pipe``); rank 0's progress bar streams to
+  this process's stdout.
+- ``InProcessLauncher`` (``in_process``): torchrun (or ``kmgpu launch``, or the user's own
   ``init_process_group``) already started this process as one rank. DDP runs
   here; every process passes the same full data; the user's callbacks run on
   rank 0 only and every rank returns the same History, metrics and predictions.
 
-``choose`` picks one; the engine drives both through the same methods.
+``choose`` picks one; the engine drives both through the same methods (``base.Launcher``).
 """
 
-import abc
 import dataclasses
 import os
 import sys
+import warnings
 
-from kmgpu.engines import replication
 from kmgpu.engines.base import ON_BATCH
-from kmgpu.engines.torch import collectives, replicas, runtime, transport
-from kmgpu.engines.torch.data import feeds, inputs, shuffle
-from kmgpu.engines.torch.launch import held_slots, relay
-from kmgpu.engines.torch.launch.messages import Aborted, RankResult, WeightsQuery
+from kmgpu.engines.torch import replicas, transport
+from kmgpu.engines.torch.data import inputs
+from kmgpu.engines.torch.launch import held_slots, state_pipe
+from kmgpu.engines.torch.launch.base import Launcher
+from kmgpu.engines.torch.launch.in_process import InProcessLauncher
+from kmgpu.engines.torch.launch.messages import WeightsQuery
 from kmgpu.engines.torch.launch.pool import WorkerPool, start_method
-from kmgpu.engines.torch.strategy import DDPStrategy
 
 _SHARED_POOLS = {}  # (devices, backend) -> WorkerPool, reused by every engine on them
 MAX_POOLS = 2  # live pools kept; the least recently used beyond that is closed
@@ -67,67 +68,6 @@ def close_pools():
         _SHARED_POOLS.pop(next(iter(_SHARED_POOLS))).close()
 
 
-class Launcher(abc.ABC):
-    """How ranks are started and reached: what the torch engine asks of it.
-
-    Attributes:
-        name: what runs the ranks, in words (for describe()).
-        device_ids, device_names: the replicas' devices.
-        is_interactive_compatible: works from a notebook or REPL.
-        runs_callbacks: this process runs the user's callbacks.
-    """
-
-    name = "?"
-    is_interactive_compatible = False
-    runs_callbacks = True
-    #: arrays of the template's state the last call sent to the ranks (0: none needed)
-    copied_in = None
-
-    @abc.abstractmethod
-    def launch(self, call, template, driver, clock):
-        """Run ``call`` on every rank, from ``template``'s current state.
-
-        Args:
-            call: a ``messages.Call`` (its data as the user passed it).
-            template: the user's model: its weights, optimizer state and state rows
-                go to the ranks first.
-            driver: the ``relay.CallbackDriver`` answering rank 0's events.
-            clock: a ``timing.Clock`` to mark the call's parts on.
-
-        Returns:
-            One ``RankResult`` per rank, rank order. For fit and evaluate, the first
-            one's result is the call's (the same on every rank).
-        """
-
-    @abc.abstractmethod
-    def load_state(self, template):
-        """Put the ranks' latest consistent state (rank 0's) into ``template``; a
-        no-op before this call's state reached the ranks."""
-
-    @abc.abstractmethod
-    def push_state(self, template):
-        """Send ``template``'s state to the ranks during a call (the callbacks set it)."""
-
-    def end_call(self, failed, touched=False):
-        """The call is over (``failed``: it raised; ``touched``: a rank's replica changed
-        in a call that does not train); free what it held."""
-
-    @abc.abstractmethod
-    def rank_weights(self):
-        """Every rank's replica weights, rank order (for tests)."""
-
-    @abc.abstractmethod
-    def rank_held_bytes(self):
-        """Every rank's ``DDPStrategy.held_bytes()``, rank order (for tests)."""
-
-    def worker_pids(self):
-        """The worker processes' ids (none in-process)."""
-        return []
-
-    def close(self):
-        """Free the processes and files (or leave the process group)."""
-
-
 class PoolLauncher(Launcher):
     """kmgpu's worker pool: one process per device, shared by engines on the same devices.
 
@@ -148,6 +88,7 @@ class PoolLauncher(Launcher):
         self.pool = None
         self._files = None
         self._state = None  # (StateFile, StateLayout) once this call's state is written
+        self._pipe = None  # shard="weights": the call's state over the pipes (DriverPipe)
         self._feed = None  # fit's training data read pass by pass (feeds.Feed)
         # the template's state as the workers' replicas hold it: (pool, token, versions,
         # layout) after a call that left them equal; the next call sends no state
@@ -218,12 +159,17 @@ class PoolLauncher(Launcher):
             kwargs, self._feed = inputs.send(call.kwargs, self._files, call.method, template)
         clock("data out")
         pool.synced = None  # until this call has left the replicas equal to the template
+        # shard="weights": the state over the pipes, no whole copy of it in a file
+        piped = call.config.shard == "weights"
+        absent = ()
         if state_in:
-            # each variable copied once, straight into the file (no whole copy first)
             layout = replicas.layout_of(template, with_optimizer=True)
             state = pool.state_file(layout.arrays)
-            zeros = replicas.write_state(state, 0, template, layout, zeros_out=True)
-            if zeros and not call.slots_back and call.config.shard == "weights":
+            if piped:  # the ranks ask for their pieces; a new optimizer's zeros stay here
+                absent, zeros = replicas.zero_slots(template, layout)
+            else:  # each variable copied once, straight into the file (no whole copy first)
+                zeros = replicas.write_state(state, 0, template, layout, zeros_out=True)
+            if zeros and not call.slots_back and piped:
                 # a new optimizer's slots: the ranks make them (pieces, or rank 0 whole
                 # where its step keeps them so; the other shard values keep them on no
                 # rank whole between calls)
@@ -233,15 +179,17 @@ class PoolLauncher(Launcher):
             state = pool.state_file(layout.arrays)
         self._candidate = (replicas.state_versions(template), layout)
         self._state = (state, layout)
+        self._pipe = state_pipe.DriverPipe(template, layout) if piped else None
         self.copied_in = len(layout.arrays) if state_in else 0
         self.in_call = True
         clock("state out")
         call = dataclasses.replace(call, kwargs=kwargs, state_path=state.path, layout=layout,
                                    model=None if pool.model_key == call.key else spec,
-                                   state_in=state_in)
+                                   state_in=state_in, piped=piped, absent=absent)
         stop = state.request_stop if call.method == "fit" else None
         try:
-            answers = pool.call([call] * pool.world, on_event=driver, on_interrupt=stop)
+            answers = pool.call([call] * pool.world, on_event=driver, on_interrupt=stop,
+                                on_state=self._pipe)
         except BaseException:
             # a Ctrl-C the workers answered leaves them and their replicas as they were
             pool.model_key = call.key if pool.alive() else None
@@ -251,20 +199,46 @@ class PoolLauncher(Launcher):
         return answers
 
     def load_state(self, template):
-        """The newest complete snapshot rank 0 wrote (final weights, or the last epoch's)."""
+        """The newest complete snapshot the ranks wrote (final weights, or the last
+        epoch's) into ``template``; False when there is none."""
+        if self._pipe is not None:
+            return self._piped_state(template)
         # views of the file: set_weights / assign copy them into the variables at once
         latest = self._state[0].latest(copy=False) if self._state is not None else None
         if latest is None:
             return False
         arrays, layout = latest[0], self._state[1]
-        self._held.replaced_by(arrays)
+        self._held.replaced_by([a is not None for a in arrays])
         missing = replicas.load_arrays(template, arrays, layout)
         if missing:  # the optimizer's slots the ranks keep (shard="weights")
             self._held.hold(template, layout, missing, self.pool)
         self._candidate = (replicas.state_versions(template), layout)  # rank 0's, as loaded
         return True
 
+    def _piped_state(self, template):
+        """``load_state`` over the pipes: the snapshots are in ``template`` already, as the
+        ranks sent them (``state_pipe``); the slots they left out are held."""
+        pipe, layout = self._pipe, self._state[1]
+        if pipe.partial:
+            warnings.warn(
+                "kmgpu (torch): a worker process ended while the ranks sent their state back; "
+                "your model holds the parts that came and its earlier state elsewhere. "
+                "Load your last checkpoint (kmgpu.ShardedCheckpoint) before going on.",
+                RuntimeWarning, stacklevel=4)
+        if not pipe.complete:
+            return False
+        missing = set(pipe.complete[-1][2])
+        self._held.replaced_by([i not in missing for i in range(len(layout.arrays))])
+        if missing:  # the optimizer's slots the ranks keep
+            variables = replicas.transfer_variables(template, layout)
+            self._held.hold(template, layout, [variables[i] for i in sorted(missing)],
+                            self.pool)
+        self._candidate = (replicas.state_versions(template), layout)
+        return True
+
     def push_state(self, template):
+        if self._pipe is not None:
+            return  # the ranks read your model as it is when they reload
         state, layout = self._state
         replicas.write_state(state, 0, template, layout)
 
@@ -282,7 +256,7 @@ class PoolLauncher(Launcher):
                 self._state[0].free()
             except OSError:  # the pool's file is gone with it
                 pass
-        files, self._files, self._state = self._files, None, None
+        files, self._files, self._state, self._pipe = self._files, None, None, None
         feed, self._feed = self._feed, None
         if feed is not None:
             feed.close()
@@ -326,124 +300,3 @@ def _worker_settings(backend):
     }
     return {"env": env, "keras_config": config,
             "timeout": environment.collective_timeout().total_seconds()}
-
-
-class InProcessLauncher(Launcher):
-    """This process is already one rank (torchrun, ``kmgpu launch``, or the user's own
-    process group): nothing to start; the replica lives here.
-
-    Joins the group from torchrun's variables when the user has not
-    (``runtime.join_group``; left together at exit or at this launcher's ``close``).
-    Keeps one replica, and the strategy it was made with, between calls.
-    """
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        gpu, self.device, self._owns_group = runtime.join_group()
-        self.backend = dist.get_backend()
-        world = dist.get_world_size()
-        kind = "gpu" if gpu else "cpu"
-        self.device_ids = list(range(world))
-        self.device_names = [f"{kind}:{r}" for r in range(world)]
-        self.name = (f"torch DistributedDataParallel ({self.backend}, in-process: rank "
-                     f"{dist.get_rank()} of {world})")
-        self.runs_callbacks = dist.get_rank() == 0
-        self.strategy = None  # made with each replica, from the call's config
-        self.replica, self._built_key = None, None
-        self._live = False  # the replica holds this call's state
-        self._synced = None  # (replica, versions) after a call that left them equal
-        self._candidate = None
-
-    def _replica_for(self, call, template):
-        if self.replica is None or call.key != self._built_key:
-            self.replica, self._built_key = None, None
-            # each process's own model gets a sharded optimizer state: gathered everywhere
-            strategy = DDPStrategy(self.device, call.config, gather_everywhere=True)
-            self.strategy = strategy
-            with strategy.building():  # shard="weights": in host memory, pieces to the device
-                replica = replication.make_replica(
-                    template, rows=lambda batch: batch // strategy.world,
-                    lr_scale=call.lr_scale, finish=strategy.prepare)
-            self.replica, self._built_key = replica, call.key
-        return self.replica
-
-    def launch(self, call, template, driver, clock):
-        replica = self._replica_for(call, template)
-        s = self.strategy  # the one this replica was made with
-        synced = self._synced
-        state_in = not (synced is not None and synced[0] is replica
-                        and replicas.unchanged(template, synced[1]))
-        # the others learn which hooks rank 0's callbacks take, its random states (the
-        # same order everywhere) and whether its template's state must reach the
-        # replicas (rank 0's decides)
-        hooks, rng, state_in = collectives.broadcast_object((call.hooks, call.rng, state_in))
-        shuffle.set_state(rng)
-        if state_in:  # every rank's template into its replica; rank 0's wins
-            self.push_state(template)
-            s.receive_state(replica, None, shared=False)
-        self._candidate = replicas.state_versions(template)
-        self.copied_in = len(self._candidate) if state_in else 0
-        s.write_state_rows(replica, call.rnn_states)
-        clock("replica")
-        host = feeds.KerasDraws()  # from the random states every rank now shares
-        kwargs = inputs.local(call.kwargs, call.method, template, host)
-        self._live = True
-        before = None if call.method in ("fit", "train_on_batch") else \
-            replicas.state_versions(replica)
-        result = s.run(replica, call.method, kwargs, hooks=hooks,
-                       relay=driver if s.rank == 0 else None, reset_states=call.reset_states,
-                       fit_callbacks=[feeds.NextPass(kwargs.get("x"),
-                                                     kwargs.get("validation_data"))])
-        host.leave_as_keras()  # where plain Keras's reads leave torch's random state
-        rows = [[]] * s.world
-        if replication.stateful_layers(template):  # every rank's rows, in rank order, everywhere
-            rows = collectives.all_gather_object(s.state_rows(replica))
-        if call.method == "fit":  # rank 0's History on every rank
-            record = None
-            if s.rank == 0 and driver.history is not None:
-                record = relay.record(driver.history)
-            result, record = collectives.broadcast_object((result, record))
-            if s.rank != 0 and record is not None and result is None:
-                driver.history = relay.history_from(template, record)
-        results = [result] + [None] * (s.world - 1)
-        if call.method in ("predict", "predict_on_batch") and not isinstance(result, Aborted):
-            results = collectives.all_gather_object(result)
-        touched = [False] * s.world
-        if before is not None:  # a custom step may assign variables in a call that tests
-            touched = collectives.all_gather_object(not replicas.unchanged(replica, before))
-        clock("call")
-        return [RankResult(r, states, s.last_rows, t)
-                for r, states, t in zip(results, rows, touched)]
-
-    def load_state(self, template):
-        if not self._live:
-            return False
-        replication.copy_state(self.replica, template)
-        replication.copy_lr(self.replica, template)
-        self._candidate = replicas.state_versions(template)
-        return True
-
-    def push_state(self, template):
-        self.strategy.receivable()  # shard="weights": host buffers to copy into
-        replication.copy_state(template, self.replica)
-        replication.copy_lr(template, self.replica)
-
-    def end_call(self, failed, touched=False):
-        self._live = False
-        candidate, self._candidate = self._candidate, None
-        self._synced = (None if failed or touched or candidate is None
-                        else (self.replica, candidate))
-        if failed:  # process-wide: the group may be another model's (the first made here)
-            runtime.mark_broken()
-
-    def rank_weights(self):
-        return collectives.all_gather_object(self.replica.get_weights())
-
-    def rank_held_bytes(self):
-        return collectives.all_gather_object(self.strategy.held_bytes())
-
-    def close(self):
-        if self._owns_group:
-            self._owns_group = False
-            runtime.leave_group()

@@ -5,7 +5,8 @@ on its pipe (pickled by ``multiprocessing``); under torchrun the same records ar
 passed in-process. Plain data only: nothing here imports Keras or torch.
 
 Driver -> worker: ``Port`` (rendezvous), ``Call``, ``WeightsQuery``, ``Reply``, ``Exit``.
-Worker -> driver: ``Port`` (rank 0), ``Ready``, ``Event``, ``Done``, ``Failed``.
+Worker -> driver: ``Port`` (rank 0), ``Ready``, ``Event``, ``Done``, ``Failed``, and
+under shard="weights" the state over the pipe (``Want``, ``Pieces``: ``launch.state_pipe``).
 What the driver notes about a worker itself: ``Died``, ``TimedOut``.
 What a call returns per rank: ``RankResult`` holding ``None`` (fit), evaluate's value,
 ``Predictions`` or ``Aborted``.
@@ -86,6 +87,11 @@ class Call:
         slots_back: under shard="weights", the snapshots carry the optimizer's slots
             too (the user's callbacks may read or set the state); else they stay in the
             ranks until the driver asks for them (``SlotsQuery``).
+        piped: the state travels over the pipes, each rank's pieces straight between
+            your model and the rank (``launch.state_pipe``), not through the state file's
+            slots (shard="weights": no whole copy of the state anywhere but your model).
+        absent: with ``piped``, the layout's arrays the driver does not send (a new
+            optimizer's zero slots): the ranks make them at zero.
     """
 
     method: str
@@ -103,6 +109,8 @@ class Call:
     layout: Optional[StateLayout] = None
     state_in: bool = True
     slots_back: bool = True
+    piped: bool = False
+    absent: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class SlotsQuery:
     ``state_path``, rank 0 marks it complete; the driver copies them into the user's
     optimizer (``launch.held_slots``)."""
 
-    state_path: str
+    state_path: Optional[str]  # None: over the pipe (``Call.piped``)
     layout: StateLayout
     indices: tuple
     slot: int = 1
@@ -206,6 +214,42 @@ class Died:
 @dataclass(frozen=True)
 class TimedOut:
     """Noted by the driver: the worker did not answer in time."""
+
+
+# -- the state over the pipe: worker -> driver (``launch.state_pipe``) --------------
+@dataclass(frozen=True)
+class Want:
+    """A rank asks for these elements of your model's state; the driver sends each as
+    raw bytes, in order, on the same pipe.
+
+    Args:
+        ranges: ((array index in the call's layout, start, stop), ...): the flat
+            elements ``[start, stop)`` of that array.
+    """
+
+    ranges: tuple
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A rank's part of a snapshot follows as raw bytes, one message per range, into
+    your model's variables; the driver answers True once it has them.
+
+    Args:
+        ranges: as ``Want``'s.
+        seq: the snapshot's number (the same on every rank that writes it).
+        epoch: the state is the one at this epoch's end; -1: the end of training,
+            -2: where a fit stopped.
+        writers: how many ranks send their part of this snapshot.
+        missing: the layout's arrays this snapshot leaves out (the optimizer's slots
+            the ranks keep).
+    """
+
+    ranges: tuple
+    seq: int
+    epoch: int
+    writers: int
+    missing: tuple = ()
 
 
 # -- what a call returns --------------------------------------------------------------

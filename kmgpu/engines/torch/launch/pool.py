@@ -26,8 +26,8 @@ import numpy as np
 from kmgpu import environment
 from kmgpu.engines.torch import transport
 from kmgpu.engines.torch.launch.interrupts import Interrupts
-from kmgpu.engines.torch.launch.messages import (Died, Done, Event, Exit, Failed, Port, Ready,
-                                                 TimedOut)
+from kmgpu.engines.torch.launch.messages import (Died, Done, Event, Exit, Failed, Pieces, Port,
+                                                 Ready, TimedOut, Want)
 from kmgpu.engines.torch.launch.outputs import RankOutputs
 
 
@@ -218,12 +218,13 @@ class WorkerPool:
                 raise WorkerError(f"kmgpu: torch worker rank {rank} did not start within "
                                   f"{timeout} s.\n{self.output.tail(rank)}")
 
-    def call(self, messages, on_event=None, on_interrupt=None):
+    def call(self, messages, on_event=None, on_interrupt=None, on_state=None):
         """Send one message per rank (a ``Call`` or a ``WeightsQuery``); return the
         ranks' answers (the ``Done`` values, rank order).
 
         ``on_event(Event) -> Reply`` answers rank 0's callback events while the call
-        runs. Raises the worker's own exception (chained to a WorkerError holding its
+        runs; ``on_state(conn, message)`` any rank's state over its pipe (``Want``,
+        ``Pieces``: ``launch.state_pipe.DriverPipe``). Raises the worker's own exception (chained to a WorkerError holding its
         traceback) or WorkerError if a worker died; the pool is dead afterwards.
         With ``on_interrupt``, a first Ctrl-C calls it (the workers are asked to stop)
         and the call goes on until they answer, then KeyboardInterrupt is raised with
@@ -237,7 +238,8 @@ class WorkerPool:
                 conn.send(msg)
             with interrupts:
                 results = [done.value for done in
-                           self.gather(Done, on_event=on_event, interrupts=interrupts)]
+                           self.gather(Done, on_event=on_event, interrupts=interrupts,
+                                       on_state=on_state)]
         except BaseException:
             self.kill()
             raise
@@ -246,9 +248,10 @@ class WorkerPool:
             raise KeyboardInterrupt
         return results
 
-    def gather(self, expected, timeout=None, on_event=None, interrupts=None):
+    def gather(self, expected, timeout=None, on_event=None, interrupts=None, on_state=None):
         """One message of type ``expected`` from every rank (rank order), watching
-        liveness; answers Events with ``on_event`` on the way."""
+        liveness; answers Events with ``on_event`` and the state over the pipes with
+        ``on_state`` on the way."""
         from multiprocessing.connection import wait
 
         results, failures = {}, {}
@@ -279,6 +282,14 @@ class WorkerPool:
                 if isinstance(msg, Event) and on_event is not None:
                     conn.send(on_event(msg))
                     continue
+                if isinstance(msg, (Want, Pieces)) and on_state is not None:
+                    try:
+                        on_state(conn, msg)
+                    except (EOFError, OSError):  # the worker died mid-transfer
+                        proc.join(1)
+                        msg = Died(proc.exitcode if not proc.is_alive() else None)
+                    else:
+                        continue
                 pending.discard(r)
                 if isinstance(msg, expected):
                     results[r] = msg

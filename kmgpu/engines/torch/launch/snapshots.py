@@ -1,32 +1,33 @@
-"""A pool rank's side of the state file (``transport.StateFile``): the state in, snapshots out.
+"""A pool rank's side of the state in and the snapshots out.
 
-- ``SlotZero``: slot 0, the state the driver sent, into the replica: whole, or with
-  shard="weights" only this rank's pieces of it (``replicas.load_pieces``: slices of
-  the mapped file; no rank reads the whole state).
-- ``Snapshots``: the replica's state into the snapshot slots at epoch ends, the end of
-  training and an early stop, so an interrupted fit leaves the last consistent state.
-  Rank 0 writes it whole; with shard="weights" every rank writes its own pieces
-  (``replicas.write_pieces``) and nothing is gathered.
+- ``SlotZero``: slot 0 of the state file (``transport.StateFile``), the state the driver
+  sent, into the replica: whole, or only this rank's pieces of it (``load_pieces``:
+  slices of a mapped file, as a ``ShardedCheckpoint``'s restore reads them).
+- ``Snapshots``: the replica's state at epoch ends, the end of training and an early
+  stop, so an interrupted fit leaves the last consistent state: into the state file's
+  snapshot slots (rank 0 writes it whole), or under shard="weights" over the pipes
+  (``state_pipe``: every rank sends its own pieces into your model; nothing is gathered).
 
 Where a pool call's state lives (weights, optimizer state, learning rate):
 
-- your model (the driver): whole, before and after the call. It sends it into slot 0
-  when the replicas do not hold it already (written straight from its variables), and
-  again when its callbacks change the model at the fit's start; it loads the newest
-  snapshot when its callbacks read the weights (an epoch end, fit's validation) and at
-  the call's end.
+- your model (the driver): whole, before and after the call. The ranks get it when
+  they do not hold it already, and again when its callbacks change the model at the
+  fit's start: shard="weights" each rank's pieces straight from your model's variables
+  (``state_pipe``), else through slot 0 (written straight from its variables). It gets
+  the newest snapshot when its callbacks read the weights (an epoch end, fit's
+  validation) and at the call's end.
 - slot 0: from the call's start until every rank has taken it (``SlotZero.taken``), then
   its pages are given back.
 - each rank, for the pool's life: shard="weights" its 1/N pieces only (made without a
-  whole copy: ``optim.unfilled``; filled from slot 0 by slices: ``load_pieces``);
-  other shard values the whole weights and its part of the optimizer state.
-- the snapshot slots: the state at an epoch end, at the end of training and where a
-  fit stopped. Gathered whole into rank 0 first (``zero.Shards.materialize``) except
-  under shard="weights", where every rank writes its own pieces and no process but
-  the driver ever holds the state whole; there, an epoch end writes one only when the
-  driver's callbacks read the weights. The older snapshot is given back once a
-  newer one is complete (at most two, for the moment one is written), every slot
-  once the driver has loaded the call's state.
+  whole copy: ``optim.unfilled``); other shard values the whole weights and its part of
+  the optimizer state.
+- the snapshots: the state at an epoch end, at the end of training and where a fit
+  stopped, gathered whole into rank 0 first (``zero.Shards.materialize``) and written
+  into a snapshot slot; the older slot is given back once a newer one is complete (at
+  most two, for the moment one is written), every slot once the driver has loaded the
+  call's state. Under shard="weights" each rank's pieces go into your model as they
+  are sent, no process but the driver ever holds the state whole, and an epoch end
+  sends one only when the driver's callbacks read the weights.
 """
 
 import time
@@ -62,36 +63,38 @@ class SlotZero:
 
 
 class Snapshots:
-    """The replica's state into the state file's snapshot slots, when it is worth it.
+    """The replica's state into a snapshot, when it is worth it.
 
     Always at the end of training and when the driver's callbacks will look at
     the weights after this epoch; otherwise at an epoch end only once the time
     since the last snapshot is 20x what one costs (so at most ~5% of the time),
     which still leaves an interrupted fit the state of a recent epoch end. Never
-    otherwise under shard="weights" (``pieces``): a snapshot there is a whole copy of the
-    state in host memory (12 bytes per parameter with Adam, counted twice while the
-    ranks map it), the copy that sharding exists to avoid; a fit whose worker dies
-    leaves your model the state it had when the call started. The end
-    of training writes nothing when the state is still the last epoch end's (a
-    one-epoch fit: one copy of the state per call, not two): that snapshot is
-    relabelled.
+    otherwise under shard="weights" (``pieces``): a snapshot there overwrites your
+    model's state with the ranks' (a whole copy of the state would be needed to keep
+    both); a fit whose worker dies leaves your model the state it had when the call
+    started. The end of training writes nothing when the state is still the last
+    epoch end's (a one-epoch fit: one copy of the state per call, not two): that
+    snapshot is relabelled.
 
-    Rank 0 writes the whole state, or with ``pieces`` (shard="weights": the
-    ``zero.Shards``, this rank, its device) every rank writes its own pieces
-    (``replicas.write_pieces``; with ``slots=False`` not those of the optimizer's slots,
-    which stay in the ranks until the driver asks: ``launch.held_slots``): rank 0 decides
-    and tells the others (a broadcast), and marks the slot complete once every rank has
-    written (an all-reduce), so a slot is complete only with every rank's pieces and the
-    older one stays until then.
+    Rank 0 writes the whole state into a slot of the state file, or with ``pieces``
+    (shard="weights": the ``zero.Shards``, this rank, its device) every rank sends its
+    own pieces (``replicas.pieces_out``; with ``slots=False`` not those of the
+    optimizer's slots, which stay in the ranks until the driver asks:
+    ``launch.held_slots``) over its pipe (``pipe``: ``state_pipe.RankPipe``), or writes
+    them into the file (``replicas.write_pieces``). Rank 0 decides and tells the others
+    (a broadcast); an all-reduce then tells that every rank has written, so rank 0
+    marks a file's slot complete only with every rank's pieces (the older one stays
+    until then), and relays the epoch's end only once your model has them all.
     """
 
     SKIP, RELABELLED, WRITE = 0, 1, 2
 
-    def __init__(self, state, layout, every_epoch, clock, pieces=None, slots=True):
+    def __init__(self, state, layout, every_epoch, clock, pieces=None, slots=True, pipe=None):
         self.state, self.layout, self.every_epoch, self.clock = state, layout, every_epoch, clock
-        self.pieces, self.slots = pieces, slots
+        self.pieces, self.slots, self.pipe = pieces, slots, pipe
         self.rank = pieces[1] if pieces is not None else 0
         self.seq, self.cost, self.last, self.versions = 0, 0.0, None, None
+        self.missing = ()  # the arrays the newest snapshot left out
 
     def __call__(self, model, epoch):
         """Save at ``epoch``'s end; -1: the end of training, -2: the fit stopped early
@@ -108,7 +111,14 @@ class Snapshots:
             return
         self.seq += 1
         slot = 1 + self.seq % 2
-        if self.pieces is None:
+        if self.pipe is not None:  # straight into your model (``state_pipe``)
+            zero, rank, device = self.pieces if self.pieces is not None else (None, 0, None)
+            found, self.missing = replicas.pieces_out(model, self.layout, zero, rank,
+                                                      slots=self.slots)
+            self.pipe.send(found, self.seq, epoch, _writers(zero), self.missing)
+            if device is not None:
+                everywhere(device, 0, sum_=True)  # every rank's pieces are in your model
+        elif self.pieces is None:
             replicas.write_state(self.state, slot, model, self.layout, seq=self.seq, epoch=epoch)
         else:
             zero, rank, _ = self.pieces
@@ -117,7 +127,7 @@ class Snapshots:
             everywhere(self.pieces[2], 0, sum_=True)  # every rank has written its pieces
             if rank == 0:
                 self.state.complete(slot, self.seq, epoch, missing)
-        if self.rank == 0:
+        if self.rank == 0 and self.pipe is None:
             self.state.free(3 - slot)  # the older snapshot: this one is complete
         self.versions = self._versions(model)
         self.last = time.perf_counter()
@@ -160,26 +170,47 @@ class Snapshots:
         if any(a is not lr for a in changed):
             return False
         slot = 1 + self.seq % 2  # the newest
+        if changed and not self.layout.has_lr:
+            return False
+        if self.pipe is not None:
+            if changed:  # your model holds the newest snapshot: the rate goes in
+                self.seq += 1
+                self.pipe.send([(len(self.layout.arrays) - 1, 0, 1, lr.detach().reshape(-1))],
+                               self.seq, epoch, 1, self.missing)
+            return True
         if changed:
-            if not self.layout.has_lr:
-                return False
             self.state.write_one(slot, len(self.layout.arrays) - 1, lr.detach().cpu().numpy())
         self.state.relabel(slot, epoch)
         return True
 
 
-def send_slots(state, query, model, zero, rank, device):
+def send_slots(state, query, model, zero, rank, device, pipe=None):
     """A ``messages.SlotsQuery`` on one rank: its pieces of the optimizer variables the
     query names (``zero``: the replica's ``zero.Shards`` under shard="weights"; None:
-    rank 0 writes them whole) into the query's slot of the state file, which rank 0
-    marks complete once every rank has written. Nothing is gathered."""
+    rank 0 writes them whole) into your model over ``pipe`` (``state_pipe.RankPipe``),
+    or into the query's slot of the state file, which rank 0 marks complete once every
+    rank has written. Nothing is gathered."""
     from kmgpu.engines.torch import replicas
 
+    if pipe is not None:
+        found, missing = replicas.pieces_out(model, query.layout, zero, rank,
+                                             indices=set(query.indices))
+        if zero is not None or rank == 0:
+            pipe.send(found, 1, -1, _writers(zero), missing)
+        return
     missing = replicas.write_pieces(state, query.slot, model, query.layout, zero, rank,
                                     indices=set(query.indices))
     everywhere(device, 0, sum_=True)
     if rank == 0:
         state.complete(query.slot, missing=missing)
+
+
+def _writers(zero):
+    """How many ranks send their part of a snapshot: each its own pieces (``zero``),
+    or rank 0 the whole state."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if zero is not None else 1
 
 
 def everywhere(device, value, sum_=False):

@@ -264,11 +264,15 @@ class Worker:
             if msg.what == "held":
                 return self.strategy.held_bytes() if self.strategy is not None else None
             return None if self.replica is None else self.replica.get_weights()
+        from kmgpu.engines.torch.launch import state_pipe
+
         if isinstance(msg, SlotsQuery):  # the optimizer's slots, kept here, to the driver
             s = self.strategy
-            snapshots.send_slots(self._state_file(msg), msg, self.replica,
+            piped = msg.state_path is None
+            snapshots.send_slots(None if piped else self._state_file(msg), msg, self.replica,
                                  s._weight_shards() if s.pieces_out else None, self.rank,
-                                 self.device)
+                                 self.device,
+                                 state_pipe.RankPipe(self.conn, msg.layout) if piped else None)
             return None
         if not isinstance(msg, Call):
             raise RuntimeError(f"kmgpu: a worker got {msg!r}")
@@ -282,8 +286,9 @@ class Worker:
         clock("replica")
         state = self._state_file(call)
 
-        # the template's state, or the driver's callbacks': slot 0
-        reload = snapshots.SlotZero(state, call.layout)
+        # the template's state, or the driver's callbacks': over the pipe, or slot 0
+        pipe = state_pipe.RankPipe(self.conn, call.layout, call.absent) if call.piped else None
+        reload = pipe or snapshots.SlotZero(state, call.layout)
         if call.state_in:  # else the replicas hold the template's state already
             # every rank reads the same file: rank 0 loads and broadcasts, or with
             # shard="weights" each rank copies only its pieces from the file
@@ -300,7 +305,7 @@ class Worker:
         pieces = (s.sharded_step.zero, self.rank, self.device) if s.pieces_out else None
         if call.method == "fit" and (self.rank == 0 or pieces):
             snapshot = snapshots.Snapshots(state, call.layout, call.epoch_weights, clock, pieces,
-                                           slots=call.slots_back)
+                                           slots=call.slots_back, pipe=pipe)
         shuffle.set_state(call.rng)  # the driver's: the same order on every rank
         result = s.run(replica, call.method, kwargs, hooks=call.hooks,
                        relay=self.relay, snapshot=snapshot,
@@ -313,7 +318,7 @@ class Worker:
             snapshot(replica, -2)  # stopped: the last completed step's state goes back
         if call.method == "train_on_batch" and (self.rank == 0 or pieces):
             snapshots.Snapshots(state, call.layout, True, clock, pieces,
-                                slots=call.slots_back)(replica, -1)  # the new state
+                                slots=call.slots_back, pipe=pipe)(replica, -1)  # the new state
         if call.method in ("fit", "train_on_batch"):
             s.let_go()  # written out: rank 0's whole copy of a sharded state freed
         clock(call.method)

@@ -1,9 +1,11 @@
 """shard="weights" on torch: a rank's pieces to and from the whole arrays held elsewhere.
 
-A pool's state file holds each variable's whole value (``transport.StateFile``), mapped
-by every rank. A rank reads only the elements its pieces hold (``take``: a call's state
-in) and writes only those (``give``: a snapshot out); the N ranks' pieces together cover
-every element once, so no rank reads, copies or gathers the whole state.
+A rank reads only the elements its pieces hold (``take``, ``fill``: a call's state in)
+and writes only those (``give``, ``spans``: a snapshot out); the N ranks' pieces together
+cover every element once, so no rank reads, copies or gathers the whole state. The whole
+values are a checkpoint's file mapped by every rank (``take``, ``give``), or your model's
+variables in the driver, which sends and receives each rank's spans over its pipe
+(``launch.state_pipe``: ``fill``, ``spans``).
 
 The pieces are ``zero.Shards``' (``flat_optim.Piece``: the weights and each optimizer
 slot of this rank's part of each layer buffer); ``array_of(variable)`` /
@@ -23,33 +25,51 @@ def _pairs(zero):
             yield k, piece, own, zero.flat.keras_slots[name]
 
 
-@torch.no_grad()
-def take(zero, array_of):
-    """This rank's pieces from the variables' whole values (None: zeros); the whole
-    weights and the Keras slot variables are left holding no memory."""
-    zero.free_weights()
+def spans(zero):
+    """(Keras variable, start, stop, this rank's tensor) for every run of elements
+    ``[start, stop)`` of a variable's flattened whole value that one of this rank's
+    pieces holds (the weights and every optimizer slot); the N ranks' spans cover
+    every element once."""
     weights = zero.flat.weights
     for k, piece, own, variables in _pairs(zero):
-        own.zero_()  # the padding between the tensors stays 0
         for i, a, b in weights.overlaps(k, piece.lo, piece.hi):
-            src = array_of(variables[i])
-            if src is not None:
-                o = weights.start[i]
-                own[a - piece.lo:b - piece.lo].copy_(src.reshape(-1)[a - o:b - o])
+            o = weights.start[i]
+            yield variables[i], a - o, b - o, own[a - piece.lo:b - piece.lo]
+
+
+@torch.no_grad()
+def fill(zero, copy):
+    """This rank's pieces from elsewhere: ``copy(spans)`` fills the tensor of each span
+    (``spans``; what it leaves is zero, as is the padding between the tensors); the
+    whole weights and the Keras slot variables are left holding no memory."""
+    zero.free_weights()
+    for _, _, own, _ in _pairs(zero):
+        own.zero_()
+    copy(list(spans(zero)))
     zero.drop_slots()
+
+
+def take(zero, array_of):
+    """This rank's pieces from the variables' whole values, ``array_of(variable)``: a
+    host tensor, or None (zeros)."""
+
+    def copy(found):
+        for v, lo, hi, own in found:
+            src = array_of(v)
+            if src is not None:
+                own.copy_(src.reshape(-1)[lo:hi])
+
+    fill(zero, copy)
 
 
 @torch.no_grad()
 def give(zero, view_of):
-    """This rank's pieces into the variables' whole arrays (None: not wanted): only
-    the elements the pieces hold are written."""
-    weights = zero.flat.weights
-    for k, piece, own, variables in _pairs(zero):
-        for i, a, b in weights.overlaps(k, piece.lo, piece.hi):
-            dest = view_of(variables[i])
-            if dest is not None:
-                o = weights.start[i]
-                dest.reshape(-1)[a - o:b - o].copy_(own[a - piece.lo:b - piece.lo])
+    """This rank's pieces into the variables' whole arrays, ``view_of(variable)``: a host
+    tensor, or None (not wanted): only the elements the pieces hold are written."""
+    for v, lo, hi, own in spans(zero):
+        dest = view_of(v)
+        if dest is not None:
+            dest.reshape(-1)[lo:hi].copy_(own)
 
 
 def versions(zero):
