@@ -6,7 +6,9 @@ of a fit it restores the newest checkpoint and the fit continues from the epoch 
 as ``BackupAndRestore`` does. Where the state lives in pieces, each piece is written
 where it is: under shard="weights" each torch rank writes its own pieces, and a JAX
 array each device's shard; no process gathers the state. ``load`` puts a checkpoint into
-a model (plain Keras: for ``model.save`` or ``save_weights``), one array at a time.
+a model (plain Keras: for ``model.save`` or ``save_weights``), one array at a time;
+``export`` writes Keras's own ``.weights.h5`` (or sharded weights files) from it, streamed,
+without loading the state into the model.
 
 The files (one folder per saved epoch, every array whole at its own offset, so a
 checkpoint does not depend on the device count): ``engines.checkpoint_files``. Under the
@@ -25,7 +27,7 @@ from kmgpu.engines.checkpoint_files import (DATA, LATEST, Arrays, check_matches,
                                             host_random_state, latest, open_arrays,
                                             set_host_random_state, state_variables)
 
-__all__ = ["ShardedCheckpoint", "load", "save", "latest"]
+__all__ = ["ShardedCheckpoint", "load", "export", "save", "latest"]
 
 
 # -- a model in this process ----------------------------------------------------------
@@ -123,6 +125,62 @@ def load(directory, model, optimizer=True):
         counts = (len(variables), None)
     check_matches(manifest, variables, counts, folder)
     _read_into(variables, folder, manifest)
+    return manifest["epoch"]
+
+
+def export(directory, model, path, optimizer=True, max_shard_size=None):
+    """Write ``directory``'s newest checkpoint as Keras's own weights file,
+    ``model.save_weights(path, max_shard_size=...)``'s format (``.weights.h5``, or Keras's
+    sharded weights with ``max_shard_size``), streamed: each array is mapped from the
+    checkpoint only while Keras writes it, so neither ``model`` nor this process holds
+    the state whole on its way, and ``model`` is left as it was. ``model`` (the
+    architecture the checkpoint was saved from) gives the file its layout; with
+    ``optimizer`` and a compiled ``model``, its optimizer's state goes in too (the
+    optimizer built first where it is not yet: Keras's walk writes only the variables
+    that exist). ``keras.Model.load_weights(path)`` reads the file back.
+
+    Returns:
+        The checkpoint's epoch.
+    """
+    import keras
+
+    from kmgpu.engines import model_fixes
+
+    found = latest(directory)
+    if found is None:
+        raise FileNotFoundError(f"kmgpu: no checkpoint in {directory} (no '{LATEST}' file)")
+    folder, manifest = found
+    if optimizer and getattr(model, "optimizer", None) is not None:
+        variables, counts = state_variables(model)
+    else:
+        variables = replication.weights(model)
+        counts = (len(variables), None)
+    check_matches(manifest, variables, counts, folder)
+    arrays = open_arrays(folder, manifest)
+    index = {id(v): i for i, v in enumerate(variables)}
+    written = set()
+
+    def value_of(variable):
+        i = index.get(id(variable))
+        if i is None:
+            return None
+        written.add(i)
+        view = arrays.view(i)
+        if view.dtype.kind == "V":  # raw bytes of a dtype NumPy lacks (bfloat16)
+            import ml_dtypes
+
+            view = view.view(getattr(ml_dtypes, keras.backend.standardize_dtype(
+                variable.dtype)))
+        return view
+
+    model_fixes.save_weights_from(model, path, value_of, max_shard_size)
+    left = [getattr(variables[i], "path", variables[i].name)
+            for i in range(len(variables)) if i not in written]
+    if left:  # a layer's own save_own_variables wrote values, not its variables
+        raise ValueError(
+            f"kmgpu: {', '.join(left[:3])}{' ...' if len(left) > 3 else ''} went into {path} "
+            "from the model, not from the checkpoint: a layer saves them itself. Use "
+            "kmgpu.checkpoints.load(directory, model), then model.save_weights(path).")
     return manifest["epoch"]
 
 

@@ -56,6 +56,16 @@ PATCHES = [
      "same, for assets (vocabularies)"),
     ("keras.src.saving.saving_lib", "_load_assets_from_dict", "model_fixes.load_own_state",
      "same"),
+    ("keras.src.saving.saving_lib", "H5IOStore", "model_fixes.save_weights_from",
+     "swapped while save_weights runs, for a subclass that writes each variable's array "
+     "from a checkpoint's file as Keras's walk reaches it: Keras writes a variable's own "
+     "value, so an export would first load the whole state into the model"),
+    ("keras.src.saving.saving_lib", "ShardedH5IOStore", "model_fixes.save_weights_from",
+     "same, for save_weights(max_shard_size=...)"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables",
+     "model_fixes.save_weights_from",
+     "same: the optimizer hands the store each variable's value (variable.numpy()), not "
+     "the variable, as a layer does; swapped for one that hands the variables"),
     ("keras.src.optimizers.base_optimizer", "BaseOptimizer.exclude_from_weight_decay",
      "model_fixes.optimizer_settings",
      "it keeps var_list (as _var_key ids) and var_names (as a compiled pattern) in "

@@ -172,6 +172,41 @@ def _Store(contents=None):
 _STORE = None
 
 
+def save_weights_from(model, path, value_of, max_shard_size=None):
+    """``model.save_weights(path, max_shard_size=...)``, Keras's own file (its paths, its
+    sharded weights files with ``max_shard_size``), with each variable's array given by
+    ``value_of(variable)`` (a NumPy array, or None: the variable's own value) at the
+    moment Keras's walk writes it: a caller that maps each array only then (a
+    ``kmgpu.ShardedCheckpoint``'s file) writes the file without a whole copy of the
+    state, and ``model`` is left as it was."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.saving import saving_lib
+
+    from kmgpu.engines import keras_fixes
+
+    def substituting(store_class):
+        class Substituting(store_class):
+            def __setitem__(self, key, value):
+                import keras
+
+                found = value_of(value) if isinstance(value, keras.Variable) else None
+                super().__setitem__(key, value if found is None else found)
+
+        return Substituting
+
+    def as_variables(save_own_variables):
+        def save(self, store):  # the variables themselves, as a layer's own does
+            for i, variable in enumerate(self.variables):
+                store[str(i)] = variable
+
+        return save
+
+    with keras_fixes.swapped((saving_lib, "H5IOStore", substituting),
+                             (saving_lib, "ShardedH5IOStore", substituting),
+                             (BaseOptimizer, "save_own_variables", as_variables)):
+        model.save_weights(path, max_shard_size=max_shard_size)
+
+
 def optimizer_settings(model):
     """What ``model``'s optimizer holds outside ``get_config()``: the variables excluded
     from weight decay, as positions in ``model.trainable_variables``, and the compiled

@@ -2,8 +2,9 @@
 takes (resuming in a new process, on 4 and 2 devices: test_resume.py): what each epoch
 end saves equals one device's state after that epoch (weights, optimizer state, the
 learning rate); ``kmgpu.checkpoints.load`` puts it into a plain Keras model, which
-exports it to ``.keras`` and ``.weights.h5``; ``save_best_only``, ``keep`` and the
-errors a wrong call gets."""
+exports it to ``.keras`` and ``.weights.h5``, and ``checkpoints.export`` writes those
+weights files from the checkpoint itself; ``save_best_only``, ``keep`` and the errors a
+wrong call gets."""
 
 import json
 import os
@@ -96,6 +97,30 @@ def test_a_checkpoint_loads_into_plain_keras_and_exports(saved, tmp_path, one_de
     bare = mlp(seed=6)  # no optimizer: the weights only
     checkpoints.load(directory, bare)
     assert rel_diff(model.get_weights(), bare.get_weights()) <= TOL
+
+
+def test_a_checkpoint_exports_streamed_to_keras_weights_files(saved, tmp_path, one_device):
+    """``checkpoints.export`` writes Keras's own ``.weights.h5`` and sharded weights files
+    from the checkpoint's arrays: a model that loads either holds one device's state, and
+    the model that gave the layout keeps its own values (its variables are not read)."""
+    directory, _, _, _ = saved
+    layout = _compiled(seed=9)
+    layout.optimizer.build(layout.trainable_variables)
+    before = _state(layout)
+    assert checkpoints.export(directory, layout, tmp_path / "c.weights.h5") == EPOCHS - 1
+    checkpoints.export(directory, layout, tmp_path / "c.weights.json", max_shard_size=1e-6)
+    assert rel_diff(before, _state(layout)) == 0.0
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".h5")]) > 2  # shards
+    for name in ("c.weights.h5", "c.weights.json"):
+        again = _compiled(seed=5)
+        again.optimizer.build(again.trainable_variables)
+        again.load_weights(tmp_path / name)
+        assert rel_diff(one_device[0][-1], _state(again)) <= TOL, name
+    bare = mlp(seed=6)  # no optimizer: the weights only
+    checkpoints.export(directory, bare, tmp_path / "w.weights.h5")
+    loaded = mlp(seed=7)
+    loaded.load_weights(tmp_path / "w.weights.h5")
+    assert rel_diff(one_device[0][-1][:4], loaded.get_weights()) <= TOL
 
 
 def test_a_finished_checkpoint_resumes_after_its_last_epoch(saved, one_device):

@@ -93,6 +93,42 @@ def test_the_saving_walk_carries_an_adapted_layers_state_its_config_does_not():
     _close(ops.mean(fresh(data), axis=0), np.zeros(3), 1e-5)  # finalized: normalizes
 
 
+@relies_on(("keras.src.saving.saving_lib", "H5IOStore"),
+           ("keras.src.saving.saving_lib", "ShardedH5IOStore"),
+           ("keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"))
+def test_save_weights_writes_through_the_store_classes_it_looks_up(tmp_path):
+    """save_weights makes its store from saving_lib's H5IOStore / ShardedH5IOStore as
+    looked up at the call, and hands it each layer's variables themselves but the
+    optimizer's values (variable.numpy()): ``save_weights_from`` swaps both, so every
+    array, the optimizer's too, can come from elsewhere; Keras's own save writes the
+    model's values and loads back into a model as they were."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    handed = []
+
+    def value_of(variable):
+        handed.append(variable)
+        return np.full(tuple(variable.shape), 7, keras.backend.standardize_dtype(variable.dtype))
+
+    for name, shard in (("a.weights.h5", None), ("a.weights.json", 1e-7)):
+        handed.clear()
+        model_fixes.save_weights_from(model, tmp_path / name, value_of, shard)
+        assert {id(v) for v in handed} == {id(v) for v in model.weights
+                                           + model.optimizer.variables}
+        other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        other.compile(optimizer="adam", loss="mse")
+        other.optimizer.build(other.trainable_variables)
+        other.load_weights(tmp_path / name)
+        for v in other.weights + other.optimizer.variables:
+            _close(v, np.full(tuple(v.shape), 7))
+    keras.Model.save_weights(model, tmp_path / "own.weights.h5")  # Keras's own again
+    other.load_weights(tmp_path / "own.weights.h5")
+    for a, b in zip(other.weights + other.optimizer.variables,
+                    model.weights + model.optimizer.variables):
+        _close(a, b)
+
+
 @relies_on(("keras.src.saving.saving_lib", "_save_assets_to_dict"),
            ("keras.src.saving.saving_lib", "_load_assets_from_dict"))
 def test_the_assets_walk_carries_a_lookup_vocabulary():
