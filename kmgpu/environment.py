@@ -57,6 +57,9 @@ SWITCHES = {s.name: s for s in (
     Switch("KMGPU_TORCH_FAST_RNN", "1",
            "0: Keras's own loop for a masked GRU/LSTM instead of cuDNN over the compacted "
            "sequence, on CUDA"),
+    Switch("KMGPU_TORCH_FUSED_ADAM", "1",
+           "0: kmgpu's flat Adam update as ten elementwise passes instead of torch's "
+           "fused Adam kernel (the same arithmetic)"),
     Switch("KMGPU_TORCH_FLAT_OPTIMIZER", "1",
            "0: Keras's own optimizer.apply in the captured step instead of kmgpu's flat "
            "optimizer"),

@@ -106,6 +106,23 @@ def test_flat_update_equals_keras(name):
     assert worst_vars <= TOL and worst_slots <= TOL, (worst_vars, worst_slots)
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw", "schedule_weight_decay", "clipnorm",
+                                  "ema", "loss_scale_factor"])
+def test_fused_adam_equals_keras(name, monkeypatch):
+    """Adam's update as torch's fused kernel (on CUDA by default; here its CPU kernel):
+    one call per step, equal to Keras's update to float32 rounding."""
+    from kmgpu.engines.torch.optim import flat_updates
+
+    calls = []
+    fused = flat_updates.fused_adam
+    monkeypatch.setattr(flat_optim, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(flat_updates, "fused_adam",
+                        lambda *a: (calls.append(1), fused(*a))[1])
+    worst_vars, worst_slots = _compare(CASES[name])
+    assert len(calls) == 3  # one per step
+    assert worst_vars <= TOL and worst_slots <= TOL, (worst_vars, worst_slots)
+
+
 def test_weight_decay_exclusions():
     def exclude(opt, variables):
         opt.exclude_from_weight_decay(var_list=[variables[1]], var_names=["gamma"])

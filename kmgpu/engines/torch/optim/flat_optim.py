@@ -55,6 +55,8 @@ SLOTS = {
 }
 SLOTS["AdamW"] = SLOTS["Adam"]
 EMA = ("ema", "_model_variables_moving_average", lambda o: o.use_ema)
+#: where Adam's update runs as torch's fused kernel (``FlatOptimizer._fused``)
+FUSED_DEVICES = ("cuda",)
 _KINDS = None
 
 
@@ -261,6 +263,20 @@ class FlatOptimizer:
             return x.to(self.dtype)
         return torch.tensor(x, dtype=self.dtype, device=self.device)
 
+    def _fused(self, grads):
+        """Adam's update runs as torch's fused kernel (``flat_updates.fused_adam``): Adam or
+        AdamW without amsgrad, float32 pieces and gradients on one CUDA device, unless
+        ``KMGPU_TORCH_FUSED_ADAM=0``. Off CUDA the ten passes stay: they round as Keras's
+        own update does, bit for bit, where the fused kernel differs by float32 rounding
+        (a CPU has no kernel launches to save)."""
+        if (self.kind not in ("Adam", "AdamW") or self.optimizer.amsgrad
+                or self.device.type not in FUSED_DEVICES):
+            return False
+        tensors = [p.params for p in self.pieces] + list(grads)
+        return (all(t.dtype == torch.float32 and t.device == self.device for t in tensors)
+                and hasattr(torch, "_fused_adam_")
+                and environment.enabled("KMGPU_TORCH_FUSED_ADAM"))
+
     def _const(self, x):
         """A device constant, made once (the first, eager step): a CUDA graph capture
         refuses the host-to-device copy of a new one."""
@@ -333,8 +349,14 @@ class FlatOptimizer:
         update = flat_updates.UPDATES[self.kind]
         scalars = flat_updates.scalars(opt, self.kind, lr, self.iterations, self._const,
                                        self.dtype)
-        for p, grad in zip(self.pieces, grads):
-            update(opt, p.params, grad, p.slots, lr, scalars)
+        if self._fused(grads):
+            flat_updates.fused_adam(opt, [p.params for p in self.pieces], list(grads),
+                                    [p.slots["m"] for p in self.pieces],
+                                    [p.slots["v"] for p in self.pieces], scalars["alpha"],
+                                    self._const(flat_updates.FUSED_STEP))
+        else:
+            for p, grad in zip(self.pieces, grads):
+                update(opt, p.params, grad, p.slots, lr, scalars)
         if opt.use_ema:
             self._ema()
         self.iterations.add_(1)

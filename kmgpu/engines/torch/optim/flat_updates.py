@@ -69,6 +69,23 @@ def adam(opt, p, g, s, lr, sc):
     p.sub_((m * sc["alpha"]) / (torch.sqrt(v) + opt.epsilon))
 
 
+#: the step count given torch's fused Adam: its bias corrections 1 - beta ** step are then
+#: exactly 1, so that it computes Keras's update with Keras's own ``alpha`` as its rate
+FUSED_STEP = 2.0 ** 30
+
+
+def fused_adam(opt, params, grads, m, v, alpha, step):
+    """``adam`` (not amsgrad) over every piece at once, in one ``torch._fused_adam_``
+    launch (one kernel over the lists on CUDA, where ``adam`` is ten passes over the
+    buffers): the moments as Keras's, then ``p -= alpha * m / (sqrt(v) + epsilon)`` with
+    ``alpha`` (a device tensor: capturable) as the rate and bias corrections of 1
+    (``step``: ``FUSED_STEP``, one device tensor for every piece). Equal to ``adam`` to
+    float32 rounding (``tests/torch/test_flat_optim.py``)."""
+    torch._fused_adam_(params, grads, m, v, [], [step] * len(params), lr=alpha,
+                       beta1=opt.beta_1, beta2=opt.beta_2, weight_decay=0.0,
+                       eps=opt.epsilon, amsgrad=False, maximize=False)
+
+
 def rmsprop(opt, p, g, s, lr, sc):
     rho, v = opt.rho, s["v"]
     v.mul_(rho)
