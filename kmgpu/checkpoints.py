@@ -112,20 +112,26 @@ def load(directory, model, optimizer=True):
     Returns:
         The checkpoint's epoch.
     """
+    folder, manifest, variables = _matched(directory, model, optimizer)
+    _read_into(variables, folder, manifest)
+    return manifest["epoch"]
+
+
+def _matched(directory, model, optimizer):
+    """(folder, manifest) of ``directory``'s newest checkpoint and the variables of
+    ``model`` its arrays go to (with ``optimizer`` and an optimizer, its state and
+    learning rate too), checked to match."""
     found = latest(directory)
     if found is None:
         raise FileNotFoundError(f"kmgpu: no checkpoint in {directory} (no '{LATEST}' file)")
     folder, manifest = found
-    if optimizer and getattr(model, "optimizer", None) is None:
-        optimizer = False
-    if optimizer:
+    if optimizer and getattr(model, "optimizer", None) is not None:
         variables, counts = state_variables(model)
     else:
         variables = replication.weights(model)
         counts = (len(variables), None)
     check_matches(manifest, variables, counts, folder)
-    _read_into(variables, folder, manifest)
-    return manifest["epoch"]
+    return folder, manifest, variables
 
 
 def export(directory, model, path, optimizer=True, max_shard_size=None):
@@ -146,16 +152,7 @@ def export(directory, model, path, optimizer=True, max_shard_size=None):
 
     from kmgpu.engines import model_fixes
 
-    found = latest(directory)
-    if found is None:
-        raise FileNotFoundError(f"kmgpu: no checkpoint in {directory} (no '{LATEST}' file)")
-    folder, manifest = found
-    if optimizer and getattr(model, "optimizer", None) is not None:
-        variables, counts = state_variables(model)
-    else:
-        variables = replication.weights(model)
-        counts = (len(variables), None)
-    check_matches(manifest, variables, counts, folder)
+    folder, manifest, variables = _matched(directory, model, optimizer)
     arrays = open_arrays(folder, manifest)
     index = {id(v): i for i, v in enumerate(variables)}
     written = set()
