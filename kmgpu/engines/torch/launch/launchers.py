@@ -164,7 +164,7 @@ class PoolLauncher(Launcher):
         absent = ()
         if state_in:
             layout = replicas.layout_of(template, with_optimizer=True)
-            state = pool.state_file(layout.arrays)
+            state = pool.state_file(state_pipe.file_layout(piped, layout))
             if piped:  # the ranks ask for their pieces; a new optimizer's zeros stay here
                 absent, zeros = replicas.zero_slots(template, layout)
             else:  # each variable copied once, straight into the file (no whole copy first)
@@ -176,7 +176,7 @@ class PoolLauncher(Launcher):
                 self._held.hold(template, layout, zeros, pool)
         else:  # the replicas hold this state already
             layout = synced[3]
-            state = pool.state_file(layout.arrays)
+            state = pool.state_file(state_pipe.file_layout(piped, layout))
         self._candidate = (replicas.state_versions(template), layout)
         self._state = (state, layout)
         self._pipe = state_pipe.DriverPipe(template, layout) if piped else None

@@ -34,6 +34,13 @@ from kmgpu.engines.torch.launch.messages import Pieces, Want
 from kmgpu.engines.torch.optim import held
 
 
+def file_layout(piped, layout):
+    """The arrays of a call's state file: none where the state goes over the pipes (the
+    file keeps only its control page: the driver's stop request), else ``layout``'s. So
+    a piped call neither makes nor maps a file sized for the whole state."""
+    return () if piped else layout.arrays
+
+
 def _flat(tensor):
     """A 1-D view of ``tensor``'s elements (writing it writes the tensor)."""
     return tensor.detach().view(-1)

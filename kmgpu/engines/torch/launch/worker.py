@@ -215,10 +215,12 @@ class Worker:
     def _state_file(self, call):
         """The call's ``transport.StateFile``: the last call's mapping when it is the same
         file and layout (its pages stay mapped; a new mapping faults each page in again)."""
-        key = (call.state_path, call.layout.arrays)
+        from kmgpu.engines.torch.launch import state_pipe
+
+        key = (call.state_path, state_pipe.file_layout(call.piped, call.layout))
         if key != self._state_key:
             self._state = None  # the old mapping goes before the new one is made
-            self._state = transport.StateFile(call.state_path, call.layout.arrays)
+            self._state = transport.StateFile(call.state_path, key[1])
             self._state_key = key
         return self._state
 
