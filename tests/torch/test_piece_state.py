@@ -1,10 +1,10 @@
 """shard="weights": a rank reads and writes only its own pieces of a state held whole
-elsewhere (a pool's state file), measured in bytes.
+elsewhere (a checkpoint's file), measured in bytes.
 
 In one process, four ``zero.Shards`` (ranks 0..3 of 4, no collective runs) of one model
 each take their pieces from the same whole arrays (``piece_state.take``, as a call's
-state comes in) and give them back into other whole arrays (``piece_state.give``, as a
-snapshot goes out). A ``TorchDispatchMode`` counts the bytes every operation reads from
+state comes in) and write them back into other whole arrays by ``piece_state.spans``
+(as a snapshot goes out). A ``TorchDispatchMode`` counts the bytes every operation reads from
 the source arrays and writes into the target arrays, and the largest tensor it makes:
 each rank reads and writes its 1/N (padding aside), together the four cover every
 element exactly once, and no operation makes anything as large as a layer's state.
@@ -93,7 +93,8 @@ def test_each_rank_reads_and_writes_only_its_pieces():
                     np.testing.assert_array_equal(own[a - piece.lo:b - piece.lo].numpy(),
                                                   source[(name, i)].reshape(-1)[a - o:b - o])
         with _Meter(targets=dst.values()) as meter:
-            piece_state.give(shards, lambda v: dst[keys[id(v)]])
+            for v, lo, hi, own in piece_state.spans(shards):  # as a snapshot writes them
+                dst[keys[id(v)]].reshape(-1)[lo:hi].copy_(own)
         assert meter.written <= total / N * 1.1, (rank, meter.written, total)
         assert meter.largest < layer / N * 1.1
         written += meter.written

@@ -1,16 +1,16 @@
 """shard="weights" on torch: a rank's pieces to and from the whole arrays held elsewhere.
 
 A rank reads only the elements its pieces hold (``take``, ``fill``: a call's state in)
-and writes only those (``give``, ``spans``: a snapshot out); the N ranks' pieces together
-cover every element once, so no rank reads, copies or gathers the whole state. The whole
-values are a checkpoint's file mapped by every rank (``take``, ``give``), or your model's
-variables in the driver, which sends and receives each rank's spans over its pipe
-(``launch.state_pipe``: ``fill``, ``spans``).
+and writes only those (``spans``: a snapshot out, ``replicas.pieces_out``); the N ranks'
+pieces together cover every element once, so no rank reads, copies or gathers the whole
+state. The whole values are a checkpoint's file mapped by every rank (``take``,
+``replicas.write_pieces``), or your model's variables in the driver, which sends and
+receives each rank's spans over its pipe (``launch.state_pipe``: ``fill``, ``spans``).
 
 The pieces are ``zero.Shards``' (``flat_optim.Piece``: the weights and each optimizer
-slot of this rank's part of each layer buffer); ``array_of(variable)`` /
-``view_of(variable)`` give a variable's whole value as a host tensor (a view of the
-file), or None where there is none.
+slot of this rank's part of each layer buffer); ``array_of(variable)`` gives a
+variable's whole value as a host tensor (a view of the file), or None where there is
+none.
 """
 
 import torch
@@ -60,16 +60,6 @@ def take(zero, array_of):
                 own.copy_(src.reshape(-1)[lo:hi])
 
     fill(zero, copy)
-
-
-@torch.no_grad()
-def give(zero, view_of):
-    """This rank's pieces into the variables' whole arrays, ``view_of(variable)``: a host
-    tensor, or None (not wanted): only the elements the pieces hold are written."""
-    for v, lo, hi, own in spans(zero):
-        dest = view_of(v)
-        if dest is not None:
-            dest.reshape(-1)[lo:hi].copy_(own)
 
 
 def versions(zero):
