@@ -170,7 +170,8 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
     the all-gather): under shard="weights" Keras's forward and backward read each
     layer's weights only after its buffer was gathered, at most ``fsdp.KEEP`` layers
     in use and ``fsdp.PREFETCH`` gathered ahead are whole at any time, every buffer is
-    freed afterwards, and the gradients equal the unsharded model's. The second step
+    freed afterwards, and the gradients equal the unsharded model's. With a GPU's
+    prefetch (a CPU device gathers nothing ahead by default), the second step
     starts each gather ahead of its use in the first step's order (its stand-in fills
     the buffer only at the wait), and gathers as often as the first; a third step
     gathers into the memory the steps before freed (host memory: no layer-sized block
@@ -201,6 +202,8 @@ def test_a_layer_is_gathered_where_used_and_freed_after():
         out.copy_(full[k])
 
     shards.gathering.gather = gather
+    assert shards.gathering.prefetch == fsdp.HOST_PREFETCH == 0  # the host's policy
+    shards.gathering.prefetch = fsdp.PREFETCH  # a GPU's: gathers started ahead
     steps, memory = [], []
     for _ in range(3):
         del log[:]

@@ -34,7 +34,8 @@ from tests.helpers import rel_diff
 from tests.torch.shard_cases import O, TOL, Deferred, batch_grads, opt_state, tiny
 
 
-def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
+@pytest.mark.parametrize("slots", [1, 2], ids=["cpu-slots", "gpu-slots"])
+def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it(slots):
     """In one process (rank 0 of 2, stand-ins for the collectives: the other rank's
     gradient taken to equal this one's): under shard="weights" each layer buffer's
     gradient is reduce-scattered inside the backward pass, once, the last layer first,
@@ -42,7 +43,8 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     autograd is left holding no gradient memory. The stand-in reduce-scatter is
     asynchronous and reads its buffer only at its handle's wait: the pieces are right
     only if no layer's copy reuses a buffer before its reduce-scatter is waited for, and
-    every one is waited for by the block's end."""
+    every one is waited for by the block's end; with one buffer (a CPU device's) each
+    copy waits for the reduce-scatter before it, with two (a GPU's) they take turns."""
     from kmgpu.engines.torch.optim import zero
 
     ref_grads = batch_grads(tiny())
@@ -74,13 +76,15 @@ def test_each_layer_gradient_is_reduce_scattered_as_backward_makes_it():
     assert shards.by_layer
     with shards.scattered():
         shards.scattering.scatter = scatter
+        assert shards.scattering.slots == shards.scattering.HOST_SLOTS == 1  # on a CPU
+        shards.scattering.slots = slots
         with shards.active():
             grads = batch_grads(model, keep=True)
     assert [k for k, *_ in sent] == [3, 2, 1, 0]  # Dense(1), BatchNorm, Dense(5), Embedding
     # two buffers take turns: the third layer's copy waits for the first layer's
     # reduce-scatter (two started by then), the fourth's for the second's; the last two
-    # are waited for at the block's end
-    assert waited == [2, 3, 4, 4]
+    # are waited for at the block's end. One buffer: each copy waits for the one before.
+    assert waited == ([2, 3, 4, 4] if slots == 2 else [1, 2, 3, 4])
     assert all(n == f.numel() and during for (_, n, during), f in zip(sent[::-1], layout.flats))
     assert all(g.untyped_storage().nbytes() <= g.element_size() for g in grads)
     ref = [f.new_zeros(f.numel()) for f in layout.flats]
@@ -232,8 +236,13 @@ def metered():
     2 ranks with Adam: the wide model's weights after one epoch, one device's, and
     each rank's peaks (weights and optimizer state on the device, gradient)."""
     out = {}
+    from kmgpu.engines.torch.optim import fsdp, scattering
+
     with pytest.MonkeyPatch.context() as mp:
         _install_meter(mp)
+        # the ranks stand in for GPU workers: a GPU's prefetch and gradient slots
+        mp.setattr(fsdp, "HOST_PREFETCH", fsdp.PREFETCH)
+        mp.setattr(scattering.Scattering, "HOST_SLOTS", scattering.Scattering.SLOTS)
         ref = wide()
         ref.compile(optimizer=O.Adam(0.01), loss="mse")
         ref.fit(WIDE_X, WIDE_Y, batch_size=4, epochs=1, shuffle=False, verbose=0)

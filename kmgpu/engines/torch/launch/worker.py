@@ -153,6 +153,10 @@ def main(rank, world, device, conn, out_conn, settings):
     try:
         for key, value in settings.get("env", {}).items():
             os.environ[key] = value  # e.g. GLOO_SOCKET_IFNAME=lo, whatever the driver has
+        if not device.startswith("cuda"):
+            # a CPU rank's device memory is host memory: its layer-sized blocks (gathered
+            # weights, gradients, collectives' buffers) go back to the system when freed
+            heap.map_large_blocks()
         _join_group(rank, world, device, conn, settings)
         worker = Worker(device, conn)
         conn.send(Ready(os.getpid()))

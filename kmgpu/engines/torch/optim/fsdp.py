@@ -28,9 +28,9 @@ torch's module hooks do not fire):
   symbolic build: each ``key`` its own), gathering a buffer starts the all-gather of the
   one the last run gathered next, without waiting (on NCCL it runs on the collectives'
   stream beside the layer's compute), and the wait comes where that buffer is used;
-- at most ``KEEP`` buffers in use and ``PREFETCH`` started ahead are whole at a time:
-  using one more frees the least recently used (a layer used again is gathered again),
-  and the step's end frees all.
+- at most ``KEEP`` buffers in use and ``PREFETCH`` started ahead (``HOST_PREFETCH`` on a
+  CPU device) are whole at a time: using one more frees the least recently used (a
+  layer used again is gathered again), and the step's end frees all.
 
 Besides the steps, Keras's symbolic build at the start of fit, evaluate and the
 ``*_on_batch`` calls runs the model (until the compiled metrics are built): the replica
@@ -46,7 +46,10 @@ a stand-in row runs the same forward and backward (its loss times 0). Memory: 1/
 weights, gradient pieces and optimizer state between steps; within a step the
 ``KEEP + PREFETCH`` whole buffers, the activations and, of the gradient, two layers'
 buffers (one being reduce-scattered while the next is filled) and autograd's gradient of
-the layer being copied; never the whole model's.
+the layer being copied; never the whole model's. On a CPU device, where all of that is
+host memory, one whole buffer and one gradient buffer fewer (``HOST_PREFETCH``,
+``scattering.Scattering.HOST_SLOTS``), and each worker has glibc map its large blocks on
+their own (``heap.map_large_blocks``) so that a freed layer's memory goes back at once.
 
 The replica is built in host memory (``placement``): the flat buffers are made on the
 device one at a time and freed at once (``flat_layout.Buffers.move_freed``), so a
@@ -72,6 +75,10 @@ KEEP = 2
 
 #: layer buffers gathered ahead of their use besides (``Gathering``'s prefetch)
 PREFETCH = 1
+
+#: the same on a CPU device, whose buffers are host memory and whose all-gathers (gloo)
+#: run on the step's own cores: nothing to overlap, one whole layer more held
+HOST_PREFETCH = 0
 
 #: host memory: where a rank builds its replica and loads a call's state (``zero.Shards``
 #: ``receivable`` / ``take``), so that its device only ever holds pieces and gathered layers
@@ -204,6 +211,7 @@ class Gathering:
         # MB of free pages; on a GPU the caching allocator reuses them already
         self.spare = {} if self.host and hasattr(torch.UntypedStorage,
                                                  "_swap_data_ptr_") else None
+        self.prefetch = HOST_PREFETCH if self.host else PREFETCH
 
     def ensure(self, k):
         """Buffer ``k`` whole (gathered now unless it is already, or waited for where
@@ -238,12 +246,13 @@ class Gathering:
         """Start the all-gather of the buffer the last block of this key gathered next,
         while the block follows that order (and that buffer is not whole)."""
         n = len(self.trace)
-        if not self.order or n >= len(self.order) or self.order[n - 1] != self.trace[-1]:
+        if (not self.prefetch or not self.order or n >= len(self.order)
+                or self.order[n - 1] != self.trace[-1]):
             return
         k = self.order[n]
         if k in self.whole:
             return
-        while len(self.ahead) >= PREFETCH:  # a guess that was not used
+        while len(self.ahead) >= self.prefetch:  # a guess that was not used
             self.release(next(iter(self.ahead)))
         flat = self.flats[k]
         self._grow(flat)

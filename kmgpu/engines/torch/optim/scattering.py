@@ -39,13 +39,14 @@ class Scattering:
     returns a stand-in that holds no memory (a zero expanded to the gradient's shape), so
     autograd keeps none of the gradients either.
 
-    The layer buffers take turns in ``SLOTS`` scratch buffers per dtype, each as long as
-    that dtype's largest layer, made at the first layer that needs them and let go at
-    the backward pass's end (within a CUDA graph capture the caching allocator does not
-    reuse memory a collective's stream used until the capture ends, so a new buffer per
-    layer would leave every layer's in the graph's pool): a layer's copy into a slot
-    first waits for the reduce-scatter that slot last started, and the block's end waits
-    for all of them, before the update reads the pieces.
+    The layer buffers take turns in ``slots`` scratch buffers per dtype (``SLOTS``,
+    ``HOST_SLOTS`` on a CPU device), each as long as that dtype's largest layer, made at
+    the first layer that needs them and let go at the backward pass's end (within a CUDA
+    graph capture the caching allocator does not reuse memory a collective's stream used
+    until the capture ends, so a new buffer per layer would leave every layer's in the
+    graph's pool): a layer's copy into a slot first waits for the reduce-scatter that
+    slot last started, and the block's end waits for all of them, before the update
+    reads the pieces.
 
     Args:
         layout: the flat weights' ``flat_layout.Buffers`` (one buffer per layer and
@@ -60,6 +61,10 @@ class Scattering:
     #: reduce-scatter is under way
     SLOTS = 2
 
+    #: the same on a CPU device, whose buffers are host memory and whose reduce-scatters
+    #: (gloo) run on the step's own cores: nothing to overlap, one layer's buffer less
+    HOST_SLOTS = 1
+
     def __init__(self, layout, out, scatter=None):
         self.layout, self.out = layout, list(out)
         self.scatter = scatter or reduce_scatter
@@ -72,6 +77,8 @@ class Scattering:
         self.scratch = None  # within ``active``: {dtype: [[buffer, its handle], ...]}
         self.turn = None  # within ``active``: {dtype: the slot the next layer takes}
         self.kept = {}  # host memory: the last block's scratch, reused (see ``active``)
+        self.slots = (self.HOST_SLOTS if self.out and self.out[0].device.type == "cpu"
+                      else self.SLOTS)
         self.scatters = 0  # how many reduce-scatters ran (for tests)
 
     @contextlib.contextmanager
@@ -146,10 +153,10 @@ class Scattering:
         if slots is None:
             n = self.longest[piece.dtype]
             slots = self.scratch[piece.dtype] = [[piece.new_empty(n), None]
-                                                 for _ in range(self.SLOTS)]
+                                                 for _ in range(self.slots)]
             self.turn[piece.dtype] = 0
         j = self.turn[piece.dtype]
-        self.turn[piece.dtype] = (j + 1) % self.SLOTS
+        self.turn[piece.dtype] = (j + 1) % self.slots
         self._wait(slots[j])
         return slots[j]
 
