@@ -50,6 +50,10 @@ class JaxEngine(InProcessEngine):
 
         devices = [jax.devices()[i] for i in config.device_ids]
         self.sharded = bool(config.shard) and len(devices) > 1  # zero.py, host.py
+        if self.sharded and devices[0].platform == "cpu":
+            # the devices' memory is this process's heap: the sharded state and a step's
+            # layer-sized buffers go back to the system when freed, not kept there
+            heap.map_large_blocks()
         if self.sharded and config.shard == "weights":
             self.distribution = zero.Distribution(devices)
         else:
