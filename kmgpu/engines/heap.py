@@ -12,7 +12,9 @@ _malloc_trim = None  # glibc's malloc_trim once looked up, False where there is 
 #: glibc's ``mallopt`` parameter number for the mmap threshold (malloc.h)
 _M_MMAP_THRESHOLD = -3
 
-#: blocks of at least this many bytes are mapped on their own (``map_large_blocks``)
+#: blocks of at least this many bytes are mapped on their own (``map_large_blocks``): a
+#: layer's pieces and a step's buffers as well as whole layers, which are what the heap
+#: kept (benchmarks/results/host-memory-cpu.md)
 MAPPED_FROM = 1024 * 1024
 
 
