@@ -77,8 +77,9 @@ class Scattering:
         self.scratch = None  # within ``active``: {dtype: [[buffer, its handle], ...]}
         self.turn = None  # within ``active``: {dtype: the slot the next layer takes}
         self.kept = {}  # host memory: the last block's scratch, reused (see ``active``)
-        self.slots = (self.HOST_SLOTS if self.out and self.out[0].device.type == "cpu"
-                      else self.SLOTS)
+        #: the pieces, and so the scratch, are in host memory (a CPU device)
+        self.host = bool(self.out) and self.out[0].device.type == "cpu"
+        self.slots = self.HOST_SLOTS if self.host else self.SLOTS
         self.scatters = 0  # how many reduce-scatters ran (for tests)
 
     @contextlib.contextmanager
@@ -104,7 +105,7 @@ class Scattering:
             for slots in self.scratch.values():
                 for slot in slots:
                     self._wait(slot)
-            if all(slots[0][0].device.type == "cpu" for slots in self.scratch.values()):
+            if self.host:
                 # host memory: kept for the next block; a slot made and freed each step
                 # fragments the C heap (on a GPU the caching allocator already reuses)
                 self.kept = self.scratch
@@ -126,7 +127,7 @@ class Scattering:
         slot), its reduce-scatter into this rank's piece started; the gradients let
         go."""
         got, piece = self.pending[k], self.out[k]
-        if piece.device.type == "cpu":
+        if self.host:
             # host memory: the layers' gradient blocks autograd freed so far go back to
             # the system; each is split by the pass's smaller tensors before the next
             # layer's gradient asks for one, so a pass would otherwise hold one block per
