@@ -300,6 +300,18 @@ def test_dense_is_matmul_plus_bias_then_activation():
     torch.testing.assert_close(layer(x), want)
 
 
+@relies_on(("keras.src.layers.core.einsum_dense", "EinsumDense.call"))
+def test_einsum_dense_is_einsum_plus_bias_then_activation():
+    """fast_einsum.call (F.linear over 2-D views, then the activation) must equal Keras's
+    call: the einsum of the equation, the bias added over the output axes it names."""
+    layer = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de",
+                                     activation="relu", bias_initializer="uniform")
+    x = torch.randn(4, 5, 2)
+    layer.build(x.shape)
+    want = torch.relu(torch.einsum("abc,cde->abde", x, layer.kernel.value) + layer.bias.value)
+    torch.testing.assert_close(layer(x), want)
+
+
 @relies_on(("keras.src.backend.torch.nn", "_transpose_spatial_inputs"))
 def test_channels_last_inputs_are_permuted_to_channels_first():
     """fast_conv returns the permuted view where Keras makes a contiguous copy: the same

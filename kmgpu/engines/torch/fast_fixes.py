@@ -1,7 +1,7 @@
 """Keras's torch layers and ops swapped for faster equal ones while kmgpu's step runs on
-CUDA: BatchNormalization on torch's fused kernel (``fused_batchnorm``), and Dense, the
-sparse cross-entropy, convolution inputs and masked GRU/LSTM (``fast_ops``: ``fast.layers``,
-``fast.conv``, ``fast.rnn``). Rows of ``kmgpu/engines/torch/keras_fixes.py``.
+CUDA: BatchNormalization on torch's fused kernel (``fused_batchnorm``), and Dense and
+EinsumDense, the sparse cross-entropy, convolution inputs and masked GRU/LSTM (``fast_ops``:
+``fast.layers``, ``fast.einsum``, ``fast.conv``, ``fast.rnn``). Rows of ``kmgpu/engines/torch/keras_fixes.py``.
 """
 
 import contextlib
@@ -9,7 +9,8 @@ import contextlib
 import torch
 
 from kmgpu.engines import keras_fixes
-from kmgpu.engines.torch.fast import conv as fast_conv, layers as fast_layers, rnn as fast_rnn
+from kmgpu.engines.torch.fast import (conv as fast_conv, einsum as fast_einsum,
+                                      layers as fast_layers, rnn as fast_rnn)
 
 
 def fused_batchnorm(device):
@@ -30,12 +31,13 @@ def fused_batchnorm(device):
 def _fast_swaps():
     """(owner, name, make) of each of ``fast_ops``' swaps whose switch is on."""
     from keras.src.backend.torch import nn
-    from keras.src.layers.core import dense
+    from keras.src.layers.core import dense, einsum_dense
     from keras.src.layers.rnn import gru, lstm
 
     return [(owner, name, make) for which, owner, name, make in (
             ("loss", nn, "sparse_categorical_crossentropy", fast_layers.loss_function),
             ("dense", dense.Dense, "call", fast_layers.dense_method),
+            ("dense", einsum_dense.EinsumDense, "call", fast_einsum.method),
             ("conv", nn, "_transpose_spatial_inputs", fast_conv.transpose_function),
             ("rnn", gru.GRU, "inner_loop", lambda f: fast_rnn.inner_loop_method(f, "gru")),
             ("rnn", lstm.LSTM, "inner_loop", lambda f: fast_rnn.inner_loop_method(f, "lstm")))
@@ -43,7 +45,8 @@ def _fast_swaps():
 
 
 def fast_ops(device):
-    """Within the block, on a CUDA ``device``, Keras's ``Dense.call`` runs ``F.linear``,
+    """Within the block, on a CUDA ``device``, Keras's ``Dense.call`` and ``EinsumDense.call``
+    (where its equation is a Dense over flattened axes, ``fast.einsum``) run ``F.linear``,
     its torch ``sparse_categorical_crossentropy`` over a contiguous (rows, classes) view
     (``fast_layers``), convolutions and poolings read a channels_last input uncopied
     (``fast_conv``), and a masked GRU/LSTM runs cuDNN over the compacted sequence

@@ -186,6 +186,14 @@ PATCHES = [
      "F.linear (addmm, the bias in cuBLAS's epilogue), then the activation: the same values "
      "up to float32 rounding, one kernel fewer per layer (Keras's call for quantized "
      "layers, no bias, other dtypes)"),
+    ("keras.src.layers.core.einsum_dense", "EinsumDense.call", "fast_fixes.fast_ops",
+     "swapped likewise (KMGPU_TORCH_FAST_DENSE=0 keeps Keras's): Keras 3.15.1 runs einsum "
+     "then a separate add of the bias, a broadcast torch runs in its generic elementwise "
+     "kernel (MultiHeadAttention's four projections in every block); where the equation is "
+     "a Dense over flattened axes and the bias covers the kernel's output axes, "
+     "fast_einsum.call runs F.linear over 2-D views: the same values up to float32 "
+     "rounding (Keras's call for other equations, quantized layers, no bias, other "
+     "dtypes)"),
     ("keras.src.backend.torch.nn", "_transpose_spatial_inputs", "fast_fixes.fast_ops",
      "swapped likewise (KMGPU_TORCH_FAST_CONV=0 keeps Keras's): Keras 3.15.1 moves a "
      "channels_last input's channel axis with permute + .contiguous() (a copy into NCHW) "

@@ -171,16 +171,17 @@ def batch_norm_method(original):
 
 
 def describe_ops(model, on_gpu):
-    """describe()'s words for the Dense and sparse cross-entropy paths inside kmgpu's steps
+    """describe()'s words for the Dense, EinsumDense and sparse cross-entropy paths inside kmgpu's steps
     ("" off a GPU, or when ``model`` has neither)."""
     import keras
 
     words = ""
-    if on_gpu and any(isinstance(layer, keras.layers.Dense)
+    if on_gpu and any(isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
                       for layer in model._flatten_layers()):
-        words += ("; Dense through F.linear (the bias in the matmul) inside these steps "
-                  "(KMGPU_TORCH_FAST_DENSE=0: Keras's own)" if fast_op_enabled("dense")
-                  else "; Dense: Keras's own call (KMGPU_TORCH_FAST_DENSE=0)")
+        words += ("; Dense and EinsumDense through F.linear (the bias in the matmul) inside "
+                  "these steps (KMGPU_TORCH_FAST_DENSE=0: Keras's own)"
+                  if fast_op_enabled("dense")
+                  else "; Dense, EinsumDense: Keras's own call (KMGPU_TORCH_FAST_DENSE=0)")
     if on_gpu and _sparse_ce_from_logits(model):
         words += ("; SparseCategoricalCrossentropy(from_logits=True) over a contiguous "
                   "(rows, classes) view inside these steps (KMGPU_TORCH_FAST_LOSS=0: Keras's "
@@ -279,8 +280,14 @@ def dense_why_not(layer, inputs):
         return "a quantized layer"
     if layer.bias is None:
         return "no bias (nothing to fuse)"
-    if not torch.is_tensor(inputs) or inputs.device.type == "meta" or inputs.dim() < 2:
-        return "symbolic or one-dimensional inputs"
+    return input_why_not(inputs)
+
+
+def input_why_not(inputs, rank=2):
+    """Why a fused matmul does not take ``inputs`` (None: it does): a symbolic tensor,
+    fewer than ``rank`` axes, or a dtype Keras's matmul would cast first."""
+    if not torch.is_tensor(inputs) or inputs.device.type == "meta" or inputs.dim() < rank:
+        return f"symbolic inputs, or fewer than {rank} axes"
     if inputs.dtype not in (torch.float32, torch.bfloat16, torch.float64) and not (
             inputs.dtype == torch.float16 and inputs.device.type == "cuda"):
         return f"{inputs.dtype} inputs"  # Keras's matmul casts these
