@@ -76,9 +76,14 @@ def capture(fn, pool=None):
         (the graph, what ``fn`` returned: tensors the replays overwrite).
     """
     graph = torch.cuda.CUDAGraph()
-    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     device = torch.cuda.current_device()
     torch.cuda.synchronize(device)
+    if pool is None:
+        # a new private pool cannot take the blocks the caching allocator keeps for eager
+        # steps (the warm-up's activations): handed back to the device first, so a large
+        # model's warm-up cache and its graphs' pools do not both have to fit
+        torch.cuda.empty_cache()
+        pool = torch.cuda.graph_pool_handle()
     with torch.cuda.stream(side_stream(device)):  # restores the caller's stream, always
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
