@@ -49,6 +49,8 @@ SWITCHES = {s.name: s for s in (
            "torch's fused kernel"),
     Switch("KMGPU_TORCH_FAST_DENSE", "1",
            "0: Keras's own Dense call instead of F.linear inside kmgpu's steps on CUDA"),
+    Switch("KMGPU_TORCH_FAST_EINSUM", "1",
+           "0: Keras's own EinsumDense call instead of F.linear inside kmgpu's steps on CUDA"),
     Switch("KMGPU_TORCH_FAST_LOSS", "1",
            "0: Keras's own sparse categorical cross-entropy instead of the contiguous "
            "(rows, classes) view, on CUDA"),

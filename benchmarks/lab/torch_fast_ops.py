@@ -1,6 +1,6 @@
 """kmgpu's captured torch step with and without ``fast_layers``' Dense (F.linear) and sparse
 cross-entropy (contiguous (rows, classes) view), ``fast_conv``'s convolution inputs and
-``fast_rnn``'s masked GRU. A script that prints Markdown tables, not a test.
+``fast_rnn``'s masked GRU and ``fast_einsum``'s EinsumDense (F.linear). A script that prints Markdown tables, not a test.
 
     KERAS_BACKEND=torch python benchmarks/lab/torch_fast_ops.py [--quick]
         [--models transformer,bert,resnet50,gru] [--steps 10] [--top 12] [--out FILE.md]
@@ -11,11 +11,13 @@ batch 64, ResNet-50 64x64 batch 256), in one process, kmgpu's default captured s
 (``graphs.local_step``, TF32 matmuls, fused BatchNorm, flat optimizer) on a fresh model
 from the same initial weights per run, the variants switched by their environment
 variables (``KMGPU_TORCH_FAST_LOSS``, ``KMGPU_TORCH_FAST_DENSE``, ``KMGPU_TORCH_FAST_CONV``,
-``KMGPU_TORCH_FAST_RNN``: read as the step's swap opens) in an order-balanced sequence:
+``KMGPU_TORCH_FAST_RNN``, ``KMGPU_TORCH_FAST_EINSUM``: read as the step's swap opens) in an
+order-balanced sequence:
 
-keras   Keras's Dense, loss and convolution inputs
+keras   Keras's Dense, EinsumDense, loss and convolution inputs
 loss    the sparse cross-entropy only          dense   Dense only
 both    Dense and the loss (kmgpu's default before fast_conv)
+noeinsum  all on but ``fast_einsum`` (kmgpu's default before it)
 all     all on (kmgpu's default)
 loop    all on but ``fast_rnn`` (``KMGPU_TORCH_FAST_RNN=0``: Keras's masked GRU loop)
 
@@ -55,9 +57,10 @@ import torch_kernels as tk  # noqa: E402 (the models and batches)
 import torch_profile as tp  # noqa: E402 (the categories, profiling and timing)
 
 SWITCHES = ("KMGPU_TORCH_FAST_LOSS", "KMGPU_TORCH_FAST_DENSE", "KMGPU_TORCH_FAST_CONV",
-            "KMGPU_TORCH_FAST_RNN")
-VARIANTS = {"keras": "0001", "loss": "1001", "dense": "0101", "both": "1101", "all": "1111",
-            "loop": "1110"}  # each switch's value, in SWITCHES' order
+            "KMGPU_TORCH_FAST_RNN", "KMGPU_TORCH_FAST_EINSUM")
+VARIANTS = {"keras": "00010", "loss": "10010", "dense": "01010", "both": "11010",
+            "noeinsum": "11110", "all": "11111",
+            "loop": "11101"}  # each switch's value, in SWITCHES' order
 ORDER = {"transformer": ("keras", "both", "loss", "dense", "dense", "loss", "both", "keras"),
          "gru": ("loop", "all", "all", "loop")}
 ORDER_OTHERS = ("keras", "both", "both", "keras")

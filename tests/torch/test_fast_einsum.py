@@ -118,3 +118,21 @@ def test_attention_fit_through_kmgpus_step_equals_plain_keras(spy):
     key_bias = [(a, b) for a, b, n in zip(ref.get_weights(), model.get_weights(), noise) if n]
     assert all(np.abs(w).max() < 1e-2 for w in key_bias[0])
     assert np.allclose(ref_loss, loss, rtol=1e-5, atol=0)
+
+
+def test_switch_and_describe(spy, monkeypatch):
+    """KMGPU_TORCH_FAST_EINSUM=0 keeps Keras's own call inside the block; describe() names
+    the path on a GPU only, and the switch."""
+    keras_call = keras.layers.EinsumDense.call
+    model = _attention()
+    words = fast_layers.describe_ops(model, on_gpu=True)
+    assert "; EinsumDense through F.linear" in words and "KMGPU_TORCH_FAST_EINSUM=0" in words
+    assert fast_layers.describe_ops(model, on_gpu=False) == ""
+    with fast_fixes.fast_ops("cuda:0"):
+        assert keras.layers.EinsumDense.call.__wrapped_by_kmgpu__ is keras_call
+    monkeypatch.setenv("KMGPU_TORCH_FAST_EINSUM", "0")
+    with fast_fixes.fast_ops("cuda:0"):
+        assert keras.layers.EinsumDense.call is keras_call
+    assert "; EinsumDense: Keras's own call (KMGPU_TORCH_FAST_EINSUM=0)" in \
+        fast_layers.describe_ops(model, True)
+    assert keras.layers.EinsumDense.call is keras_call

@@ -37,7 +37,7 @@ def _fast_swaps():
     return [(owner, name, make) for which, owner, name, make in (
             ("loss", nn, "sparse_categorical_crossentropy", fast_layers.loss_function),
             ("dense", dense.Dense, "call", fast_layers.dense_method),
-            ("dense", einsum_dense.EinsumDense, "call", fast_einsum.method),
+            ("einsum", einsum_dense.EinsumDense, "call", fast_einsum.method),
             ("conv", nn, "_transpose_spatial_inputs", fast_conv.transpose_function),
             ("rnn", gru.GRU, "inner_loop", lambda f: fast_rnn.inner_loop_method(f, "gru")),
             ("rnn", lstm.LSTM, "inner_loop", lambda f: fast_rnn.inner_loop_method(f, "lstm")))

@@ -187,7 +187,7 @@ PATCHES = [
      "up to float32 rounding, one kernel fewer per layer (Keras's call for quantized "
      "layers, no bias, other dtypes)"),
     ("keras.src.layers.core.einsum_dense", "EinsumDense.call", "fast_fixes.fast_ops",
-     "swapped likewise (KMGPU_TORCH_FAST_DENSE=0 keeps Keras's): Keras 3.15.1 runs einsum "
+     "swapped likewise (KMGPU_TORCH_FAST_EINSUM=0 keeps Keras's): Keras 3.15.1 runs einsum "
      "then a separate add of the bias, a broadcast torch runs in its generic elementwise "
      "kernel (MultiHeadAttention's four projections in every block); where the equation is "
      "a Dense over flattened axes and the bias covers the kernel's output axes, "

@@ -171,17 +171,18 @@ def batch_norm_method(original):
 
 
 def describe_ops(model, on_gpu):
-    """describe()'s words for the Dense, EinsumDense and sparse cross-entropy paths inside kmgpu's steps
-    ("" off a GPU, or when ``model`` has neither)."""
+    """describe()'s words for the Dense, EinsumDense and sparse cross-entropy paths inside
+    kmgpu's steps ("" off a GPU, or when ``model`` has none)."""
     import keras
 
     words = ""
-    if on_gpu and any(isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
-                      for layer in model._flatten_layers()):
-        words += ("; Dense and EinsumDense through F.linear (the bias in the matmul) inside "
-                  "these steps (KMGPU_TORCH_FAST_DENSE=0: Keras's own)"
-                  if fast_op_enabled("dense")
-                  else "; Dense, EinsumDense: Keras's own call (KMGPU_TORCH_FAST_DENSE=0)")
+    for kind, which, switch in ((keras.layers.Dense, "Dense", "dense"),
+                                (keras.layers.EinsumDense, "EinsumDense", "einsum")):
+        if on_gpu and any(isinstance(layer, kind) for layer in model._flatten_layers()):
+            name = SWITCHES[switch]
+            words += (f"; {which} through F.linear (the bias in the matmul) inside these steps "
+                      f"({name}=0: Keras's own)" if fast_op_enabled(switch)
+                      else f"; {which}: Keras's own call ({name}=0)")
     if on_gpu and _sparse_ce_from_logits(model):
         words += ("; SparseCategoricalCrossentropy(from_logits=True) over a contiguous "
                   "(rows, classes) view inside these steps (KMGPU_TORCH_FAST_LOSS=0: Keras's "
@@ -336,11 +337,13 @@ def loss_function(original):
     return sparse_ce
 
 
-SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "loss": "KMGPU_TORCH_FAST_LOSS",
+SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "einsum": "KMGPU_TORCH_FAST_EINSUM",
+            "loss": "KMGPU_TORCH_FAST_LOSS",
             "conv": "KMGPU_TORCH_FAST_CONV", "rnn": "KMGPU_TORCH_FAST_RNN"}
 
 
 def fast_op_enabled(which):
-    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "conv": ``fast.conv``;
+    """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "einsum":
+    ``fast.einsum``; "conv": ``fast.conv``;
     "rnn": ``fast.rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
     return environment.enabled(SWITCHES[which])
