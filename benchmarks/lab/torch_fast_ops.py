@@ -269,7 +269,7 @@ def float64_run(name, quick, init, x, y, steps, sgd):
 
 def markdown(results, gpu):
     unit = "GPU" if gpu else "CPU (smoke test)"
-    lines = [f"| model | variant | runs (captured) | ms/step, 3 blocks per run | samples/s "
+    lines = ["| model | variant | runs (captured) | ms/step, 3 blocks per run | samples/s "
              "(median; min-max over blocks) |", "|---|---|---|---|---|"]
     for r in results.values():
         by = collections.defaultdict(list)
