@@ -57,9 +57,13 @@ BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
 # for much longer than torch takes to run it (the runs' walls in
 # benchmarks/results/nvidia-h100-80gb-hbm3-x1.log), and one guess for both skipped torch's
 # rows with time enough left to run them.
-GPU_SECONDS = {"sine": 10, "lstm": 10, "cnn32": 12, "transformer": 15,
-               "resnet50_small": 14, "resnet50": 20, "xception": {"jax": 34, "torch": 15}}
+GPU_SECONDS = {"sine": 10, "lstm": 10, "cnn32": 12,
+               "transformer": {"jax": 16, "torch": 11}, "resnet50_small": {"jax": 17, "torch": 12},
+               "resnet50": {"jax": 19, "torch": 16}, "xception": {"jax": 32, "torch": 15}}
 QUICK_SECONDS = 4  # one --quick run on a 2-core CPU
+# Timed epochs of the models people train, after each run's warm-up (runners.py): their
+# median is samples/s. Three keep the slowest rows (plain Keras on torch) in the budget.
+EPOCHS = 3
 SEED = 1234
 UNIQUE_IMAGES = 256  # big image sets repeat this many random samples (same shapes and cost)
 
@@ -185,7 +189,7 @@ def _catalogue(name, quick, devices):
             return _image(name, True, 8 * devices, 3, 2, 32, 10, "xception_mini",
                           {"image": 32, "classes": 10, "width": 4, "entry": 1, "middle": 1},
                           "Xception-style (1 entry block, 1 middle block, width 4), 32x32")
-        return _image(name, False, 32 * devices, 5, 15, 224, 1000, "application",
+        return _image(name, False, 32 * devices, EPOCHS, 15, 224, 1000, "application",
                       {"name": "Xception", "image": 224, "classes": 1000},
                       f"keras.applications.Xception 224x224, 1000 classes, 32/GPU at "
                       f"{devices} GPUs")
@@ -197,13 +201,15 @@ def _catalogue(name, quick, devices):
             return _image(name, True, 16, 3, 2, image, classes, "resnet_mini",
                           {"image": image, "classes": classes, "width": 4, "blocks": (1, 1)},
                           f"ResNet-style (2 stages of 1 bottleneck, width 4), {image}x{image}")
-        return _image(name, False, 256, 5, 12 if small else 6, image, classes, "application",
+        return _image(name, False, 256, EPOCHS, 12 if small else 6, image, classes,
+                      "application",
                       {"name": "ResNet50", "image": image, "classes": classes},
                       f"keras.applications.ResNet50 {image}x{image}, {classes} classes")
     if name == "transformer":
         size = (dict(vocab=128, seq=16, d_model=32, heads=2, ffn=64, blocks=2) if quick else
                 dict(vocab=8192, seq=256, d_model=512, heads=8, ffn=2048, blocks=4))
-        return Workload(name, quick, 16 if quick else 64, 3 if quick else 5, 2 if quick else 12,
+        return Workload(name, quick, 16 if quick else 64, 3 if quick else EPOCHS,
+                        2 if quick else 12,
                         "sparse_ce_logits", "matmul", (size["seq"],), size["vocab"],
                         "transformer", tuple(sorted(size.items())),
                         "GPT-style decoder LM: {blocks} blocks, d_model {d_model}, {heads} "

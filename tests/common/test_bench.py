@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kmgpu.bench import derive, plan, projection, report, workloads
+from kmgpu.bench import derive, plan, projection, report, runners, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE_WORKLOADS = ("sine",)  # the cheapest; no BatchNorm: exact parity on 2 devices
@@ -130,7 +130,8 @@ def _check_smoke(backend, names, out, tmp_path):
         if r["runner"] in ("plain", "kmgpu"):  # the replay is there for fit's noise
             assert r["evaluate_s"] > 0 and r["predict_s"] > 0, k
             # the same samples for every runner (per_replica: batch_size is per device)
-            assert r["infer_samples"] == min(2 * workload["batch"], r["samples_per_epoch"]), k
+            assert r["infer_samples"] == min(runners.INFER_BATCHES * workload["batch"],
+                                           r["samples_per_epoch"]), k
         assert len(r["epoch_seconds"]) == workload["epochs"], k
         assert r["flops_per_sample"] > 0 and r["mfu"] is None, k  # no GPU peak on a CPU
         factor = 2 if r["policy"] == "per_replica" else 1

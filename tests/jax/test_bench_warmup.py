@@ -61,3 +61,24 @@ def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypat
         assert result["evaluate_s"] > 0 and result["predict_s"] > 0
         assert result["warmup_s"] > 0 and len(result["epoch_seconds"]) == 2
     assert "predict_s" not in runners.run("replay", w, 1)
+
+
+def test_the_replay_fits_the_plain_runs_model_again_from_the_same_start(monkeypatch):
+    """In the process of the plain fit, the replay takes its model (no build, no compile):
+    weights and optimizer state back at the start, it trains to the plain run's weights."""
+    import dataclasses
+
+    from kmgpu.bench import runners, workloads
+
+    w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=1, steps=3), batch=4,
+                            args=(("steps", 2), ("width", 4)), input_shape=(2, 16))
+    plain = runners.run("plain", w, 1)
+    builds, build = [], workloads.Workload.build
+    monkeypatch.setattr(workloads.Workload, "build",
+                        lambda self: builds.append(self.name) or build(self))
+    replay = runners.run("replay", w, 1)
+    assert builds == []
+    assert rel_diff(plain["weights"], replay["weights"]) == 0.0
+    np.testing.assert_allclose(replay["loss"], plain["loss"], rtol=1e-6)
+    runners.run("replay", w, 1)  # no plain model waits any more: a model of its own
+    assert builds == ["lstm"]
