@@ -79,11 +79,5 @@ def call(layer, inputs, training=None, *, fallback):
 def method(original):
     """An ``EinsumDense.call`` (Keras's signature) that runs ``call``, falling back to
     ``original`` (Keras's own call)."""
-
-    def einsum_dense_call(self, inputs, training=None):
-        return call(self, inputs, training, fallback=original)
-
-    einsum_dense_call.__doc__ = original.__doc__
-    einsum_dense_call.__wrapped_by_kmgpu__ = original
-    return einsum_dense_call
+    return layers.layer_method(original, call)
 

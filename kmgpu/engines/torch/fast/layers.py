@@ -315,9 +315,15 @@ def dense_call(layer, inputs, training=None, *, fallback):
 def dense_method(original):
     """A ``Dense.call`` (Keras's signature) that runs ``dense_call``, falling back to
     ``original`` (Keras's own call)."""
+    return layer_method(original, dense_call)
+
+
+def layer_method(original, fast_call):
+    """A layer's ``call(inputs, training=None)`` that runs ``fast_call``, falling back to
+    ``original`` (Keras's own call)."""
 
     def call(self, inputs, training=None):
-        return dense_call(self, inputs, training, fallback=original)
+        return fast_call(self, inputs, training, fallback=original)
 
     call.__doc__ = original.__doc__
     call.__wrapped_by_kmgpu__ = original
