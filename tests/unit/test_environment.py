@@ -4,7 +4,6 @@ backend-neutral, so scripts/test.sh runs them in one backend's session.
 
 import ast
 import json
-import os
 import pathlib
 
 import numpy as np
