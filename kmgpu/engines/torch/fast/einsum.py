@@ -44,29 +44,22 @@ def plan(equation, bias_axes):
 
 
 def why_not(layer, inputs):
-    """Why ``call`` hands this call to Keras's own (None: it does not)."""
-    if getattr(layer, "quantization_mode", None) is not None:
-        return "a quantized layer"
-    if layer.bias is None:
-        return "no bias (nothing to fuse)"
+    """Why ``call`` hands this call to Keras's own (None: it does not): ``Dense``'s reasons
+    (``layers.dense_why_not``), then the equation's (``plan``)."""
     how = plan(layer.equation, layer.bias_axes or "")
     if isinstance(how, str):
-        return how
-    return layers.input_why_not(inputs, rank=how[0] + 1)
+        return layers.dense_why_not(layer, inputs, rank=1) or how
+    return layers.dense_why_not(layer, inputs, rank=how[0] + 1)
 
 
 def call(layer, inputs, training=None, *, fallback):
     """``EinsumDense.call``: ``F.linear`` over (rows, contracted) and (contracted, outputs)
     views where ``plan`` allows, the activation after, as Keras; else ``fallback``."""
-    import keras
-
-    if why_not(layer, inputs) is not None:
+    weights = None if why_not(layer, inputs) else layers.linear_weights(layer, inputs.dtype)
+    if weights is None:
         return fallback(layer, inputs, training=training)
+    kernel, bias = weights
     lead, kept, order = plan(layer.equation, layer.bias_axes)
-    kernel = keras.ops.convert_to_tensor(layer.kernel)
-    bias = keras.ops.convert_to_tensor(layer.bias)
-    if kernel.dtype != inputs.dtype or bias.dtype != inputs.dtype:
-        return fallback(layer, inputs, training=training)
     if order is not None:
         kernel = kernel.permute(order)
     out_shape = tuple(kernel.shape[kernel.dim() - kept:])
@@ -80,4 +73,3 @@ def method(original):
     """An ``EinsumDense.call`` (Keras's signature) that runs ``call``, falling back to
     ``original`` (Keras's own call)."""
     return layers.layer_method(original, call)
-

@@ -275,18 +275,13 @@ def sparse_categorical_crossentropy(target, output, from_logits=False, axis=-1, 
     return rows.reshape(shape)
 
 
-def dense_why_not(layer, inputs):
-    """Why ``dense_call`` hands this call to Keras's own (None: it does not)."""
+def dense_why_not(layer, inputs, rank=2):
+    """Why ``dense_call`` (``fast.einsum.call``: its inputs of at least ``rank`` axes) hands
+    this call to Keras's own (None: it does not)."""
     if getattr(layer, "quantization_mode", None) is not None:
         return "a quantized layer"
     if layer.bias is None:
         return "no bias (nothing to fuse)"
-    return input_why_not(inputs)
-
-
-def input_why_not(inputs, rank=2):
-    """Why a fused matmul does not take ``inputs`` (None: it does): a symbolic tensor,
-    fewer than ``rank`` axes, or a dtype Keras's matmul would cast first."""
     if not torch.is_tensor(inputs) or inputs.device.type == "meta" or inputs.dim() < rank:
         return f"symbolic inputs, or fewer than {rank} axes"
     if inputs.dtype not in (torch.float32, torch.bfloat16, torch.float64) and not (
@@ -295,19 +290,25 @@ def input_why_not(inputs, rank=2):
     return None
 
 
+def linear_weights(layer, dtype):
+    """The layer's kernel and bias as Keras's call reads them (autocast, LoRA), or None
+    where either is not of ``dtype`` (the inputs')."""
+    import keras
+
+    kernel = keras.ops.convert_to_tensor(layer.kernel)
+    bias = keras.ops.convert_to_tensor(layer.bias)
+    return None if kernel.dtype != dtype or bias.dtype != dtype else (kernel, bias)
+
+
 def dense_call(layer, inputs, training=None, *, fallback):
     """``Dense.call`` with the bias in the matmul: ``F.linear`` (addmm: cuBLAS adds the
     bias in its epilogue) where Keras 3.15.1 runs ``matmul`` and then a separate ``add``
     over the whole output; the activation after, as Keras. Kernel and bias are read as
     Keras reads them (autocast, LoRA); other dtypes than the inputs' go to ``fallback``."""
-    import keras
-
-    if dense_why_not(layer, inputs) is not None:
+    weights = None if dense_why_not(layer, inputs) else linear_weights(layer, inputs.dtype)
+    if weights is None:
         return fallback(layer, inputs, training=training)
-    kernel = keras.ops.convert_to_tensor(layer.kernel)
-    bias = keras.ops.convert_to_tensor(layer.bias)
-    if kernel.dtype != inputs.dtype or bias.dtype != inputs.dtype:
-        return fallback(layer, inputs, training=training)
+    kernel, bias = weights
     x = F.linear(inputs, kernel.t(), bias)
     return x if layer.activation is None else layer.activation(x)
 
@@ -350,6 +351,6 @@ SWITCHES = {"dense": "KMGPU_TORCH_FAST_DENSE", "einsum": "KMGPU_TORCH_FAST_EINSU
 
 def fast_op_enabled(which):
     """Whether kmgpu's steps on CUDA run ``which`` ("dense", "loss"; "einsum":
-    ``fast.einsum``; "conv": ``fast.conv``;
-    "rnn": ``fast.rnn``) on the fast path: unless its switch (``SWITCHES``) is "0"."""
+    ``fast.einsum``; "conv": ``fast.conv``; "rnn": ``fast.rnn``) on the fast path: unless
+    its switch (``SWITCHES``) is "0"."""
     return environment.enabled(SWITCHES[which])
