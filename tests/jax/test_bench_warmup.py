@@ -8,13 +8,21 @@ import pytest
 from tests.helpers import rel_diff
 
 
-def test_warm_up_leaves_the_run_as_without_it():
+def _tiny_lstm(epochs, steps, **changes):
+    """The bench's lstm workload at a few dozen weights: batch 4, 2 timesteps, width 4."""
     import dataclasses
 
-    from kmgpu.bench import runners, workloads
+    from kmgpu.bench import workloads
 
-    w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=1, steps=3), batch=4,
-                            args=(("steps", 2), ("width", 4)), input_shape=(2, 16))
+    return dataclasses.replace(workloads.get("lstm", quick=True, epochs=epochs, steps=steps),
+                               batch=4, args=(("steps", 2), ("width", 4)), input_shape=(2, 16),
+                               **changes)
+
+
+def test_warm_up_leaves_the_run_as_without_it():
+    from kmgpu.bench import runners
+
+    w = _tiny_lstm(1, 3)
     result = runners.run("replay", w, 1)  # plain fit, after its warm-up
     assert result["warmup_s"] > 0
     assert len(result["epoch_seconds"]) == 1
@@ -44,17 +52,13 @@ def test_warm_up_ends_when_two_epochs_agree_after_running_long_enough():
 def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypatch):
     """Full-size rules on a tiny model: the warm-up until steady, evaluate and predict on
     the first INFER_BATCHES batches for plain fit and kmgpu alike, none for the replay."""
-    import dataclasses
-
-    from kmgpu.bench import runners, workloads
+    from kmgpu.bench import runners
 
     # no minimum run time: a GPU's clocks are not what a CPU suite checks (``warm`` has its
     # own test), and the warm-up costs what it did before the minimum
     monkeypatch.setattr(runners, "WARMUP_MIN_S", 0.0)
 
-    w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=2, steps=5), batch=4,
-                            args=(("steps", 2), ("width", 4)), input_shape=(2, 16),
-                            quick=False)
+    w = _tiny_lstm(2, 5, quick=False)
     plain, kmgpu = runners.run("plain", w, 1), runners.run("kmgpu", w, 1)
     for result in (plain, kmgpu):
         assert result["infer_samples"] == runners.INFER_BATCHES * w.batch
@@ -66,12 +70,9 @@ def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypat
 def test_the_replay_fits_the_plain_runs_model_again_from_the_same_start(monkeypatch):
     """In the process of the plain fit, the replay takes its model (no build, no compile):
     weights and optimizer state back at the start, it trains to the plain run's weights."""
-    import dataclasses
-
     from kmgpu.bench import runners, workloads
 
-    w = dataclasses.replace(workloads.get("lstm", quick=True, epochs=1, steps=3), batch=4,
-                            args=(("steps", 2), ("width", 4)), input_shape=(2, 16))
+    w = _tiny_lstm(1, 3)
     plain = runners.run("plain", w, 1)
     builds, build = [], workloads.Workload.build
     monkeypatch.setattr(workloads.Workload, "build",
