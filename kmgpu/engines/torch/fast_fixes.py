@@ -1,7 +1,8 @@
 """Keras's torch layers and ops swapped for faster equal ones while kmgpu's step runs on
 CUDA: BatchNormalization on torch's fused kernel (``fused_batchnorm``), and Dense and
 EinsumDense, the sparse cross-entropy, convolution inputs and masked GRU/LSTM (``fast_ops``:
-``fast.layers``, ``fast.einsum``, ``fast.conv``, ``fast.rnn``). Rows of ``kmgpu/engines/torch/keras_fixes.py``.
+``fast.layers``, ``fast.einsum``, ``fast.conv``, ``fast.rnn``). Rows of
+``kmgpu/engines/torch/keras_fixes.py``.
 """
 
 import contextlib
