@@ -191,8 +191,9 @@ def _keras_torch(name, quick, steps, gpu, tf32):
         eager()
     res = {"trainable variables": len(model.trainable_weights)}
     res["eager"], _, _ = profile_torch(eager, steps, gpu)
-    if TOP:  # --top: the elementwise kernels that take the most time, by launching op
-        res["top elementwise"] = top_kernels(eager, steps, gpu, "elementwise", TOP)
+    if TOP:  # --top: the elementwise kernels and copies that take the most time, by op
+        for category in ("elementwise", "copies/permutes"):
+            res["top " + category] = top_kernels(eager, steps, gpu, category, TOP)
     res["eager ms"] = timed(eager, steps, gpu)
     if gpu:
         step = graphs.local_step(model, tf32=tf32)
@@ -329,12 +330,13 @@ def markdown(results, gpu):
                              f"{v[prefix + 'captured kernel ms']:.2f} | "
                              f"{v[prefix + 'captured ms']:.2f} |")
     for name, r in results.items():
-        top = (r.get("torch") or {}).get("top elementwise")
-        if top:
-            lines += ["", f"{r['desc']}: the elementwise kernels with the most GPU time per "
-                      "step (Keras-torch step, eager)", "",
-                      "| launching op | kernel | kernels | GPU ms |", "|---|---|---|---|"]
-            lines += [f"| {op} | `{k}` | {n:.0f} | {ms:.3f} |" for op, k, n, ms in top]
+        for category in ("elementwise", "copies/permutes"):
+            top = (r.get("torch") or {}).get("top " + category)
+            if top:
+                lines += ["", f"{r['desc']}: the {category} kernels with the most GPU time "
+                          "per step (Keras-torch step, eager)", "",
+                          "| launching op | kernel | kernels | GPU ms |", "|---|---|---|---|"]
+                lines += [f"| {op} | `{k}` | {n:.0f} | {ms:.3f} |" for op, k, n, ms in top]
     return "\n".join(lines)
 
 
@@ -350,8 +352,8 @@ def main():
                    help="torch.backends.cudnn.benchmark = True for every step (cuDNN times "
                         "its algorithms per shape and keeps the fastest); default off")
     p.add_argument("--top", type=int, default=0,
-                   help="also list the TOP elementwise kernels of the Keras-torch step by "
-                        "GPU time, with the op that launched each")
+                   help="also list the TOP elementwise and copy kernels of the Keras-torch "
+                        "step by GPU time, with the op that launched each")
     p.add_argument("--out")
     a = p.parse_args()
     global TOP

@@ -76,21 +76,28 @@ def profile_torch(fn, steps, gpu):
 
 
 def top_kernels(fn, steps, gpu, category, top):
-    """The ``top`` (launching op, kernel) pairs of ``category`` by GPU time per step, when
-    ``fn()`` runs ``steps`` times under the profiler: [(op, kernel, count, ms), ...]."""
+    """The ``top`` (launching ops, kernel) pairs of ``category`` by GPU time per step, when
+    ``fn()`` runs ``steps`` times under the profiler: [(ops, kernel, count, ms), ...]. "ops"
+    is the launching op and up to two of its callers, innermost first, with the launching
+    op's first input shape: it tells apart, say, a copy of a kernel from one of an
+    activation."""
     found = {}
-    for chain, name, us, c in _kernels(recorded(fn, steps, gpu), gpu):
+    for chain, name, us, c, shape in _kernels(recorded(fn, steps, gpu, shapes=True), gpu,
+                                              with_shapes=True):
         if c == category:
-            op = next((n for n in chain if not n.startswith("autograd::")), "?")
-            n, t = found.get((op, name[:70]), (0, 0.0))
-            found[(op, name[:70])] = (n + 1, t + us)
+            ops = " < ".join(n.replace("autograd::engine::evaluate_function: ", "")
+                             for n in chain[:3])
+            key = (f"{ops} {shape}" if shape else ops, name[:70])
+            n, t = found.get(key, (0, 0.0))
+            found[key] = (n + 1, t + us)
     rows = sorted(found.items(), key=lambda kv: -kv[1][1])[:top]
     return [(op, k, n / steps, us / steps / 1e3) for (op, k), (n, us) in rows]
 
 
-def _kernels(events, gpu):
+def _kernels(events, gpu, with_shapes=False):
     """(launching op's chain, kernel name, us, category) of each kernel the host events
-    launched (on a CPU: each leaf aten op, standing for a kernel)."""
+    launched (on a CPU: each leaf aten op, standing for a kernel); ``with_shapes``: and the
+    launching op's first input shape (events recorded with ``shapes=True``)."""
     import torch
 
     bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
@@ -111,17 +118,22 @@ def _kernels(events, gpu):
         else:
             kernels = []
         for name, us in kernels:
-            yield chain, name, us, categorise(name, chain, bn_back)
+            c = categorise(name, chain, bn_back)
+            if with_shapes:
+                shapes = [x for x in (e.input_shapes or []) if x]
+                yield chain, name, us, c, (tuple(shapes[0]) if shapes else None)
+            else:
+                yield chain, name, us, c
 
 
-def recorded(fn, steps, gpu):
+def recorded(fn, steps, gpu, shapes=False):
     """The torch.profiler events of ``fn()`` run ``steps`` times (CUDA activity too on a GPU,
-    synchronised before the profile ends)."""
+    synchronised before the profile ends; ``shapes``: with the ops' input shapes)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         for _ in range(steps):
             fn()
         if gpu:
