@@ -15,8 +15,9 @@ model FLOPs), divided by the batch, measured the backend's own way where there i
 MFU = FLOPs per sample x samples/s / (devices x peak dense FLOP/s of one GPU for the
 precision in use). Which precision: Keras's mixed bfloat16/float16 policy -> BF16;
 float32 with TF32 allowed (JAX's default matmul precision on GPUs; torch's
-``cudnn.allow_tf32`` for convolutions, ``cuda.matmul.allow_tf32`` for matmuls; TF's
-``tensor_float_32_execution``) -> TF32; else FP32.
+``cudnn.allow_tf32`` for convolutions, ``cuda.matmul.allow_tf32`` for matmuls, or inside
+kmgpu's steps its own ``parallelize(..., tf32=...)``; TF's ``tensor_float_32_execution``)
+-> TF32; else FP32.
 """
 
 import math
@@ -49,9 +50,10 @@ def mfu(flops_per_sample, samples_per_s, devices, peak):
     return flops_per_sample * samples_per_s / (devices * peak)
 
 
-def precision(backend, kind):
+def precision(backend, kind, torch_tf32=None):
     """The arithmetic the GPU uses for a float32 ``kind`` ("conv"/"matmul") workload here:
-    "bf16", "tf32" or "fp32" (see the module docstring)."""
+    "bf16", "tf32" or "fp32" (see the module docstring). ``torch_tf32``: the run's torch
+    steps set TF32 themselves (kmgpu's ``tf32``), whatever torch's global flags say."""
     import os
 
     import keras
@@ -70,6 +72,8 @@ def precision(backend, kind):
         if backend == "torch":
             import torch
 
+            if torch_tf32 is not None:
+                return "tf32" if torch_tf32 else "fp32"
             on = (torch.backends.cudnn.allow_tf32 if kind == "conv"
                   else torch.backends.cuda.matmul.allow_tf32)
             return "tf32" if on else "fp32"
@@ -84,13 +88,15 @@ def precision(backend, kind):
 
 
 # -- FLOPs per sample ----------------------------------------------------------------
-def per_sample(model, workload, backend, batch=2):
-    """(FLOPs per training sample, source) for ``model`` (built, any state).
+def per_sample(model, workload, backend, x=None, y=None, batch=2):
+    """(FLOPs per training sample, source) for ``model`` (built, any state), counted on
+    the first ``batch`` samples of ``x``, ``y`` (default: the workload's data).
 
     Uses the backend's own counter and falls back to ``analytic``; source says which
     (and why the fallback, when the counter failed).
     """
-    x, y = workload.data()
+    if x is None:
+        x, y = workload.data()
     x, y = x[:batch], y[:batch]
     counter = {"jax": _jax, "torch": _torch, "tensorflow": _tensorflow}.get(backend)
     why = "no counter for this backend"

@@ -35,7 +35,9 @@ call (at most ``WARMUP_EPOCHS_MAX`` epochs once they have, and ``WARMUP_MAX_S``)
 model's
 weights and optimizer state back to where they were (the compiled step stays), then the
 timed epochs. The warm-up's wall time is the run's ``warmup_s`` (the compile included);
-samples/s is the median of the timed epochs.
+samples/s is the median of the timed epochs. The replay of a model that plain fit has
+already compiled and warmed in this process needs no settling time: its warm-up ends
+once two epochs agree (``WARMUP_MIN_S`` does not apply).
 
 Plain fit and kmgpu then time ``evaluate`` and ``predict`` on the first
 ``INFER_BATCHES`` batches of the epoch's data, the same for every runner (``predict``
@@ -88,7 +90,7 @@ def run(runner, workload, n, policy="global"):
         if runner == "replay" and workload in _PLAIN:
             model, init = _PLAIN.pop(workload)
             _restart(model, init)
-            return _plain(workload, model, backend, flops=False, compiled=True)
+            return _plain(workload, model, backend, flops=False, compiled=True, settled=True)
         model = workload.build()  # outside any scope: the same weights in every process
         _PLAIN.clear()  # one workload's model waits for its replay, no other
         _PLAIN[workload] = (model, model.get_weights())
@@ -132,13 +134,14 @@ def compile_args(workload, lr_scale=1):
 
 
 # -- Keras fit based ---------------------------------------------------------------
-def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
+def _warm_up(fit, model, x, y, batch_size, steps, quick=False, settled_s=None):
     """Untimed epochs of ``x``, ``y`` through ``fit`` (``steps`` per epoch): at least
     ``WARMUP_STEPS`` steps in one call, then one epoch at a time until the last two
     epochs are within ``STEADY`` of each other and the epochs after that first call have
-    run ``WARMUP_MIN_S`` (``quick``: one epoch, a code-path check on a CPU measures
-    nothing); then ``model``'s weights and optimizer state as they were (Adam's slots and
-    step count start at zero; the learning rate is kept). Returns the seconds it took."""
+    run ``settled_s`` (default ``WARMUP_MIN_S``; ``quick``: one epoch, a code-path check
+    on a CPU measures nothing); then ``model``'s weights and optimizer state as they were
+    (Adam's slots and step count start at zero; the learning rate is kept). Returns the
+    seconds it took."""
     from kmgpu.callbacks import EpochTimer
 
     weights = model.get_weights()
@@ -149,7 +152,7 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
         callbacks=[timer])
     seconds = list(timer.epoch_seconds)
     settled = 0.0  # wall seconds of the calls after the first
-    while not quick and not warm(seconds, settled):
+    while not quick and not warm(seconds, settled, settled_s):
         timer = EpochTimer()
         call = time.perf_counter()
         fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
@@ -161,12 +164,13 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False):
     return took
 
 
-def warm(seconds, settled):
+def warm(seconds, settled, minimum=None):
     """Whether a warm-up is done whose epochs took ``seconds`` and whose calls after the
-    first took ``settled`` seconds of wall time."""
+    first took ``settled`` seconds of wall time (at least ``minimum``, default
+    ``WARMUP_MIN_S``)."""
     if settled >= WARMUP_MAX_S:
         return True
-    if settled < WARMUP_MIN_S:
+    if settled < (WARMUP_MIN_S if minimum is None else minimum):
         return False
     return steady(seconds) or len(seconds) >= WARMUP_EPOCHS_MAX
 
@@ -179,11 +183,14 @@ def steady(seconds):
     return abs(a - b) <= STEADY * min(a, b)
 
 
-def _fit(fit, x, y, batch_size, workload, model=None):
+def _fit(fit, x, y, batch_size, workload, model=None, settled=False):
+    """Warm-up (``settled``: the model was compiled and warmed in this process already),
+    then the timed epochs."""
     from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     steps = workload.steps or -(-len(x) // batch_size)
-    warmup = (_warm_up(fit, model, x, y, batch_size, steps, workload.quick)
+    warmup = (_warm_up(fit, model, x, y, batch_size, steps, workload.quick,
+                       settled_s=0.0 if settled else None)
               if model is not None else None)
     reset_peak_memory()
     timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
@@ -222,20 +229,20 @@ def _infer(model, x, y, batch_size, warm=True):
     return seconds
 
 
-def _plain(workload, model, backend, flops, compiled=False):
+def _plain(workload, model, backend, flops, compiled=False, settled=False):
     from kmgpu.bench import flops as flop_count
 
     if not compiled:
         model.compile(**compile_args(workload))
     x, y = workload.data()
-    result = _fit(model.fit, x, y, workload.batch, workload, model)
+    result = _fit(model.fit, x, y, workload.batch, workload, model, settled)
     result["weights"] = model.get_weights()
     result["params"] = trainable_count(model)
     if flops:  # plain fit, not its replay (that one is there for the training's noise)
         result.update(_infer(model, x, y, workload.batch, warm=not workload.quick))
     if flops:  # after training and after the weights are taken: never timed, never kept
         result["flops_per_sample"], result["flops_source"] = flop_count.per_sample(
-            model, workload, backend)
+            model, workload, backend, x, y)
         result["flops_analytic"] = flop_count.analytic(model)
     return result
 
@@ -265,6 +272,7 @@ def _kmgpu(workload, n, model, policy):
     result["weights"] = weights
     result["params"] = trainable_count(model)
     result["jit_compile"] = jit
+    result["tf32"] = parallel._config.tf32  # on torch kmgpu's steps set it themselves
     return result
 
 

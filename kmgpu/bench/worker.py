@@ -93,8 +93,8 @@ def measure(spec_run, spec, env):
     gbatch = common.global_batch(workload, n, policy) if runner != "reference" \
         else workload.batch
     gpu = common.has_gpu()
-    precision = (flops.precision(backend if runner != "reference" else "torch", workload.kind)
-                 if gpu else "fp32")
+    precision = (flops.precision(backend if runner != "reference" else "torch", workload.kind,
+                                 torch_tf32=result.get("tf32")) if gpu else "fp32")
     record = {
         "kind": "run", **spec_run, "status": "ok",
         "global_batch": gbatch, "per_device_batch": gbatch // n,

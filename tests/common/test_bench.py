@@ -476,6 +476,10 @@ def test_flops_by_hand():
     assert flops.peak_flops("cpu", "fp32") is None
     assert flops.mfu(1e9, 1000, 2, 1e12) == pytest.approx(0.5)
     assert flops.mfu(1e9, 1000, 2, None) is None
+    # torch: kmgpu's steps set TF32 themselves, whatever torch's global flags say after them
+    if keras.config.backend() == "torch":
+        assert flops.precision("torch", "matmul", torch_tf32=True) == "tf32"
+        assert flops.precision("torch", "conv", torch_tf32=False) == "fp32"
 
 
 class _DenseWorkload:

@@ -46,6 +46,9 @@ def test_warm_up_ends_when_two_epochs_agree_after_running_long_enough():
     assert runners.warm([20.0, 0.3, 0.4, 0.5][:runners.WARMUP_EPOCHS_MAX], long_)  # the cap
     assert not runners.warm([20.0, 0.3, 0.4, 0.5], short)  # the cap waits for the minimum
     assert runners.warm([20.0, 0.30, 0.40], runners.WARMUP_MAX_S)
+    # the replay of a model already warm in the process: two epochs that agree suffice
+    assert runners.warm([20.0, 0.30, 0.32], 0.0, minimum=0.0)
+    assert not runners.warm([20.0, 0.30, 0.40], 0.0, minimum=0.0)
 
 
 @pytest.mark.filterwarnings("ignore:kmgpu. only")  # few steps per epoch, as the bench's
@@ -68,17 +71,22 @@ def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypat
 
 
 def test_the_replay_fits_the_plain_runs_model_again_from_the_same_start(monkeypatch):
-    """In the process of the plain fit, the replay takes its model (no build, no compile):
-    weights and optimizer state back at the start, it trains to the plain run's weights."""
+    """In the process of the plain fit, the replay takes its model (no build, no compile,
+    no settling time): weights and optimizer state back at the start, it trains to the
+    plain run's weights."""
     from kmgpu.bench import runners, workloads
 
     w = _tiny_lstm(1, 3)
+    minimums, warm_up = [], runners._warm_up
+    monkeypatch.setattr(runners, "_warm_up", lambda *a, **k: minimums.append(
+        k.get("settled_s")) or warm_up(*a, **k))
     plain = runners.run("plain", w, 1)
     builds, build = [], workloads.Workload.build
     monkeypatch.setattr(workloads.Workload, "build",
                         lambda self: builds.append(self.name) or build(self))
     replay = runners.run("replay", w, 1)
     assert builds == []
+    assert minimums == [None, 0.0]  # the replay's model is warm: no settling minimum
     assert rel_diff(plain["weights"], replay["weights"]) == 0.0
     np.testing.assert_allclose(replay["loss"], plain["loss"], rtol=1e-6)
     runners.run("replay", w, 1)  # no plain model waits any more: a model of its own
