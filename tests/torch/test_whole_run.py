@@ -160,6 +160,38 @@ def test_evaluate_predict_and_validation_are_captured_and_equal_kerass(monkeypat
     assert not {"test_step", "predict_step", "train_step"} & set(model.__dict__)
 
 
+def test_evaluate_and_predict_give_way_when_the_gpu_is_full(monkeypatch, reference, capsys):
+    """A predict step that runs out of GPU memory beside the test step's graph (a large
+    model on a full GPU: the train step's graphs, the test graph, then predict's warm-up
+    step): the test and predict graphs are dropped, both steps run eagerly from there on,
+    one line says so, and every number is Keras's."""
+    import torch
+
+    from kmgpu.engines.torch.capture import eval_steps
+
+    _, ref = reference
+    function, raised = eval_steps.CapturedEval._function, []
+
+    def short_of_memory(self, kind, rows):
+        fn = function(self, kind, rows)
+
+        def step(*batch):
+            if kind == "predict" and not raised:
+                raised.append(kind)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return fn(*batch)
+
+        return step
+
+    monkeypatch.setattr(eval_steps.CapturedEval, "_function", short_of_memory)
+    model, parallel, calls = _parallel(monkeypatch)
+    _same(ref, _run(parallel))
+    assert raised == ["predict"]
+    assert capsys.readouterr().out.count("ran out of GPU memory") == 1
+    steps = parallel._engine._eval
+    assert steps.graphs == {} and {"test", "predict"} <= set(steps.refused)
+
+
 @pytest.mark.parametrize("fail", [("a",), ("b", "eval")])
 def test_a_failed_capture_of_any_step_runs_eagerly_and_leaves_torch_clean(monkeypatch, reference,
                                                                            capsys, fail):

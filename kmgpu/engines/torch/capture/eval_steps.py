@@ -7,7 +7,8 @@ as its train step is (``graphs``). On one CUDA device kmgpu runs Keras's own ste
 train step uses (``graphs.CapturedSteps``: warm-up on a side stream, one capture per
 batch shape on static input buffers, replays; any other shape, such as the last partial
 batch, eager; a failed capture tried again once, then the step eager from there on with
-one printed line). Rows, order and numbers are Keras's. On a CPU the steps are Keras's
+one printed line; a step that runs out of GPU memory while these graphs hold theirs drops
+them, and the test and predict steps run eagerly from there on, with one printed line). Rows, order and numbers are Keras's. On a CPU the steps are Keras's
 own (not installed).
 
 On N ranks (``capture_on_rank``) each rank captures its own test step (``strategy``'s: its
@@ -47,11 +48,38 @@ class CapturedEval(graphs.CapturedSteps):
         super().__init__(model, device, say=say, tf32=tf32, refused=refused)
         self._test, self._test_rows = test, rows
 
+    #: the line printed when a step ran out of memory beside the graphs
+    NO_ROOM = ("kmgpu (torch): the {kind} step ran out of GPU memory beside the captured "
+               "steps' graphs, so the {kinds} steps run eagerly from here on (their graphs "
+               "dropped)")
+
     def test_step(self, batch):
-        return self.step("test", batch)
+        return self._step("test", batch)
 
     def predict_step(self, batch):
-        return self.step("predict", batch)
+        return self._step("predict", batch)
+
+    def _step(self, kind, batch):
+        """``step``; where it runs out of device memory while these graphs hold theirs
+        (say a test graph beside the train step's graphs on a full GPU, then predict's
+        warm-up step), the graphs give way: dropped, their pools back to the device, and
+        every kind they were for eager from here on, this step again among them. The
+        train step's graphs are the ones that pay; a test or predict step changes state
+        only at its end, so nothing of the failed one is kept."""
+        import torch
+
+        try:
+            return self.step(kind, batch)
+        except torch.OutOfMemoryError:
+            if not self.graphs:
+                raise  # nothing of ours to free: the error is the model's, as in Keras
+        kinds = sorted({k[0] for k in self.graphs} | {kind})
+        self.close()
+        for k in kinds:
+            self.refused[k] = "out of GPU memory beside the captured steps' graphs"
+        if self.say is not None:
+            self.say(self.NO_ROOM.format(kind=kind, kinds=" and ".join(kinds)))
+        return self.step(kind, batch)
 
     def _rows(self, kind, x):
         if kind == "test" and self._test_rows is not None:
