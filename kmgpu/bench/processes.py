@@ -96,12 +96,16 @@ class Worker:
                 rec = json.loads(line[len("KMGPU-BENCH "):])
                 if rec.get("kind") == "done":
                     break
+                now = time.monotonic()
+                if rec.get("kind") == "env":  # where a unit's seconds go, for the log
+                    self.log.write(f"--- process ready after {now - since:.1f} s\n")
                 if rec.get("kind") == "run":
                     rec["policy"] = rec.get("policy", "global")
                     rec["backend"] = self.backend
                     seen.add(plan.key(rec))
-                    now = time.monotonic()
                     budget.record(rec, now - since)
+                    self.log.write(f"--- {rec['runner']}: {now - since:.1f} s, "
+                                   f"{rec.get('wall_s') or 0:.1f} s of it in the run\n")
                     since = now
                 yield rec
         except (BrokenPipeError, OSError):
