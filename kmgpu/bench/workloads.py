@@ -55,14 +55,14 @@ BY_SIZE = ("sine", "lstm", "cnn32") + MODELS
 # compiled program), warm-up, epochs, evaluate and predict included, before any run of
 # the workload has been timed: the time budget's first guess (plan.Budget scales it by
 # the backend's finished runs). Per backend for the models people train, from the runs'
-# walls in benchmarks/results/nvidia-h100-80gb-hbm3-x1.log less what the current sizes
-# take off: JAX compiles each model first (Xception for much longer than torch takes to run
-# it), torch's plain fit runs each layer from Python, and one guess for both skipped
-# torch's rows with time enough left to run them.
+# walls of the default run in benchmarks/results/nvidia-h100-80gb-hbm3-x1.json (torch's
+# Xception, skipped there, from the run before it, less its two more epochs): JAX
+# compiles each model first (Xception for much longer than torch takes to run it), torch's
+# plain fit runs each layer from Python.
 GPU_SECONDS = {"sine": 10, "lstm": 10, "cnn32": 12,
                "transformer": {"jax": 16, "torch": 11},
-               "resnet50_small": {"jax": 17, "torch": 12},
-               "resnet50": {"jax": 19, "torch": 16}, "xception": {"jax": 32, "torch": 15}}
+               "resnet50_small": {"jax": 15, "torch": 12},
+               "resnet50": {"jax": 16, "torch": 16}, "xception": {"jax": 40, "torch": 15}}
 QUICK_SECONDS = 4  # one --quick run on a 2-core CPU
 # Timed epochs of the models people train, after each run's warm-up (runners.py): their
 # median is samples/s. Three keep the slowest rows (plain Keras on torch) in the budget.
