@@ -140,8 +140,10 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False, settled_s=None):
     epochs are within ``STEADY`` of each other and the epochs after that first call have
     run ``settled_s`` (default ``WARMUP_MIN_S``; ``quick``: one epoch, a code-path check
     on a CPU measures nothing); then ``model``'s weights and optimizer state as they were
-    (Adam's slots and step count start at zero; the learning rate is kept). Returns the
-    seconds it took."""
+    (Adam's slots and step count start at zero; the learning rate is kept). Returns
+    {"warmup_s": its seconds, "warmup_calls_s": each ``fit`` call's wall seconds,
+    "warmup_epochs_s": each epoch's}: a call's seconds beyond its epochs' are the call's
+    own cost (a compile, the set-up of ``fit``)."""
     from kmgpu.callbacks import EpochTimer
 
     weights = model.get_weights()
@@ -151,17 +153,17 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False, settled_s=None):
     fit(x, y, batch_size=batch_size, epochs=first, shuffle=False, verbose=0,
         callbacks=[timer])
     seconds = list(timer.epoch_seconds)
-    settled = 0.0  # wall seconds of the calls after the first
-    while not quick and not warm(seconds, settled, settled_s):
+    calls = [time.perf_counter() - start]
+    while not quick and not warm(seconds, sum(calls[1:]), settled_s):
         timer = EpochTimer()
         call = time.perf_counter()
         fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
             callbacks=[timer])
-        settled += time.perf_counter() - call
+        calls.append(time.perf_counter() - call)
         seconds += timer.epoch_seconds or [float("inf")]
     took = time.perf_counter() - start
     _restart(model, weights)
-    return took
+    return {"warmup_s": took, "warmup_calls_s": calls, "warmup_epochs_s": seconds}
 
 
 def warm(seconds, settled, minimum=None):
@@ -202,15 +204,16 @@ def _fit(fit, x, y, batch_size, workload, model=None, settled=False):
                      float(history.history["loss"][-1]))
     result["samples_per_epoch"] = len(x)
     if warmup is not None:
-        result["warmup_s"] = warmup
+        result.update(warmup)
     return result
 
 
 def _infer(model, x, y, batch_size, warm=True):
     """Seconds of ``evaluate`` and of ``predict`` on the first ``INFER_BATCHES`` batches
     of ``x``: the median of ``INFER_REPEATS`` calls after an untimed one that compiles
-    the step (``warm=False``: the first call alone, compile included: a CPU code-path
-    check need not pay twice)."""
+    the step (its seconds kept as ``evaluate_first_s`` and ``predict_first_s``;
+    ``warm=False``: the first call alone, compile included: a CPU code-path check need
+    not pay twice)."""
     n = min(len(x), INFER_BATCHES * batch_size)
     x, y = x[:n], y[:n]
     seconds = {"infer_samples": n}
@@ -218,8 +221,10 @@ def _infer(model, x, y, batch_size, warm=True):
                                                              verbose=0)),
                        ("predict_s", lambda: model.predict(x, batch_size=batch_size,
                                                            verbose=0))):
-        if warm:
+        if warm:  # its seconds say what the compile (or the cache's load) took
+            start = time.perf_counter()
             call()
+            seconds[name.replace("_s", "_first_s")] = time.perf_counter() - start
         times = []
         for _ in range(INFER_REPEATS if warm else 1):
             start = time.perf_counter()

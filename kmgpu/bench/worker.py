@@ -112,8 +112,10 @@ def measure(spec_run, spec, env):
         "precision": precision,
         "peak_flops": flops.peak_flops(env.get("gpu_name"), precision) if gpu else None,
     }
-    for key in ("flops_per_sample", "flops_source", "flops_analytic", "params",
-                "evaluate_s", "predict_s", "infer_samples"):
+    for key in ("warmup_calls_s", "warmup_epochs_s",
+                "flops_per_sample", "flops_source", "flops_analytic", "params",
+                "evaluate_s", "predict_s", "evaluate_first_s", "predict_first_s",
+                "infer_samples"):
         if result.get(key) is not None:
             record[key] = result[key]
     weights = result["weights"]

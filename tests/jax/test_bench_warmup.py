@@ -67,6 +67,11 @@ def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypat
         assert result["infer_samples"] == runners.INFER_BATCHES * w.batch
         assert result["evaluate_s"] > 0 and result["predict_s"] > 0
         assert result["warmup_s"] > 0 and len(result["epoch_seconds"]) == 2
+        # where the warm-up's and the first calls' seconds went, for sizing the budget
+        calls, epochs = result["warmup_calls_s"], result["warmup_epochs_s"]
+        assert len(calls) >= 1 and len(epochs) >= 2 and sum(calls) <= result["warmup_s"]
+        assert sum(epochs) <= sum(calls)
+        assert result["evaluate_first_s"] > 0 and result["predict_first_s"] > 0
     assert "predict_s" not in runners.run("replay", w, 1)
 
 
