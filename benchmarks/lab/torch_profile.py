@@ -66,7 +66,7 @@ def profile_torch(fn, steps, gpu):
 
     events = recorded(fn, steps, gpu)
     table = {c: [0, 0.0] for c in CATEGORIES}
-    for _, _, us, c in _kernels(events, gpu):
+    for _, _, us, c, _ in _kernels(events, gpu):
         table[c][0] += 1
         table[c][1] += us
     device = [e for e in events if gpu and e.device_type == torch.autograd.DeviceType.CUDA]
@@ -82,8 +82,7 @@ def top_kernels(fn, steps, gpu, category, top):
     op's first input shape: it tells apart, say, a copy of a kernel from one of an
     activation."""
     found = {}
-    for chain, name, us, c, shape in _kernels(recorded(fn, steps, gpu, shapes=True), gpu,
-                                              with_shapes=True):
+    for chain, name, us, c, shape in _kernels(recorded(fn, steps, gpu, shapes=True), gpu):
         if c == category:
             ops = " < ".join(n.replace("autograd::engine::evaluate_function: ", "")
                              for n in chain[:3])
@@ -94,10 +93,10 @@ def top_kernels(fn, steps, gpu, category, top):
     return [(op, k, n / steps, us / steps / 1e3) for (op, k), (n, us) in rows]
 
 
-def _kernels(events, gpu, with_shapes=False):
-    """(launching op's chain, kernel name, us, category) of each kernel the host events
-    launched (on a CPU: each leaf aten op, standing for a kernel); ``with_shapes``: and the
-    launching op's first input shape (events recorded with ``shapes=True``)."""
+def _kernels(events, gpu):
+    """(launching op's chain, kernel name, us, category, the launching op's first input
+    shape or None: events recorded without ``shapes``) of each kernel the host events
+    launched (on a CPU: each leaf aten op, standing for a kernel)."""
     import torch
 
     bn_seq = set()  # forward ops made inside BatchNormalization.call (their sequence numbers)
@@ -117,13 +116,10 @@ def _kernels(events, gpu, with_shapes=False):
             kernels = [(e.name, e.self_cpu_time_total)]
         else:
             kernels = []
+        shapes = [x for x in (e.input_shapes or []) if x]
         for name, us in kernels:
-            c = categorise(name, chain, bn_back)
-            if with_shapes:
-                shapes = [x for x in (e.input_shapes or []) if x]
-                yield chain, name, us, c, (tuple(shapes[0]) if shapes else None)
-            else:
-                yield chain, name, us, c
+            yield (chain, name, us, categorise(name, chain, bn_back),
+                   tuple(shapes[0]) if shapes else None)
 
 
 def recorded(fn, steps, gpu, shapes=False):

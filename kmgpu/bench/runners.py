@@ -90,7 +90,8 @@ def run(runner, workload, n, policy="global"):
         if runner == "replay" and workload in _PLAIN:
             model, init = _PLAIN.pop(workload)
             _restart(model, init)
-            return _plain(workload, model, backend, flops=False, compiled=True, settled=True)
+            return _plain(workload, model, backend, flops=False, compiled=True,
+                          already_warm=True)
         model = workload.build()  # outside any scope: the same weights in every process
         _PLAIN.clear()  # one workload's model waits for its replay, no other
         _PLAIN[workload] = (model, model.get_weights())
@@ -134,11 +135,11 @@ def compile_args(workload, lr_scale=1):
 
 
 # -- Keras fit based ---------------------------------------------------------------
-def _warm_up(fit, model, x, y, batch_size, steps, quick=False, settled_s=None):
+def _warm_up(fit, model, x, y, batch_size, steps, quick=False, minimum_s=None):
     """Untimed epochs of ``x``, ``y`` through ``fit`` (``steps`` per epoch): at least
     ``WARMUP_STEPS`` steps in one call, then one epoch at a time until the last two
     epochs are within ``STEADY`` of each other and the epochs after that first call have
-    run ``settled_s`` (default ``WARMUP_MIN_S``; ``quick``: one epoch, a code-path check
+    run ``minimum_s`` (default ``WARMUP_MIN_S``; ``quick``: one epoch, a code-path check
     on a CPU measures nothing); then ``model``'s weights and optimizer state as they were
     (Adam's slots and step count start at zero; the learning rate is kept). Returns
     {"warmup_s": its seconds, "warmup_calls_s": each ``fit`` call's wall seconds,
@@ -154,7 +155,7 @@ def _warm_up(fit, model, x, y, batch_size, steps, quick=False, settled_s=None):
         callbacks=[timer])
     seconds = list(timer.epoch_seconds)
     calls = [time.perf_counter() - start]
-    while not quick and not warm(seconds, sum(calls[1:]), settled_s):
+    while not quick and not warm(seconds, sum(calls[1:]), minimum_s):
         timer = EpochTimer()
         call = time.perf_counter()
         fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
@@ -185,14 +186,14 @@ def steady(seconds):
     return abs(a - b) <= STEADY * min(a, b)
 
 
-def _fit(fit, x, y, batch_size, workload, model=None, settled=False):
-    """Warm-up (``settled``: the model was compiled and warmed in this process already),
+def _fit(fit, x, y, batch_size, workload, model=None, already_warm=False):
+    """Warm-up (``already_warm``: the model was compiled and warmed in this process),
     then the timed epochs."""
     from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     steps = workload.steps or -(-len(x) // batch_size)
     warmup = (_warm_up(fit, model, x, y, batch_size, steps, workload.quick,
-                       settled_s=0.0 if settled else None)
+                       minimum_s=0.0 if already_warm else None)
               if model is not None else None)
     reset_peak_memory()
     timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
@@ -234,13 +235,13 @@ def _infer(model, x, y, batch_size, warm=True):
     return seconds
 
 
-def _plain(workload, model, backend, flops, compiled=False, settled=False):
+def _plain(workload, model, backend, flops, compiled=False, already_warm=False):
     from kmgpu.bench import flops as flop_count
 
     if not compiled:
         model.compile(**compile_args(workload))
     x, y = workload.data()
-    result = _fit(model.fit, x, y, workload.batch, workload, model, settled)
+    result = _fit(model.fit, x, y, workload.batch, workload, model, already_warm)
     result["weights"] = model.get_weights()
     result["params"] = trainable_count(model)
     if flops:  # plain fit, not its replay (that one is there for the training's noise)

@@ -116,8 +116,8 @@ class Workload:
     def data(self, global_batch=None):
         """(x, y) for one epoch at ``global_batch``: float32 inputs (int32 tokens for the
         transformer), int32 labels or float32 targets. The same arrays for the same size:
-        made once per process (ResNet-50's 224x224 epoch is close to 1 GB), shared by its
-        runs, which only read them."""
+        made once per process (an epoch of 224x224 images is large), shared by its runs,
+        which only read them."""
         n = self.samples(global_batch)
         rng = np.random.default_rng(SEED)
         if self.name == "sine":

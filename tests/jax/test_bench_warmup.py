@@ -84,7 +84,7 @@ def test_the_replay_fits_the_plain_runs_model_again_from_the_same_start(monkeypa
     w = _tiny_lstm(1, 3)
     minimums, warm_up = [], runners._warm_up
     monkeypatch.setattr(runners, "_warm_up", lambda *a, **k: minimums.append(
-        k.get("settled_s")) or warm_up(*a, **k))
+        k.get("minimum_s")) or warm_up(*a, **k))
     plain = runners.run("plain", w, 1)
     builds, build = [], workloads.Workload.build
     monkeypatch.setattr(workloads.Workload, "build",

@@ -8,8 +8,8 @@ train step uses (``graphs.CapturedSteps``: warm-up on a side stream, one capture
 batch shape on static input buffers, replays; any other shape, such as the last partial
 batch, eager; a failed capture tried again once, then the step eager from there on with
 one printed line; a step that runs out of GPU memory while these graphs hold theirs drops
-them, and the test and predict steps run eagerly from there on, with one printed line). Rows, order and numbers are Keras's. On a CPU the steps are Keras's
-own (not installed).
+them, and the test and predict steps run eagerly from there on, with one printed line).
+Rows, order and numbers are Keras's. On a CPU the steps are Keras's own (not installed).
 
 On N ranks (``capture_on_rank``) each rank captures its own test step (``strategy``'s: its
 rows' loss weighed by its share of the global batch, the real rows of the batch part
@@ -43,15 +43,15 @@ class CapturedEval(graphs.CapturedSteps):
         refused: {kind: why that kind must not be captured}.
     """
 
-    def __init__(self, model, device, say=print, tf32=None, test=None, rows=None,
-                 refused=None):
-        super().__init__(model, device, say=say, tf32=tf32, refused=refused)
-        self._test, self._test_rows = test, rows
-
     #: the line printed when a step ran out of memory beside the graphs
     NO_ROOM = ("kmgpu (torch): the {kind} step ran out of GPU memory beside the captured "
                "steps' graphs, so the {kinds} steps run eagerly from here on (their graphs "
                "dropped)")
+
+    def __init__(self, model, device, say=print, tf32=None, test=None, rows=None,
+                 refused=None):
+        super().__init__(model, device, say=say, tf32=tf32, refused=refused)
+        self._test, self._test_rows = test, rows
 
     def test_step(self, batch):
         return self._step("test", batch)
