@@ -14,6 +14,7 @@ log.
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -164,6 +165,59 @@ def _share_compiled_code(folder):
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _COMPILES.attach()
+
+
+class _CompileLog:
+    """What JAX's persistent compilation cache did during a run, read from the messages
+    of JAX's compiler logger: the programs loaded from the cache (hits) and those
+    compiled, with each compile's seconds. It says whether a later run in the process
+    loaded plain fit's programs or compiled its own."""
+
+    LOGGER = "jax._src.compiler"
+    HIT = re.compile(r"[Pp]ersistent compilation cache hit for '([^']+)'")
+    MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
+    TOOK = re.compile(r"'([^']+)' took at least .* to compile \(([0-9.]+)s\)")
+
+    def __init__(self):
+        self.hits, self.misses, self.compiled = [], [], []
+
+    def attach(self):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(handler, record):
+                self.read(record.getMessage())
+
+        logger = logging.getLogger(self.LOGGER)
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(Handler(logging.DEBUG))
+        logger.propagate = False  # its DEBUG lines stay out of the worker's log
+
+    def read(self, message):
+        hit, miss = self.HIT.search(message), self.MISS.search(message)
+        took = self.TOOK.search(message)
+        if hit:
+            self.hits.append(hit.group(1))
+        elif miss:
+            self.misses.append(miss.group(1))
+        elif took:
+            self.compiled.append((took.group(1), float(took.group(2))))
+
+    def take(self):
+        """{"cache_hits": n, "cache_misses": n, "compile_s": seconds, "compiled":
+        [[name, seconds], ...] of the compiles over 0.1 s} since the last take, or {}
+        where nothing was logged."""
+        hits, misses, compiled = self.hits, self.misses, self.compiled
+        self.hits, self.misses, self.compiled = [], [], []
+        if not (hits or misses or compiled):
+            return {}
+        return {"cache_hits": len(hits), "cache_misses": len(misses),
+                "compile_s": sum(s for _, s in compiled),
+                "compiled": [[name, s] for name, s in compiled if s > 0.1]}
+
+
+_COMPILES = _CompileLog()
 
 
 def _one(spec_run, spec, env, before, skip):
@@ -171,10 +225,13 @@ def _one(spec_run, spec, env, before, skip):
     try:
         record = measure(spec_run, spec, env)
         record["runs_before"] = before  # > 0: this process's caches were warm
+        record.update(_COMPILES.take())
     except skip as e:
+        _COMPILES.take()
         record = {"kind": "run", **spec_run, "status": "skipped", "reason": str(e)}
     except Exception as e:
         traceback.print_exc()
+        _COMPILES.take()
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
         record = {"kind": "run", **spec_run, "status": "error",
                   "error": f"{type(e).__name__}: {message}"[:300]}
@@ -200,6 +257,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     env = environment()
     emit(env)
+    _COMPILES.take()  # the set-up's own small programs belong to no run
     from kmgpu.bench.ddp import Skip
 
     before = 0
