@@ -170,17 +170,24 @@ def _share_compiled_code(folder):
 
 class _CompileLog:
     """What JAX's persistent compilation cache did during a run, read from the messages
-    of JAX's compiler logger: the programs loaded from the cache (hits) and those
-    compiled, with each compile's seconds. It says whether a later run in the process
-    loaded plain fit's programs or compiled its own."""
+    of JAX's compiler and cache-key loggers: the programs loaded from the cache (hits) and
+    those compiled, with each compile's seconds, and the train step's cache key part by
+    part (the program, XLA flags, compile options, ...). It says whether a later run in
+    the process loaded plain fit's programs or compiled its own, and where a key
+    differs, which part made it differ."""
 
-    LOGGER = "jax._src.compiler"
+    LOGGERS = ("jax._src.compiler", "jax._src.cache_key")
+    PART = re.compile(r"get_cache_key hash of serialized (.+): ([0-9a-f]+)")
     HIT = re.compile(r"[Pp]ersistent compilation cache hit for '([^']+)'")
     MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
     TOOK = re.compile(r"'([^']+)' took at least .* to compile \(([0-9.]+)s\)")
 
     def __init__(self):
+        self.clear()
+
+    def clear(self):
         self.hits, self.misses, self.compiled = [], [], []
+        self.parts, self.train_key = {}, {}
 
     def attach(self):
         import logging
@@ -189,32 +196,39 @@ class _CompileLog:
             def emit(handler, record):
                 self.read(record.getMessage())
 
-        logger = logging.getLogger(self.LOGGER)
-        logger.setLevel(logging.DEBUG)
-        logger.addHandler(Handler(logging.DEBUG))
-        logger.propagate = False  # its DEBUG lines stay out of the worker's log
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(Handler(logging.DEBUG))
+            logger.propagate = False  # its DEBUG lines stay out of the worker's log
 
     def read(self, message):
+        part = self.PART.search(message)
+        if part:  # the key's parts come before the hit or miss of its program
+            self.parts[part.group(1)] = part.group(2)[:12]
+            return
         hit, miss = self.HIT.search(message), self.MISS.search(message)
         took = self.TOOK.search(message)
-        if hit:
-            self.hits.append(hit.group(1))
-        elif miss:
-            self.misses.append(miss.group(1))
+        if hit or miss:
+            name = (hit or miss).group(1)
+            (self.hits if hit else self.misses).append(name)
+            if "train_step" in name:
+                self.train_key = self.parts
+            self.parts = {}
         elif took:
             self.compiled.append((took.group(1), float(took.group(2))))
 
     def take(self):
         """{"cache_hits": n, "cache_misses": n, "compile_s": seconds, "compiled":
-        [[name, seconds], ...] of the compiles over 0.1 s} since the last take, or {}
-        where nothing was logged."""
-        hits, misses, compiled = self.hits, self.misses, self.compiled
-        self.hits, self.misses, self.compiled = [], [], []
-        if not (hits or misses or compiled):
-            return {}
-        return {"cache_hits": len(hits), "cache_misses": len(misses),
-                "compile_s": sum(s for _, s in compiled),
-                "compiled": [[name, s] for name, s in compiled if s > 0.1]}
+        [[name, seconds], ...] of the compiles over 0.1 s, "train_step_key": {part:
+        hash}} since the last take, or {} where nothing was logged."""
+        taken = {"cache_hits": len(self.hits), "cache_misses": len(self.misses),
+                 "compile_s": sum(s for _, s in self.compiled),
+                 "compiled": [[name, s] for name, s in self.compiled if s > 0.1],
+                 "train_step_key": self.train_key}
+        logged = self.hits or self.misses or self.compiled
+        self.clear()
+        return taken if logged else {}
 
 
 _COMPILES = _CompileLog()
