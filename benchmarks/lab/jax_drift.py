@@ -10,7 +10,7 @@ Phases, in this order, in one process, model A throughout unless named:
     A                 plain fit after the bench's own warm-up (``runners._warm_up``)
     A after infer     after A's evaluate and predict (their compiles), as the bench does
     B kmgpu           a second model of the same workload through ``kmgpu.parallelize``,
-                      after its warm-up (as the bench's kmgpu run)
+                      after its warm-up, evaluate and predict (as the bench's kmgpu run)
     A, B alive        A again, B and its ParallelModel still referenced
     A, B freed        A again after B is dropped and garbage collected
     A, gc frozen      A again after ``gc.freeze()`` (earlier objects out of GC's scans)
@@ -18,6 +18,10 @@ Phases, in this order, in one process, model A throughout unless named:
 
 Each phase: ``--epochs`` epochs of one ``fit`` call, timed by ``EpochTimer``; the median,
 min and max epoch; NVML's SM clock, temperature, power and utilisation read after it.
+JAX's persistent compilation cache is on (in a temporary folder), as in the bench's
+workers, and each phase (its warm-up and evaluate and predict included) says what it
+compiled and what it loaded, and which parts of its train step's cache key differ from
+A's.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -53,6 +58,9 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    from kmgpu.bench import worker
+
+    worker._share_compiled_code(tempfile.mkdtemp())  # before any compile, as a worker
     import keras
 
     import kmgpu
@@ -61,7 +69,7 @@ def main(argv=None):
 
     w = workloads.get(args.workload, quick=args.quick, devices=1)
     x, y = w.data()
-    rows = []
+    rows, keys = [], {}
 
     def timed(fit, phase):
         timer = EpochTimer()
@@ -70,9 +78,16 @@ def main(argv=None):
             callbacks=[timer])
         wall = time.perf_counter() - start
         s = timer.epoch_seconds
+        compiles = worker._COMPILES.take()
+        key = compiles.get("train_step_key") or {}
+        keys.setdefault("A", key)
         rows.append({"phase": phase, "median": statistics.median(s), "min": min(s),
                      "max": max(s), "wall": wall, "objects": len(gc.get_objects()),
-                     **nvml_reading()})
+                     "compile_s": compiles.get("compile_s", 0.0),
+                     "hits": compiles.get("cache_hits", 0),
+                     "misses": compiles.get("cache_misses", 0),
+                     "key_differs": ", ".join(k for k in key if key[k] != keys["A"].get(k))
+                     or "-", **nvml_reading()})
         print(rows[-1], flush=True)
 
     a = w.build()
@@ -85,6 +100,7 @@ def main(argv=None):
     parallel = kmgpu.parallelize(b, gpus=1 if not args.quick else None)
     parallel.compile(**w.compile_args())
     runners._warm_up(parallel.fit, b, x, y, w.batch, w.steps, quick=args.quick)
+    runners._infer(parallel, x, y, w.batch)  # its compiles (or loads) count in B's row
     timed(parallel.fit, "B kmgpu")
     timed(a.fit, "A, B alive")
     del b, parallel
@@ -104,11 +120,13 @@ def main(argv=None):
              f"`python3 benchmarks/lab/jax_drift.py {' '.join(argv or sys.argv[1:])}`",
              "",
              "| phase | median epoch (s) | min | max | vs A | SM MHz | temp C | power W | "
-             "util % | GC objects |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "util % | GC objects | compiled (s) | cache hits | misses | train step key "
+             "differs from A's in |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| {phase} | {median:.4f} | {min:.4f} | {max:.4f} | {ratio:+.1%} | "
-                     "{sm} | {temp} | {power} | {util} | {objects:,} |".format(
+                     "{sm} | {temp} | {power} | {util} | {objects:,} | {compile_s:.1f} | "
+                     "{hits} | {misses} | {key_differs} |".format(
                          ratio=r["median"] / first - 1, sm=r.get("sm_mhz", "-"),
                          temp=r.get("temp_c", "-"),
                          power=f"{r['power_w']:.0f}" if "power_w" in r else "-",
