@@ -178,6 +178,8 @@ class _CompileLog:
 
     LOGGERS = ("jax._src.compiler", "jax._src.cache_key")
     PART = re.compile(r"get_cache_key hash of serialized (.+): ([0-9a-f]+)")
+    NOT_WRITTEN = re.compile(r"Not writing persistent cache entry.*")
+    ERROR = r"Error (reading|writing) persistent compilation cache entry"
     HIT = re.compile(r"[Pp]ersistent compilation cache hit for '([^']+)'")
     MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
     TOOK = re.compile(r"'([^']+)' took at least .* to compile \(([0-9.]+)s\)")
@@ -187,10 +189,23 @@ class _CompileLog:
 
     def clear(self):
         self.hits, self.misses, self.compiled = [], [], []
-        self.parts, self.train_key = {}, {}
+        self.parts, self.train_key, self.trouble = {}, {}, []
 
     def attach(self):
+        """Read JAX's loggers, and its warnings that a cache entry could not be read or
+        written (shown even where the worker ignores warnings)."""
         import logging
+        import warnings
+
+        warnings.filterwarnings("always", message=self.ERROR)
+        shown = warnings.showwarning
+
+        def show(message, *args, **kwargs):
+            if re.match(self.ERROR, str(message)):
+                self.trouble.append(str(message)[:300])
+            shown(message, *args, **kwargs)
+
+        warnings.showwarning = show
 
         class Handler(logging.Handler):
             def emit(handler, record):
@@ -208,8 +223,10 @@ class _CompileLog:
             self.parts[part.group(1)] = part.group(2)[:12]
             return
         hit, miss = self.HIT.search(message), self.MISS.search(message)
-        took = self.TOOK.search(message)
-        if hit or miss:
+        took, not_written = self.TOOK.search(message), self.NOT_WRITTEN.search(message)
+        if not_written:  # e.g. a program with host callbacks is never written
+            self.trouble.append(not_written.group(0)[:300])
+        elif hit or miss:
             name = (hit or miss).group(1)
             (self.hits if hit else self.misses).append(name)
             if "train_step" in name:
@@ -221,12 +238,13 @@ class _CompileLog:
     def take(self):
         """{"cache_hits": n, "cache_misses": n, "compile_s": seconds, "compiled":
         [[name, seconds], ...] of the compiles over 0.1 s, "train_step_key": {part:
-        hash}} since the last take, or {} where nothing was logged."""
+        hash}, "cache_trouble": [why an entry was not read or written, ...]} since the
+        last take, or {} where nothing was logged."""
         taken = {"cache_hits": len(self.hits), "cache_misses": len(self.misses),
                  "compile_s": sum(s for _, s in self.compiled),
                  "compiled": [[name, s] for name, s in self.compiled if s > 0.1],
-                 "train_step_key": self.train_key}
-        logged = self.hits or self.misses or self.compiled
+                 "train_step_key": self.train_key, "cache_trouble": self.trouble}
+        logged = self.hits or self.misses or self.compiled or self.trouble
         self.clear()
         return taken if logged else {}
 
@@ -263,12 +281,12 @@ def main(argv=None):
         import kmgpu
 
         kmgpu.simulate_devices(int(spec["simulate"]))
-    if spec.get("jax_cache") and os.environ.get("KERAS_BACKEND") == "jax":
-        _share_compiled_code(spec["jax_cache"])
-    common.SIMULATED[0] = int(spec.get("simulate") or 0)
     import warnings
 
     warnings.filterwarnings("ignore")
+    if spec.get("jax_cache") and os.environ.get("KERAS_BACKEND") == "jax":
+        _share_compiled_code(spec["jax_cache"])  # its cache's own warnings shown
+    common.SIMULATED[0] = int(spec.get("simulate") or 0)
     env = environment()
     emit(env)
     _COMPILES.take()  # the set-up's own small programs belong to no run
