@@ -58,9 +58,9 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from kmgpu.bench import worker
+    from kmgpu.bench import compile_log
 
-    worker._share_compiled_code(tempfile.mkdtemp())  # before any compile, as a worker
+    compile_log.share_compiled_code(tempfile.mkdtemp())  # before any compile, as a worker
     import keras
 
     import kmgpu
@@ -78,7 +78,7 @@ def main(argv=None):
             callbacks=[timer])
         wall = time.perf_counter() - start
         s = timer.epoch_seconds
-        compiles = worker._COMPILES.take()
+        compiles = compile_log.LOG.take()
         key = compiles.get("train_step_key") or {}
         keys.setdefault("A", key)
         rows.append({"phase": phase, "median": statistics.median(s), "min": min(s),

@@ -11,20 +11,20 @@ from tests.common.test_bench import ROOT, _clean_env
 
 CODE = r"""
 import json, tempfile, warnings
-from kmgpu.bench import worker
+from kmgpu.bench import compile_log
 
 warnings.filterwarnings("ignore")  # as the worker: the cache's own warnings still shown
-worker._share_compiled_code(tempfile.mkdtemp())
+compile_log.share_compiled_code(tempfile.mkdtemp())
 import jax, jax.numpy as jnp
 from jax._src import compilation_cache
 
 x = jnp.ones(3)
-worker._COMPILES.take()
+compile_log.LOG.take()
 takes = []
 jax.jit(lambda v: v * 2)(x)
-takes.append(worker._COMPILES.take())
+takes.append(compile_log.LOG.take())
 jax.jit(lambda v: v * 2)(x)  # another function object, the same program
-takes.append(worker._COMPILES.take())
+takes.append(compile_log.LOG.take())
 
 
 @jax.jit
@@ -34,7 +34,7 @@ def printing(v):
 
 
 printing(x)
-takes.append(worker._COMPILES.take())
+takes.append(compile_log.LOG.take())
 
 
 def broken(*args, **kwargs):
@@ -43,7 +43,7 @@ def broken(*args, **kwargs):
 
 compilation_cache.put_executable_and_time = broken
 jax.jit(lambda v: v - 5)(x)
-takes.append(worker._COMPILES.take())
+takes.append(compile_log.LOG.take())
 print("TAKES " + json.dumps(takes))
 """
 
