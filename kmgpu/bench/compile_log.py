@@ -38,6 +38,7 @@ class CompileLog:
     TOOK = re.compile(r"'([^']+)' took at least .* to compile \(([0-9.]+)s\)")
 
     def __init__(self):
+        self.attached = False
         self.clear()
 
     def clear(self):
@@ -46,9 +47,14 @@ class CompileLog:
 
     def attach(self):
         """Read JAX's loggers, and its warnings that a cache entry could not be read or
-        written (shown even where the worker ignores warnings)."""
+        written (shown even where the worker ignores warnings). Once per process: a
+        second handler would count every message twice."""
         import logging
         import warnings
+
+        if self.attached:
+            return
+        self.attached = True
 
         warnings.filterwarnings("always", message=self.ERROR)
         shown = warnings.showwarning
