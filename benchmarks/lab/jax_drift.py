@@ -37,17 +37,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 
 def nvml_reading():
-    try:
-        import pynvml
+    """The first GPU's SM clock, temperature, power and utilisation now ({} without NVML)."""
+    from kmgpu.callbacks import NvmlUnavailable, _nvml
 
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
-                "util": pynvml.nvmlDeviceGetUtilizationRates(h).gpu}
-    except Exception:
+    try:
+        nvml = _nvml()
+    except NvmlUnavailable:
         return {}
+    try:
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        return {"sm_mhz": nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                "temp_c": nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+                "power_w": nvml.nvmlDeviceGetPowerUsage(h) / 1000,
+                "util": nvml.nvmlDeviceGetUtilizationRates(h).gpu}
+    finally:
+        nvml.nvmlShutdown()
 
 
 def main(argv=None):
