@@ -130,11 +130,11 @@ def main(argv=None):
     for r in rows:
         lines.append("| {phase} | {median:.4f} | {min:.4f} | {max:.4f} | {ratio:+.1%} | "
                      "{sm} | {temp} | {power} | {util} | {objects:,} | {compile_s:.1f} | "
-                     "{hits} | {misses} | {key_differs} |".format(
-                         ratio=r["median"] / first - 1, sm=r.get("sm_mhz", "-"),
-                         temp=r.get("temp_c", "-"),
-                         power=f"{r['power_w']:.0f}" if "power_w" in r else "-",
-                         util=r.get("util", "-"), **r))
+                     "{hits} | {misses} | {key_differs} |".format(**{
+                         **r, "ratio": r["median"] / first - 1, "sm": r.get("sm_mhz", "-"),
+                         "temp": r.get("temp_c", "-"),
+                         "power": f"{r['power_w']:.0f}" if "power_w" in r else "-",
+                         "util": r.get("util", "-")}))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

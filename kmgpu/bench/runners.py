@@ -35,7 +35,9 @@ call (at most ``WARMUP_EPOCHS_MAX`` epochs once they have, and ``WARMUP_MAX_S``)
 model's
 weights and optimizer state back to where they were (the compiled step stays), then the
 timed epochs. The warm-up's wall time is the run's ``warmup_s`` (the compile included);
-samples/s is the median of the timed epochs. The replay of a model that plain fit has
+samples/s is the median of the timed epochs. Beside each timed epoch the run keeps what
+the host did (``hosttimes.py``: the dispatching thread's CPU seconds, its preemptions,
+the machine's steal time), the evidence where plain fit and plain fit again differ. The replay of a model that plain fit has
 already compiled and warmed in this process needs no settling time: its warm-up ends
 once two epochs agree (``WARMUP_MIN_S`` does not apply).
 
@@ -72,6 +74,7 @@ def run(runner, workload, n, policy="global"):
     Returns:
         dict(epoch_seconds=[...], peak_memory=bytes, memory_kind="nvml"|"gpu"|"rss",
         allocator_peak=bytes (where known), gpu_util=% (with NVML), loss=float,
+        host={"thread_cpu_s": [...], ...} (hosttimes.py, per timed epoch),
         weights=[np.ndarray, ...], samples_per_epoch, global_batch, and for the plain
         run the model's FLOPs per sample).
     """
@@ -189,6 +192,7 @@ def steady(seconds):
 def _fit(fit, x, y, batch_size, workload, model=None, already_warm=False):
     """Warm-up (``already_warm``: the model was compiled and warmed in this process),
     then the timed epochs."""
+    from kmgpu.bench.hosttimes import HostTimes
     from kmgpu.callbacks import EpochTimer, GPUMonitor, reset_peak_memory
 
     steps = workload.steps or -(-len(x) // batch_size)
@@ -197,13 +201,15 @@ def _fit(fit, x, y, batch_size, workload, model=None, already_warm=False):
               if model is not None else None)
     reset_peak_memory()
     timer, monitor = EpochTimer(len(x)), GPUMonitor(interval=0.2, verbose=0)
+    host = HostTimes()
     history = fit(x, y, batch_size=batch_size, epochs=workload.epochs, shuffle=False,
-                  verbose=0, callbacks=[timer, monitor])
+                  verbose=0, callbacks=[timer, monitor, host])
     # Read the callbacks themselves: an engine that trains in worker processes runs
     # them here but need not copy what they add to the logs into its History.
     result = collect(timer.epoch_seconds, timer.peak_memory, timer.memory_kind, monitor,
                      float(history.history["loss"][-1]))
     result["samples_per_epoch"] = len(x)
+    result["host"] = host.per_epoch
     if warmup is not None:
         result.update(warmup)
     return result

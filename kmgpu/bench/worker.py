@@ -114,7 +114,7 @@ def measure(spec_run, spec, env):
         "precision": precision,
         "peak_flops": flops.peak_flops(env.get("gpu_name"), precision) if gpu else None,
     }
-    for key in ("warmup_calls_s", "warmup_epochs_s",
+    for key in ("warmup_calls_s", "warmup_epochs_s", "host",
                 "flops_per_sample", "flops_source", "flops_analytic", "params",
                 "evaluate_s", "predict_s", "evaluate_first_s", "predict_first_s",
                 "infer_samples"):

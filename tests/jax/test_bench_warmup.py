@@ -72,6 +72,15 @@ def test_evaluate_and_predict_on_the_same_few_batches_for_every_runner(monkeypat
         assert len(calls) >= 1 and len(epochs) >= 2 and sum(calls) <= result["warmup_s"]
         assert sum(epochs) <= sum(calls)
         assert result["evaluate_first_s"] > 0 and result["predict_first_s"] > 0
+        # what the host did in each timed epoch: the dispatching thread's CPU seconds
+        # within the epoch's wall time, the process's at least as many
+        host = result["host"]
+        assert all(len(v) == 2 for v in host.values())
+        for cpu, process, wall in zip(host["thread_cpu_s"], host["process_cpu_s"],
+                                      result["epoch_seconds"]):
+            assert 0 < cpu <= wall * 1.05 + 0.01 and process >= cpu - 1e-3
+        assert all(isinstance(n, int) and n >= 0 for n in host["preemptions"])
+        assert all(s is not None and s >= 0 for s in host["steal_s"])  # Linux
     assert "predict_s" not in runners.run("replay", w, 1)
 
 
