@@ -7,7 +7,8 @@ process's, the times the thread was taken off its CPU while it could run (involu
 context switches), and the machine's steal time (a virtual machine's CPUs running another
 guest). An epoch whose wall time grew with its thread's CPU seconds ran slower code or a
 slower CPU; one whose wall time grew without them waited: for the GPU, for a CPU taken by
-another thread or another guest.
+another thread or another guest. Where an engine trains in worker processes (kmgpu's torch
+engine on several devices) the figures are those of the process that runs the callbacks.
 """
 
 import resource

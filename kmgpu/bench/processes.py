@@ -85,7 +85,7 @@ class Worker:
 
             timer = threading.Timer(max(timeout, 1.0), stop)
             timer.start()
-        since = time.monotonic()
+        since = logged = time.monotonic()
         try:
             self.proc.stdin.write(json.dumps(runs) + "\n")
             self.proc.stdin.flush()
@@ -98,15 +98,18 @@ class Worker:
                     break
                 now = time.monotonic()
                 if rec.get("kind") == "env":  # where a unit's seconds go, for the log
-                    self.log.write(f"--- process ready after {now - since:.1f} s\n")
+                    parts = ", ".join(f"{k} {v} s" for k, v in rec.get("start_s", {}).items())
+                    self.log.write(f"--- process ready after {now - since:.1f} s"
+                                   + (f" ({parts})" if parts else "") + "\n")
+                    logged = now  # the log's first run starts here, its budget at since
                 if rec.get("kind") == "run":
                     rec["policy"] = rec.get("policy", "global")
                     rec["backend"] = self.backend
                     seen.add(plan.key(rec))
-                    budget.record(rec, now - since)
-                    self.log.write(f"--- {rec['runner']}: {now - since:.1f} s, "
+                    budget.record(rec, now - since)  # a new process's start included
+                    self.log.write(f"--- {rec['runner']}: {now - logged:.1f} s, "
                                    f"{rec.get('wall_s') or 0:.1f} s of it in the run\n")
-                    since = now
+                    since = logged = now
                 yield rec
         except (BrokenPipeError, OSError):
             pass  # the process is gone: its runs are reported below

@@ -30,6 +30,9 @@ def emit(record):
 
 
 def environment():
+    """The process's backend, versions and devices; ``start_s``: where its start went
+    (importing Keras and its backend, then finding the devices), in seconds."""
+    started = time.perf_counter()
     import keras
 
     import kmgpu
@@ -37,9 +40,12 @@ def environment():
 
     backend = keras.config.backend()
     version = getattr(sys.modules.get(backend) or __import__(backend), "__version__", "?")
+    imported = time.perf_counter()
     info = {"kind": "env", "backend": backend, "keras": keras.__version__,
             "backend_version": version, "devices": kmgpu.devices(),
-            "dtype_policy": keras.config.dtype_policy().name}
+            "dtype_policy": keras.config.dtype_policy().name,
+            "start_s": {"imports": round(imported - started, 2),
+                        "devices": round(time.perf_counter() - imported, 2)}}
     try:
         if backend == "jax":
             import jax
