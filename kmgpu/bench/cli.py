@@ -370,6 +370,10 @@ def _finish(results, written, log_path=None):
     print(summary.LEGEND)  # the table users read first comes last: the end of a log
     print()
     print(summary.table(results))
+    notes = summary.noise_notes(results)
+    if notes:
+        print()
+        print("\n".join(notes))
 
 
 def _merge_only(args, out, argv):

@@ -226,7 +226,12 @@ def markdown(results):
         lines += ["", "Quick mode: JAX runs share a persistent compilation cache, so their "
                   "first epochs are not compile times; on a CPU, XLA compiles without "
                   "LLVM optimisation (`--xla_backend_optimization_level=0`)."]
-    lines += ["", summary.table(results), "", summary.LEGEND, ""]
+    lines += ["", summary.table(results), ""]
+    notes = summary.noise_notes(results)
+    if notes:
+        lines += ["Why the rows not judged differ from themselves, from what the host did in "
+                  "each timed epoch:", ""] + notes + [""]
+    lines += [summary.LEGEND, ""]
     if plot_missing() is None:
         lines += [f"![samples/s per model and backend]({results.get('name', '')}.png)", ""]
     if tables.top_devices(results) > 1:

@@ -2,7 +2,8 @@
 and under plain fit, kmgpu against plain fit as a ratio, how far plain fit was from
 itself (a row over ``NOISE_LIMIT`` is not judged), the first epoch, evaluate and predict,
 and which backend is fastest; with several devices also the speed-up over plain fit on
-one and the efficiency. Imports no backend."""
+one and the efficiency; under it, for each row not judged, whether plain fit differed
+from itself on the CPU or off it (``noise_notes``). Imports no backend."""
 
 from kmgpu.bench import tables
 from kmgpu.bench.tables import BACKEND_ORDER, fmt
@@ -98,6 +99,45 @@ def table(results):
             cells += [r["first"], _secs(r["evaluate"]), _secs(r["predict"]), vs]
             lines.append(f"| {workload} | {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def noise_notes(results):
+    """One line per row that is not judged, where both runs of plain fit kept what the host
+    did (``hosttimes.py``): whether plain fit again differed on the CPU (its dispatching
+    thread needed more or fewer CPU seconds for the same steps) or off it (the same CPU
+    seconds, more or less waiting). [] where no row needs one."""
+    import statistics
+
+    notes = []
+    for workload in workloads_in(results):
+        for backend in sorted({r["backend"] for r in results["runs"]},
+                              key=lambda b: BACKEND_ORDER.get(b, 9)):
+            plain = _run(results, backend, workload, "plain", 1)
+            replay = _run(results, backend, workload, "replay", 1)
+            gap = tables.noise(plain, replay)
+            if gap is None or gap <= tables.NOISE_LIMIT:
+                continue
+            if not (plain.get("host") and replay.get("host")):
+                continue
+            a, b = (statistics.median(r["epoch_seconds"]) for r in (plain, replay))
+            ca, cb = (statistics.median(r["host"]["thread_cpu_s"]) for r in (plain, replay))
+            wall, cpu = a / b - 1, (ca / cb - 1 if cb else 0.0)
+            where = ("on the CPU: the dispatching thread's CPU seconds moved with the wall "
+                     "time (the same code on a slower or faster CPU: its clock, its caches, "
+                     "a busy sibling thread)"
+                     if abs(cpu) >= abs(wall) / 2 and cpu * wall > 0 else
+                     "off the CPU: about the same CPU seconds, more or less time waiting "
+                     "(for the device's work, for a CPU taken by another thread or guest)")
+            steal = [sum(x for x in r["host"]["steal_s"] if x is not None)
+                     for r in (plain, replay)]
+            preempted = [sum(r["host"]["preemptions"]) for r in (plain, replay)]
+            notes.append(
+                f"- {workload} on {backend}, not judged: plain fit {a:.3f} s an epoch, plain "
+                f"fit again {b:.3f} s ({wall:+.1%}); the dispatching thread's CPU {ca:.3f} s "
+                f"against {cb:.3f} s an epoch ({cpu:+.1%}); preempted {preempted[0]} against "
+                f"{preempted[1]} times, machine steal {steal[0]:.2f} s against "
+                f"{steal[1]:.2f} s: the difference was {where}.")
+    return notes
 
 
 LEGEND = (

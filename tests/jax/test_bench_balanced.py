@@ -58,3 +58,30 @@ def test_the_report_defines_the_ratio_noise_efficiency_and_parity():
     for words in ("kmgpu / plain fit: kmgpu's samples/s over", "plain vs plain again (noise)",
                   "efficiency: speedup / N (it can exceed 1", "parity: the largest relative"):
         assert words in text, words
+
+
+def _with_host(results, plain, again):
+    """Each plain run's epochs and what the host did in them: (wall s, thread CPU s)."""
+    for r in results["runs"]:
+        if r["runner"] in ("plain", "replay"):
+            wall, cpu = plain if r["runner"] == "plain" else again
+            r["epoch_seconds"] = [wall] * 3
+            r["host"] = {"thread_cpu_s": [cpu] * 3, "process_cpu_s": [cpu * 1.5] * 3,
+                         "preemptions": [2, 0, 1], "steal_s": [0.0, 0.01, None]}
+    return results
+
+
+def test_a_row_not_judged_says_whether_the_host_ran_slower_or_waited():
+    """A noisy row's note tells a slower CPU (the dispatching thread's CPU seconds grew
+    with the wall time) from waiting (the same CPU seconds); a judged row has none."""
+    slower = _with_host(_results(replay=True), (1.0, 0.9), (0.944, 0.85))
+    notes = summary.noise_notes(slower)
+    assert len(notes) == 1 and notes[0].startswith("- cnn32 on jax, not judged:")
+    assert "+5.9%" in notes[0] and "the difference was on the CPU" in notes[0]
+    assert "preempted 3 against 3 times, machine steal 0.01 s against 0.01 s" in notes[0]
+    waited = _with_host(_results(replay=True), (1.0, 0.5), (0.944, 0.5))
+    assert "the difference was off the CPU" in summary.noise_notes(waited)[0]
+    assert "from what the host did" in report.markdown(dict(waited, workloads={}))
+    judged = _with_host(_results(replay=True, again=3550.0), (1.0, 0.9), (0.99, 0.85))
+    assert summary.noise_notes(judged) == []  # 1.4%: inside the limit
+    assert summary.noise_notes(_results(replay=True)) == []  # older records: no host
