@@ -4,7 +4,7 @@ import numpy as np
 
 # for the JAX and torch processes the tests start (launch ranks, torchrun, a parent to
 # kill): the bench's workers need the same, so one function serves both
-from kmgpu.bench.common import without_tensorflow  # noqa: F401
+from kmgpu.bench.common import without_other_backends  # noqa: F401
 
 
 def batch_logs():

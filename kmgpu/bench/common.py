@@ -15,16 +15,21 @@ def global_batch(workload, n, policy):
     return workload.batch * n if policy == "per_replica" else workload.batch
 
 
-def without_tensorflow():
+def without_other_backends():
     """In a JAX or torch process of the bench (a worker, a DDP rank): ``import tensorflow``
-    raises ImportError, which Keras takes as "not installed". No run of theirs uses it, but
-    ``keras.utils.set_random_seed`` (every workload's model) imports it where it is
-    installed, only to seed it: 5-6 s of a 2-core CPU per process, and its thread pools."""
+    raises ImportError, which Keras takes as "not installed"; in a torch process so does
+    ``import jax``. No run of theirs uses them, but ``keras.utils.set_random_seed`` (every
+    workload's model) imports TensorFlow where it is installed, only to seed it (5-6 s of a
+    2-core CPU per process, and its thread pools), and ``import keras`` imports JAX where it
+    is installed, only to patch its monitoring (1-2 s of each torch worker's start)."""
     import os
     import sys
 
-    if os.environ.get("KERAS_BACKEND") in ("jax", "torch"):
+    backend = os.environ.get("KERAS_BACKEND")
+    if backend in ("jax", "torch"):
         sys.modules.setdefault("tensorflow", None)
+    if backend == "torch":
+        sys.modules.setdefault("jax", None)
 
 
 def has_gpu():

@@ -50,7 +50,7 @@ def _process(rank, world, target, args, cuda, port):
 
     from kmgpu.bench import common
 
-    common.without_tensorflow()
+    common.without_other_backends()
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port

@@ -182,7 +182,7 @@ def main(argv=None):
         spec = json.load(f)
     from kmgpu.bench import common
 
-    common.without_tensorflow()
+    common.without_other_backends()
     if spec.get("simulate"):
         import kmgpu
 

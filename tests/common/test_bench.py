@@ -208,6 +208,23 @@ def test_importing_the_bench_imports_no_backend():
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("backend, blocked", [("torch", ["jax", "tensorflow"]),
+                                              ("jax", ["tensorflow"]), ("tensorflow", [])])
+def test_a_bench_process_leaves_out_the_backends_it_does_not_run(backend, blocked,
+                                                                 monkeypatch):
+    """Keras imports TensorFlow to seed it and JAX to patch it where they are installed:
+    a bench worker of another backend takes them as not installed (None in sys.modules),
+    the backends it runs untouched."""
+    from kmgpu.bench import common
+
+    modules = {k: v for k, v in sys.modules.items() if k not in ("jax", "tensorflow")}
+    monkeypatch.setattr(sys, "modules", modules)  # the function's view; imports unchanged
+    monkeypatch.setenv("KERAS_BACKEND", backend)
+    common.without_other_backends()
+    assert sorted(k for k in ("jax", "tensorflow", "torch")
+                  if k in modules and modules[k] is None) == blocked
+
+
 def test_no_bench_module_over_500_lines():
     for path in glob.glob(os.path.join(ROOT, "kmgpu", "bench", "*.py")):
         with open(path) as f:

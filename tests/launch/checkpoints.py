@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import kmgpu  # noqa: E402
-from tests.helpers import data, mlp, rel_diff, shard_values, without_tensorflow  # noqa: E402
+from tests.helpers import data, mlp, rel_diff, shard_values, without_other_backends  # noqa: E402
 
 ROWS, BATCH = 64, 16
 
@@ -58,7 +58,7 @@ def main():
     from kmgpu import environment
 
     if keras.backend.backend() != "tensorflow":
-        without_tensorflow()  # seeding would import it (5 s) only to seed it
+        without_other_backends()  # seeding would import it (5 s) only to seed it
     out, phase = os.environ["KMGPU_TEST_OUT"], os.environ["KMGPU_TEST_PHASE"]
     epochs = 3 if phase == "resume" else 2
     ref, ref_history = reference(epochs)

@@ -19,9 +19,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import kmgpu  # noqa: E402
-from tests.helpers import data, mlp, rel_diff, without_tensorflow  # noqa: E402
+from tests.helpers import data, mlp, rel_diff, without_other_backends  # noqa: E402
 
-without_tensorflow()  # seeding would import it (5 s) only to seed it
+without_other_backends()  # seeding would import it (5 s) only to seed it
 EPOCHS, BATCH = 4, 16
 
 

@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 import kmgpu  # noqa: E402
-from tests.helpers import data, mlp, rel_diff, without_tensorflow  # noqa: E402
+from tests.helpers import data, mlp, rel_diff, without_other_backends  # noqa: E402
 
-without_tensorflow()  # seeding would import it (5 s) only to seed it
+without_other_backends()  # seeding would import it (5 s) only to seed it
 
 
 def main():

@@ -93,8 +93,8 @@ warnings.simplefilter("ignore")
 sys.path.insert(0, {root!r})
 import kmgpu
 kmgpu.simulate_devices(2)
-from tests.helpers import data, mlp, without_tensorflow
-without_tensorflow()
+from tests.helpers import data, mlp, without_other_backends
+without_other_backends()
 x, y = data("mlp", 64)
 model = mlp()
 model.compile(optimizer="sgd", loss="mse")

@@ -318,8 +318,8 @@ def test_progress_bar_shows_in_a_jupyter_cell(tmp_path):
     setup = (f"import os, sys\nos.environ['KERAS_BACKEND'] = 'torch'\n"
              f"sys.path.insert(0, {ROOT!r})\nimport kmgpu\nkmgpu.simulate_devices(2)\n"
              # the kernel seeds no TensorFlow (5-6 s of CPU to import it only for that)
-             "from tests.helpers import data, mlp, without_tensorflow\n"
-             "without_tensorflow()\nx, y = data('mlp', 48)\n"
+             "from tests.helpers import data, mlp, without_other_backends\n"
+             "without_other_backends()\nx, y = data('mlp', 48)\n"
              "parallel = kmgpu.parallelize(mlp(), gpus=2)\n"
              "parallel.compile(optimizer='sgd', loss='mse')\n"
              "parallel.fit(x, y, batch_size=16, epochs=1, verbose=0)\n")
