@@ -369,11 +369,11 @@ def _finish(results, written, log_path=None):
         print()
     print(summary.LEGEND)  # the table users read first comes last: the end of a log
     print()
-    print(summary.table(results))
-    notes = summary.noise_notes(results)
+    notes = summary.noise_notes(results)  # why its rows not judged are, just above it
     if notes:
-        print()
         print("\n".join(notes))
+        print()
+    print(summary.table(results))
 
 
 def _merge_only(args, out, argv):

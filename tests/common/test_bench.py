@@ -97,6 +97,10 @@ def _check_smoke(backend, names, out, tmp_path):
     assert any(line.startswith("## kmgpu on 2 simulated devices, per model and backend: a "
                                "code-path check") for line in tail)
     assert tail[-1].startswith(f"| {names[-1]} | ")
+    # a row not judged says why just above the table (its runs kept what the host did)
+    noisy = re.findall(r"^\| (\w+) \| (\w+) \| [^|]* \| [^|]* \| [^|]*not judged", out, re.M)
+    for workload, b in noisy:
+        assert f"- {workload} on {b}, not judged: plain fit " in out, (workload, b)
     title = next(i for i, line in enumerate(tail) if line.startswith("## kmgpu on 2 sim"))
     row = next(line for line in tail[title:] if line.startswith(f"| {names[0]} | {backend} | "))
     cells = [c.strip() for c in row.split("|")[1:-1]]
