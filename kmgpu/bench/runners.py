@@ -37,9 +37,10 @@ weights and optimizer state back to where they were (the compiled step stays), t
 timed epochs. The warm-up's wall time is the run's ``warmup_s`` (the compile included);
 samples/s is the median of the timed epochs. Beside each timed epoch the run keeps what
 the host did (``hosttimes.py``: the dispatching thread's CPU seconds, its preemptions,
-the machine's steal time), the evidence where plain fit and plain fit again differ. The replay of a model that plain fit has
-already compiled and warmed in this process needs no settling time: its warm-up ends
-once two epochs agree (``WARMUP_MIN_S`` does not apply).
+the machine's steal time), the evidence where plain fit and plain fit again differ. The
+replay of a model that plain fit has already compiled and warmed in this process needs
+no settling time: its warm-up ends once two epochs agree (``WARMUP_MIN_S`` does not
+apply).
 
 Plain fit and kmgpu then time ``evaluate`` and ``predict`` on the first
 ``INFER_BATCHES`` batches of the epoch's data, the same for every runner (``predict``

@@ -44,6 +44,20 @@ def row(results, backend, workload, top):
     return out
 
 
+def _noisy(r):
+    """Whether a row's plain fit differs from itself by more than the limit."""
+    return r["noise"] is not None and r["noise"] > tables.NOISE_LIMIT
+
+
+def _top(results):
+    return max([r["devices"] for r in results["runs"] if r["runner"] == "kmgpu"] or [1])
+
+
+def _backends(results):
+    return sorted({r["backend"] for r in results["runs"] if r["runner"] in CORE},
+                  key=lambda b: BACKEND_ORDER.get(b, 9))
+
+
 def workloads_in(results):
     """The workloads in the order the run took them (older results: by rank)."""
     names = [w for w in (results.get("workloads") or {})]
@@ -53,7 +67,7 @@ def workloads_in(results):
 
 def table(results):
     """The leading table, as markdown (title, table)."""
-    top = max([r["devices"] for r in results["runs"] if r["runner"] == "kmgpu"] or [1])
+    top = _top(results)
     gpus = (results.get("machine") or {}).get("gpus") or []
     simulated = bool(results.get("simulate")) or not gpus
     if simulated:
@@ -72,8 +86,7 @@ def table(results):
         head += [f"speed-up, {top} {unit}s vs plain fit on 1", "efficiency"]
     head += ["1st epoch (s)", "evaluate (s)", "predict (s)", "vs fastest backend"]
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    backends = sorted({r["backend"] for r in results["runs"] if r["runner"] in CORE},
-                      key=lambda b: BACKEND_ORDER.get(b, 9))
+    backends = _backends(results)
     for workload in workloads_in(results):
         rows = {b: row(results, b, workload, top) for b in backends}
         done = {b: r["kmgpu"] for b, r in rows.items() if "kmgpu" in r}
@@ -89,7 +102,7 @@ def table(results):
                 vs = "**fastest**"
             else:
                 vs = f"{r['kmgpu'] / done[best]:.2f}x {best}"
-            noisy = r["noise"] is not None and r["noise"] > tables.NOISE_LIMIT
+            noisy = _noisy(r)
             cells = [fmt(r["kmgpu"], ",.0f"), fmt(r["plain"], ",.0f"),
                      _ratio(r.get("vs_plain")) + (", not judged" if noisy else ""),
                      "-" if r["noise"] is None else f"{r['noise'] * 100:.1f}%"
@@ -108,15 +121,14 @@ def noise_notes(results):
     seconds, more or less waiting). [] where no row needs one."""
     import statistics
 
-    notes = []
+    notes, top = [], _top(results)
     for workload in workloads_in(results):
-        for backend in sorted({r["backend"] for r in results["runs"]},
-                              key=lambda b: BACKEND_ORDER.get(b, 9)):
+        for backend in _backends(results):
+            r = row(results, backend, workload, top)  # the table's row, as it shows it
+            if "missing" in r or not _noisy(r):
+                continue
             plain = _run(results, backend, workload, "plain", 1)
             replay = _run(results, backend, workload, "replay", 1)
-            gap = tables.noise(plain, replay)
-            if gap is None or gap <= tables.NOISE_LIMIT:
-                continue
             if not (plain.get("host") and replay.get("host")):
                 continue
             a, b = (statistics.median(r["epoch_seconds"]) for r in (plain, replay))
